@@ -1,0 +1,84 @@
+"""`rlhfkit` command line: one verb per stage, YAML config + dotted overrides, one clear line per error."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import sys
+
+from rlhfkit.config.fields import ConfigError, help_text, load_config
+
+# verb -> (config class path, runner path, one-line description); imported lazily so --help stays fast
+TRAIN_VERBS = {
+    "sft": ("rlhfkit.config.schema:SFTConfig", "rlhfkit.stages.sft:run_sft",
+            "step 1: supervised fine-tuning on demonstrations"),
+}
+
+EXAMPLES = {
+    "sft": "rlhfkit sft --config configs/sft.yaml train.max_steps=40 lora.rank=8",
+}
+
+
+def _load(path: str):
+    module, name = path.split(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def _train_parser(sub, verb: str):
+    cfg_path, _, doc = TRAIN_VERBS[verb]
+    fields = help_text(_load(cfg_path))
+    p = sub.add_parser(verb, help=doc, description=doc, formatter_class=argparse.RawDescriptionHelpFormatter,
+                       epilog=f"example:\n  {EXAMPLES.get(verb, '')}\n\nconfig fields (YAML keys; override any "
+                              f"with dotted.key=value):\n{fields}")
+    p.add_argument("--config", help="YAML config file")
+    p.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides, e.g. train.lr=5e-6")
+    p.add_argument("--resume", action="store_true", help="continue from output_dir/checkpoints/latest")
+    p.add_argument("--force", action="store_true", help="overwrite an output_dir that holds a finished run")
+    return p
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="rlhfkit", description="RLHF for Hugging Face causal LMs: "
+                                     "SFT -> reward model -> PPO, on one CPU or many GPUs.")
+    sub = parser.add_subparsers(dest="verb", required=True)
+    for verb in TRAIN_VERBS:
+        _train_parser(sub, verb)
+    rep = sub.add_parser("report", help="write report.html with plots for a run folder")
+    rep.add_argument("run_dir")
+    return parser
+
+
+def _errors() -> tuple[type, ...]:
+    from rlhfkit.data.errors import DataError
+    from rlhfkit.models.loading import ModelError
+    from rlhfkit.stages.common import RunError
+
+    return ConfigError, DataError, ModelError, RunError
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser().parse_args(argv)
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    if args.verb == "report":
+        from rlhfkit.report import main as report_main
+
+        return report_main([args.run_dir])
+    cfg_path, runner_path, _ = TRAIN_VERBS[args.verb]
+    try:
+        cfg = load_config(_load(cfg_path), args.config, args.overrides)
+        result = _load(runner_path)(cfg, resume=args.resume, force=args.force)
+    except _errors() as exc:
+        print(f"rlhfkit {args.verb}: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"rlhfkit {args.verb}: interrupted", file=sys.stderr)
+        return 130
+    print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,8 @@
+"""Typed configs: YAML files + dotted overrides -> dataclasses, with `--help` generated from field docs."""
+
+from rlhfkit.config.fields import ConfigError, dump_yaml, from_dict, help_text, load_config, parse_overrides, to_dict
+from rlhfkit.config.schema import (DataConfig, EngineConfig, LoadConfig, LogConfig, LoraConfig, SFTConfig,
+                                   TrainConfig)
+
+__all__ = ["ConfigError", "dump_yaml", "from_dict", "help_text", "load_config", "parse_overrides", "to_dict",
+           "DataConfig", "EngineConfig", "LoadConfig", "LogConfig", "LoraConfig", "SFTConfig", "TrainConfig"]

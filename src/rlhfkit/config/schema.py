@@ -1,0 +1,110 @@
+"""The config of each stage, as typed dataclasses. Every field's doc is shown by `rlhfkit CMD --help`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from rlhfkit.config.fields import ConfigError, option
+
+
+@dataclass
+class DataConfig:
+    train: Any = option(None, "training data: a .jsonl/.json/.parquet/.csv file, a save_to_disk folder, a hub "
+                              "name, or a list of {path, weight} to mix")
+    eval: Optional[str] = option(None, "evaluation data (same kinds as train); default: a split of train")
+    eval_fraction: float = option(0.05, "fraction of train held out for evaluation when data.eval is unset")
+    eval_max_rows: int = option(512, "at most this many evaluation rows (keeps eval fast)")
+    max_length: int = option(512, "tokens per sequence (prompt + response); longer rows are truncated")
+    format: str = option("auto", "row format: auto (detected) or a format name (see the README's data table)")
+    fields: dict = option({}, "rename fields, canonical->yours, e.g. {prompt: question, response: answer}")
+    template: str = option("auto", "auto: the tokenizer's chat template if it has one, else plain; or chat|plain",
+                           choices=("auto", "chat", "plain"))
+    loss_on: str = option("response", "sft: train on response tokens only, or on the whole sequence",
+                          choices=("response", "all"))
+    split: str = option("train", "split to read from a save_to_disk DatasetDict or a hub dataset")
+    max_rows: int = option(-1, "use at most this many training rows (-1: all)")
+
+
+@dataclass
+class TrainConfig:
+    epochs: int = option(1, "passes over the training data (ignored when max_steps > 0)")
+    max_steps: int = option(-1, "optimizer steps to run (ppo: iterations); -1 = from epochs")
+    batch_size: int = option(16, "examples per optimizer step, over all ranks (ppo: prompts per iteration)")
+    micro_batch_size: int = option(4, "examples per forward pass per rank; batch_size/micro/world = accumulation")
+    lr: float = option(1.0e-5, "peak learning rate")
+    weight_decay: float = option(0.0, "AdamW weight decay (not applied to biases and norms)")
+    betas: list = option([0.9, 0.95], "AdamW betas")
+    scheduler: str = option("cosine", "learning-rate schedule after warmup", choices=("cosine", "linear", "constant"))
+    warmup_steps: int = option(0, "linear warmup steps")
+    min_lr_ratio: float = option(0.0, "final lr as a fraction of lr (cosine/linear)")
+    max_grad_norm: float = option(1.0, "clip the global gradient norm to this (0 = off)")
+    seed: int = option(1234, "random seed (data order, init of new heads, sampling)")
+    log_every: int = option(1, "log metrics every N steps")
+    eval_every: int = option(50, "evaluate every N steps (0 = only at the end)")
+    save_every: int = option(100, "save a resumable checkpoint every N steps (0 = never)")
+    keep_checkpoints: int = option(2, "keep the last K checkpoints")
+
+    def validate(self, prefix: str = "") -> None:
+        if self.batch_size < 1 or self.micro_batch_size < 1:
+            raise ConfigError(f"config key '{prefix}batch_size': batch sizes must be >= 1")
+        if self.batch_size % self.micro_batch_size:
+            raise ConfigError(f"config key '{prefix}batch_size': {self.batch_size} is not a multiple of "
+                              f"micro_batch_size {self.micro_batch_size}")
+        if self.lr < 0:
+            raise ConfigError(f"config key '{prefix}lr': must be >= 0")
+
+
+@dataclass
+class LoadConfig:
+    dtype: str = option("float32", "parameter dtype", choices=("float32", "bfloat16", "float16", "auto"))
+    trust_remote_code: bool = option(False, "allow model repos to run their own Python code (off: safer)")
+    gradient_checkpointing: bool = option(False, "recompute activations in backward to save memory")
+    disable_dropout: bool = option(True, "set every dropout probability to 0 (stable RLHF; PPO needs it)")
+    tokenizer: Optional[str] = option(None, "tokenizer folder or hub id; default: the model's")
+    pad_token: Optional[str] = option(None, "pad token to use when the tokenizer has none; default: EOS")
+
+
+@dataclass
+class LoraConfig:
+    rank: int = option(0, "LoRA rank; 0 = full fine-tuning")
+    alpha: float = option(16.0, "LoRA alpha (scale = alpha / rank)")
+    dropout: float = option(0.0, "dropout on the LoRA input")
+    target_modules: Optional[list] = option(None, "module names to adapt; default: per architecture (all "
+                                                  "attention and MLP projections)")
+
+
+@dataclass
+class EngineConfig:
+    backend: str = option("local", "local (one process) or deepspeed", choices=("local", "deepspeed"))
+    zero_stage: int = option(0, "DeepSpeed ZeRO stage", choices=(0, 1, 2, 3))
+    offload_optimizer: bool = option(False, "DeepSpeed: keep optimizer states on CPU")
+    offload_params: bool = option(False, "DeepSpeed ZeRO-3: keep parameters on CPU")
+    precision: str = option("fp32", "training precision", choices=("fp32", "bf16", "fp16"))
+    deepspeed_config: Optional[str] = option(None, "a DeepSpeed JSON merged over the generated config")
+
+
+@dataclass
+class LogConfig:
+    tensorboard: bool = option(True, "write TensorBoard logs to output_dir/tensorboard")
+    progress: bool = option(True, "show a progress bar")
+    wandb: bool = option(False, "also log to Weights & Biases (needs `wandb` installed)")
+    wandb_project: str = option("rlhfkit", "Weights & Biases project")
+
+
+@dataclass
+class SFTConfig:
+    model: Optional[str] = option(None, "the starting model: a local folder or a hub id")
+    output_dir: str = option("runs/sft", "where final/, checkpoints/, metrics.jsonl and config.yaml go")
+    data: DataConfig = option(DataConfig(), "data")
+    train: TrainConfig = option(TrainConfig(), "optimisation")
+    load: LoadConfig = option(LoadConfig(), "model loading")
+    lora: LoraConfig = option(LoraConfig(), "LoRA")
+    engine: EngineConfig = option(EngineConfig(), "backend")
+    log: LogConfig = option(LogConfig(), "logging")
+
+    def validate(self, prefix: str = "") -> None:
+        if not self.model:
+            raise ConfigError(f"config key '{prefix}model': required (a model folder or hub id)")
+        if self.data.train is None:
+            raise ConfigError(f"config key '{prefix}data.train': required (a data file, folder or hub name)")

@@ -1,0 +1,394 @@
+"""Detect a dataset's format and convert its rows into canonical examples.
+
+Canonical form: a prompt is a list of messages `{"role": "system"|"user"|"assistant", "content": str}` ending with
+a user message; a response is a string. Rendering (chat templates, tokenisation) happens elsewhere.
+
+Each format is one entry of `_FORMATS` with how to recognise it from the first row's keys and how to extract, per
+task, the prompt / the SFT pair / the preference triple. `FORMATS[task]` maps format names to those parsers; the
+detection order is the table's order (more specific layouts first). Every later row is validated with the same
+parser, and every error names `path:line` and the field. All text is stripped of surrounding whitespace.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from rlhfkit.data.errors import DataError, where
+from rlhfkit.data.readers import Row
+
+ROLES = ("system", "user", "assistant")
+
+
+@dataclass
+class SFTExample:
+    prompt: list[dict]
+    response: str
+    source: str
+    line: int | None
+
+
+@dataclass
+class PreferenceExample:
+    prompt: list[dict]
+    chosen: str
+    rejected: str
+    source: str
+    line: int | None
+
+
+@dataclass
+class PromptExample:
+    prompt: list[dict]
+    source: str
+    line: int | None
+
+
+class _Skip(Exception):
+    """A well-formed row without training signal (a tie, identical sides, ...); `reason` is its stats key."""
+
+    def __init__(self, reason: str):
+        super().__init__(reason)
+        self.reason = reason
+
+
+class _Fields:
+    """One row's fields, with accessors whose errors name `path:line` and the field."""
+
+    def __init__(self, row: Row, data: dict):
+        self.row, self.data = row, data
+
+    def error(self, name: str, problem: str) -> DataError:
+        return DataError(f"{where(self.row.source, self.row.line)}: field '{name}': {problem}")
+
+    def get(self, name: str):
+        if name not in self.data:
+            raise self.error(name, f"missing (row has keys: {', '.join(map(str, self.data))})")
+        if self.data[name] is None:
+            raise self.error(name, "is null")
+        return self.data[name]
+
+    def text(self, name: str, value=None, allow_empty: bool = False) -> str:
+        value = self.get(name) if value is None else value
+        if not isinstance(value, str):
+            raise self.error(name, f"expected a string, got {type(value).__name__}")
+        if not value.strip() and not allow_empty:
+            raise self.error(name, "empty")
+        return value.strip()
+
+    def messages(self, name: str, value=None) -> list[dict]:
+        value = self.get(name) if value is None else value
+        if not isinstance(value, list) or not value:
+            raise self.error(name, "expected a non-empty list of {role, content} messages")
+        out = []
+        for index, message in enumerate(value, start=1):
+            if not isinstance(message, dict) or "role" not in message or "content" not in message:
+                raise self.error(name, f"message {index}: expected an object with 'role' and 'content'")
+            if message["role"] not in ROLES:
+                raise self.error(name, f"message {index}: role {message['role']!r} is not one of {', '.join(ROLES)}")
+            if not isinstance(message["content"], str):
+                raise self.error(name, f"message {index}: content is {type(message['content']).__name__}, not a string")
+            out.append({"role": message["role"], "content": message["content"].strip()})
+        return out
+
+    def prompt(self, name: str, value=None) -> list[dict]:
+        """A prompt given as messages or as a string (HH-formatted dialogue, or plain text = one user turn)."""
+        value = self.get(name) if value is None else value
+        messages = _parse_prompt_text(self.text(name, value)) if isinstance(value, str) else self.messages(name, value)
+        return _checked_prompt(self, name, messages)
+
+
+def _checked_prompt(fields: _Fields, name: str, messages: list[dict]) -> list[dict]:
+    # Earlier turns may be empty (real HH data has a few); the turn the model answers may not.
+    if not messages or messages[-1]["role"] != "user":
+        got = messages[-1]["role"] if messages else "nothing"
+        raise fields.error(name, f"the prompt must end with a user message (it ends with {got})")
+    if not messages[-1]["content"]:
+        raise fields.error(name, "empty")
+    return messages
+
+
+# ---------------------------------------------------------------- Anthropic HH dialogue strings
+
+_HH_ROLE = {"Human": "user", "Assistant": "assistant"}
+_HH_MARKER = re.compile(r"\n\n(Human|Assistant):")
+# Some copies (yitingxie/rlhf-reward-datasets) collapsed the blank lines: "Human: hi Assistant: hello".
+_HH_MARKER_LOOSE = re.compile(r"(?:^|\s)(Human|Assistant):")
+
+
+def is_hh(text: str) -> bool:
+    return text.lstrip().startswith("Human:")
+
+
+def parse_hh(text: str) -> list[dict]:
+    """Split an HH dialogue into messages; a trailing empty `Assistant:` (the generation cue) is kept as ''."""
+    body = "\n\n" + text.lstrip()  # so a leading "Human:" without blank lines is a marker too
+    strict = "\n\nAssistant:" in body or body.count("\n\nHuman:") > 1
+    parts = (_HH_MARKER if strict else _HH_MARKER_LOOSE).split(body)
+    return [{"role": _HH_ROLE[name], "content": content.strip()} for name, content in zip(parts[1::2], parts[2::2])]
+
+
+def _parse_prompt_text(text: str) -> list[dict]:
+    if not is_hh(text):
+        return [{"role": "user", "content": text.strip()}]
+    messages = parse_hh(text)
+    if messages and messages[-1] == {"role": "assistant", "content": ""}:
+        messages.pop()  # "...\n\nAssistant:" ends a prompt: the cue for the response, not a turn
+    return messages
+
+
+def _split_dialogue(fields: _Fields, name: str, allow_empty: bool = False) -> tuple[list[dict], str]:
+    """A full HH dialogue -> (prompt = turns before the LAST `Assistant:`, response = all text after it).
+
+    The response is everything after the marker, as in the HH paper's setup: a sampled reply that went on to
+    invent a `Human:` turn keeps it (and was rightly rejected)."""
+    text = fields.text(name)
+    if not is_hh(text):
+        raise fields.error(name, "expected an HH dialogue starting with 'Human:'")
+    marker = "\n\nAssistant:" if "\n\nAssistant:" in text else "Assistant:"
+    cut = text.rfind(marker)
+    if cut < 0:
+        raise fields.error(name, "the dialogue has no 'Assistant:' turn")
+    response = fields.text(name, text[cut + len(marker) :], allow_empty=allow_empty)
+    return _checked_prompt(fields, name, _parse_prompt_text(text[:cut])), response
+
+
+def _split_chat(fields: _Fields, name: str, allow_empty: bool = False) -> tuple[list[dict], str]:
+    """A message list ending with the assistant's reply -> (the messages before it, the reply)."""
+    messages = fields.messages(name)
+    if messages[-1]["role"] != "assistant":
+        raise fields.error(name, f"the last message must be the assistant's response (got role {messages[-1]['role']!r})")
+    return messages[:-1], fields.text(name, messages[-1]["content"], allow_empty=allow_empty)
+
+
+def _shared(prompt_a: list[dict], prompt_b: list[dict]) -> list[dict]:
+    if prompt_a != prompt_b:
+        raise _Skip("no_shared_prompt")
+    return prompt_a
+
+
+# ---------------------------------------------------------------- formats
+# Each parser takes a row's _Fields. Preference parsers return (prompt, chosen, rejected) and let the
+# rejected side be empty: real HH data has empty replies that labellers rejected, a useful signal for the RM.
+
+
+def _sft_from_pair(pair):
+    """A preference format's SFT view: its chosen side (both sides are parsed so layouts are validated alike)."""
+    return lambda f: pair(f)[:2]
+
+
+def _prompt_response(f):
+    return f.prompt("prompt"), f.text("response")
+
+
+def _messages_sft(f):
+    prompt, response = _split_chat(f, "messages")
+    return _checked_prompt(f, "messages", prompt), response
+
+
+def _messages_prompt(f):
+    messages = f.messages("messages")
+    prompt = messages[:-1] if messages[-1]["role"] == "assistant" else messages
+    return _checked_prompt(f, "messages", prompt)
+
+
+def _alpaca_prompt(f):
+    instruction = f.text("instruction")
+    extra = f.text("input", f.data.get("input") or "", allow_empty=True)
+    messages = [{"role": "system", "content": f.text("system")}] if (f.data.get("system") or "").strip() else []
+    # LLaMA-Factory's alpaca files may carry earlier turns as [[query, answer], ...].
+    for query, answer in f.data.get("history") or []:
+        messages += [{"role": "user", "content": str(query).strip()}, {"role": "assistant", "content": str(answer).strip()}]
+    content = f"{instruction}\n\n{extra}" if extra else instruction
+    return messages + [{"role": "user", "content": content}]
+
+
+def _strip_assistant_cue(text: str) -> str:
+    # yitingxie/rlhf-reward-datasets stores the reply as "Assistant: ..." after a prompt without the cue.
+    return text[len("Assistant:") :].strip() if text.startswith("Assistant:") else text
+
+
+def _prompt_chosen_rejected(f):
+    prompt = f.prompt("prompt")
+    chosen = _strip_assistant_cue(f.text("chosen"))
+    rejected = _strip_assistant_cue(f.text("rejected", allow_empty=True))
+    return prompt, f.text("chosen", chosen), rejected
+
+
+def _chat_pairs(f):
+    """{chosen: [msgs], rejected: [msgs]} sharing a prefix, or with the prompt in `prompt` (TRL, UltraFeedback)."""
+    prefix_c, chosen = _split_chat(f, "chosen")
+    prefix_r, rejected = _split_chat(f, "rejected", allow_empty=True)
+    prompt = _shared(prefix_c, prefix_r)
+    if not prompt:
+        return f.prompt("prompt"), chosen, rejected
+    return _checked_prompt(f, "chosen", prompt), chosen, rejected
+
+
+def _chat_pairs_prompt(f):
+    return f.prompt("prompt") if "prompt" in f.data else _checked_prompt(f, "chosen", _split_chat(f, "chosen")[0])
+
+
+def _hh_dialogue(f):
+    prompt_c, chosen = _split_dialogue(f, "chosen")
+    prompt_r, rejected = _split_dialogue(f, "rejected", allow_empty=True)
+    return _shared(prompt_c, prompt_r), chosen, rejected
+
+
+def _shp(f):
+    """stanfordnlp/SHP: prompt = the post's `history`; labels == 1 means comment A was preferred."""
+    label = f.get("labels")
+    if label not in (0, 1):
+        raise f.error("labels", f"expected 0 or 1, got {label!r}")
+    a, b = f.text("human_ref_A", allow_empty=not label), f.text("human_ref_B", allow_empty=bool(label))
+    return f.prompt("history"), *((a, b) if label == 1 else (b, a))
+
+
+def _webgpt_question(f):
+    question = f.get("question")
+    return f.prompt("question", question.get("full_text") if isinstance(question, dict) else question)
+
+
+def _webgpt(f):
+    """openai/webgpt_comparisons: the answer with the higher score is chosen; equal scores carry no preference."""
+    scores = (f.get("score_0"), f.get("score_1"))
+    if scores[0] == scores[1]:
+        raise _Skip("dropped_ties")
+    first = 0 if scores[0] > scores[1] else 1
+    chosen = f.text(f"answer_{first}")
+    return _webgpt_question(f), chosen, f.text(f"answer_{1 - first}", allow_empty=True)
+
+
+@dataclass(frozen=True)
+class _Format:
+    matches: Callable[[dict], bool]  # recognises the format from the first row
+    prompt: Callable
+    sft: Callable | None = None
+    preference: Callable | None = None
+    fields: tuple[str, ...] = field(default=())  # canonical field names it reads (for the `fields` option)
+
+
+def _has(*keys):
+    return lambda row: all(key in row for key in keys)
+
+
+def _is(key, kind):
+    return lambda row: isinstance(row.get(key), kind)
+
+
+_FORMATS: dict[str, _Format] = {
+    "webgpt": _Format(
+        _has("question", "answer_0", "answer_1", "score_0", "score_1"), _webgpt_question, _sft_from_pair(_webgpt),
+        _webgpt, ("question", "answer_0", "answer_1", "score_0", "score_1")),
+    "shp": _Format(
+        _has("history", "human_ref_A", "human_ref_B", "labels"), lambda f: f.prompt("history"), _sft_from_pair(_shp),
+        _shp, ("history", "human_ref_A", "human_ref_B", "labels")),
+    "chat_pairs": _Format(
+        lambda row: _is("chosen", list)(row) and _is("rejected", list)(row), _chat_pairs_prompt,
+        _sft_from_pair(_chat_pairs), _chat_pairs, ("prompt", "chosen", "rejected")),
+    "prompt_chosen_rejected": _Format(
+        lambda row: _has("prompt", "rejected")(row) and _is("chosen", str)(row), lambda f: f.prompt("prompt"),
+        _sft_from_pair(_prompt_chosen_rejected), _prompt_chosen_rejected, ("prompt", "chosen", "rejected")),
+    "hh_dialogue": _Format(
+        lambda row: isinstance(row.get("chosen"), str) and is_hh(row["chosen"]), lambda f: _split_dialogue(f, "chosen")[0],
+        lambda f: _split_dialogue(f, "chosen"), _hh_dialogue, ("chosen", "rejected")),
+    "messages": _Format(_is("messages", list), _messages_prompt, _messages_sft, None, ("messages",)),
+    "alpaca": _Format(
+        _has("instruction", "output"), _alpaca_prompt, lambda f: (_alpaca_prompt(f), f.text("output")), None,
+        ("instruction", "input", "output", "system", "history")),
+    "prompt_response": _Format(
+        _has("prompt", "response"), lambda f: f.prompt("prompt"), _prompt_response, None, ("prompt", "response")),
+    "prompt_only": _Format(_has("prompt"), lambda f: f.prompt("prompt"), None, None, ("prompt",)),
+}
+
+TASKS = ("sft", "preference", "prompt")
+# task -> {format name -> parser}, in detection order.
+FORMATS: dict[str, dict[str, Callable]] = {
+    task: {name: getattr(spec, task) for name, spec in _FORMATS.items() if getattr(spec, task) is not None}
+    for task in TASKS
+}
+CANONICAL_FIELDS = sorted({name for spec in _FORMATS.values() for name in spec.fields})
+# Columns people often use for a response; named in the detection error as a `fields` suggestion.
+_RESPONSE_ALIASES = ("completion", "output", "answer", "target", "text")
+
+
+def detect_format(row: dict, task: str) -> str:
+    """The first format of FORMATS[task] whose layout matches `row`; DataError with a `fields` hint if none."""
+    if task not in FORMATS:
+        raise DataError(f"unknown task {task!r} (known: {', '.join(TASKS)})")
+    for name in FORMATS[task]:
+        if _FORMATS[name].matches(row):
+            return name
+    keys = ", ".join(map(str, row)) or "none"
+    alias = next((key for key in _RESPONSE_ALIASES if key in row), None)
+    if alias == "text" and "prompt" not in row:
+        hint = "plain {text} rows are pretraining text, not a prompt/response pair; map columns with fields, e.g. fields={'prompt': 'question', 'response': 'answer'}"
+    elif "prompt" in row and alias and task == "sft":
+        hint = f"map columns with fields, e.g. fields={{'response': {alias!r}}}"
+    else:
+        hint = "map columns with fields, e.g. fields={'prompt': 'question', 'response': 'answer'}"
+    raise DataError(f"cannot detect a {task} format from keys ({keys}); known formats: {', '.join(FORMATS[task])}; {hint}")
+
+
+def _apply_fields(row: Row, fields: dict[str, str] | None) -> _Fields:
+    """Rename the user's columns to canonical names (`{"prompt": "question"}` renames column question -> prompt)."""
+    data = dict(row.data)
+    for canonical, column in (fields or {}).items():
+        if column not in row.data:
+            problem = f"missing (mapped to '{canonical}' by fields; row has keys: {', '.join(map(str, row.data))})"
+            raise DataError(f"{where(row.source, row.line)}: field '{column}': {problem}")
+        data[canonical] = data.pop(column) if column != canonical else data[column]
+    return _Fields(row, data)
+
+
+def _parse_rows(rows: list[Row], fields, format: str, task: str, stats: dict):
+    """Yield (row, parsed) for every row, skipping rows that raise _Skip (counted in `stats`)."""
+    if not rows:
+        raise DataError("no rows to convert")
+    unknown = sorted(set(fields or {}) - set(CANONICAL_FIELDS))
+    if unknown:
+        raise DataError(f"fields: unknown canonical field(s) {', '.join(unknown)} (known: {', '.join(CANONICAL_FIELDS)})")
+    first = _apply_fields(rows[0], fields)
+    if format == "auto":
+        try:
+            format = detect_format(first.data, task)
+        except DataError as exc:
+            raise DataError(f"{where(rows[0].source, rows[0].line)}: {exc}") from None
+    elif format not in FORMATS[task]:
+        raise DataError(f"unknown {task} format {format!r} (known: auto, {', '.join(FORMATS[task])})")
+    parse = FORMATS[task][format]
+    for row in rows:
+        try:
+            yield row, parse(_apply_fields(row, fields))
+        except _Skip as skip:
+            stats[skip.reason] = stats.get(skip.reason, 0) + 1
+
+
+def to_sft_examples(rows: list[Row], fields: dict[str, str] | None = None, format: str = "auto") -> list[SFTExample]:
+    """Rows -> (prompt messages, response) demonstrations; preference rows give their chosen side."""
+    return [SFTExample(prompt, response, row.source, row.line)
+            for row, (prompt, response) in _parse_rows(rows, fields, format, "sft", {})]
+
+
+def to_preference_examples(
+    rows: list[Row], fields: dict[str, str] | None = None, format: str = "auto", stats: dict | None = None
+) -> list[PreferenceExample]:
+    """Rows -> (prompt, chosen, rejected) pairs. Rows without a usable preference are skipped and counted in
+    `stats`: dropped_ties (equal scores), no_shared_prompt (the two sides' prompts differ), identical (chosen ==
+    rejected); empty_rejected counts kept pairs whose rejected reply is empty."""
+    stats = {} if stats is None else stats
+    stats.update(dropped_ties=0, no_shared_prompt=0, identical=0, empty_rejected=0)
+    examples = []
+    for row, (prompt, chosen, rejected) in _parse_rows(rows, fields, format, "preference", stats):
+        if chosen == rejected:
+            stats["identical"] += 1
+            continue
+        stats["empty_rejected"] += not rejected
+        examples.append(PreferenceExample(prompt, chosen, rejected, row.source, row.line))
+    return examples
+
+
+def to_prompt_examples(rows: list[Row], fields: dict[str, str] | None = None, format: str = "auto") -> list[PromptExample]:
+    """Rows -> prompts for PPO rollouts: the prompt part of any SFT or preference format, or `{prompt}` alone."""
+    return [PromptExample(prompt, row.source, row.line) for row, prompt in _parse_rows(rows, fields, format, "prompt", {})]

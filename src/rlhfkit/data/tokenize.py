@@ -1,0 +1,94 @@
+"""Tokenise canonical examples for each stage, and collate them into padded batches.
+
+SFT labels are -100 on prompt tokens (loss on the response only) unless `loss_on="all"`. Rows longer than
+`max_length` keep their prompt and lose the end of the response; rows whose prompt alone fills
+`max_length` are dropped. Both are counted and reported, never hidden.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from rlhfkit.data.templates import Template, encode_prompt, encode_response
+
+IGNORE = -100
+
+
+def tokenize_sft(examples, tokenizer, template: Template, max_length: int, loss_on: str = "response"):
+    """-> (list of {"input_ids", "labels"}, stats {"rows", "truncated", "dropped"})."""
+    out, truncated, dropped = [], 0, 0
+    for ex in examples:
+        prompt = encode_prompt(tokenizer, template.prompt(ex.prompt))
+        response = encode_response(tokenizer, template.response(ex.prompt, ex.response))
+        if len(prompt) >= max_length:
+            dropped += 1
+            continue
+        ids = prompt + response
+        if len(ids) > max_length:
+            truncated += 1
+            ids = ids[:max_length]
+        labels = list(ids) if loss_on == "all" else [IGNORE] * len(prompt) + ids[len(prompt):]
+        out.append({"input_ids": ids, "labels": labels})
+    return out, {"rows": len(out), "truncated": truncated, "dropped": dropped}
+
+
+def tokenize_preferences(examples, tokenizer, template: Template, max_length: int):
+    """-> (list of {"chosen_ids", "rejected_ids", "prompt_len"}, stats). Both sides share the prompt tokens."""
+    out, truncated, dropped = [], 0, 0
+    for ex in examples:
+        prompt = encode_prompt(tokenizer, template.prompt(ex.prompt))
+        if len(prompt) >= max_length:
+            dropped += 1
+            continue
+        sides = []
+        for text in (ex.chosen, ex.rejected):
+            ids = prompt + encode_response(tokenizer, template.response(ex.prompt, text))
+            if len(ids) > max_length:
+                truncated += 1
+                ids = ids[:max_length]
+            sides.append(ids)
+        if sides[0] == sides[1]:
+            # identical after truncation: the pair carries no signal, only noise for the loss
+            dropped += 1
+            continue
+        out.append({"chosen_ids": sides[0], "rejected_ids": sides[1], "prompt_len": len(prompt)})
+    return out, {"rows": len(out), "truncated": truncated, "dropped": dropped}
+
+
+def tokenize_prompts(examples, tokenizer, template: Template, max_prompt_length: int):
+    """-> (list of {"prompt_ids", "prompt_text"}, stats). Long prompts keep their end (the question)."""
+    out, truncated = [], 0
+    for ex in examples:
+        text = template.prompt(ex.prompt)
+        ids = encode_prompt(tokenizer, text)
+        if len(ids) > max_prompt_length:
+            truncated += 1
+            ids = ids[-max_prompt_length:]
+        out.append({"prompt_ids": ids, "prompt_text": text})
+    return out, {"rows": len(out), "truncated": truncated, "dropped": 0}
+
+
+def pad_sequences(seqs: list[list[int]], pad_value: int, side: str = "right") -> torch.Tensor:
+    """(B, T_max) long tensor."""
+    width = max(len(s) for s in seqs)
+    rows = []
+    for s in seqs:
+        fill = [pad_value] * (width - len(s))
+        rows.append(s + fill if side == "right" else fill + s)
+    return torch.tensor(rows, dtype=torch.long)
+
+
+def collate_sft(rows: list[dict], pad_id: int) -> dict:
+    """Right-padded batch: input_ids, attention_mask, labels, each (B, T)."""
+    ids = [r["input_ids"] for r in rows]
+    return {
+        "input_ids": pad_sequences(ids, pad_id),
+        "attention_mask": pad_sequences([[1] * len(s) for s in ids], 0),
+        "labels": pad_sequences([r["labels"] for r in rows], IGNORE),
+    }
+
+
+def collate_preferences(rows: list[dict], pad_id: int) -> dict:
+    """Chosen rows then rejected rows in ONE right-padded batch (one forward for both): (2B, T)."""
+    ids = [r["chosen_ids"] for r in rows] + [r["rejected_ids"] for r in rows]
+    return {"input_ids": pad_sequences(ids, pad_id), "attention_mask": pad_sequences([[1] * len(s) for s in ids], 0)}

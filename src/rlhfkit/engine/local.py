@@ -1,0 +1,224 @@
+"""The plain single-process engine: one device, torch AdamW, atomic checkpoints, HF export.
+
+The training loops only talk to the `Engine` / `Trainable` interface defined here; the DeepSpeed engine
+implements the same methods, so a loop never branches on the backend.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import json
+import math
+import os
+import random
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_model, save_model
+
+from rlhfkit.config.schema import TrainConfig
+from rlhfkit.models.lora import base_model, is_lora, merged
+
+
+def lr_lambda(cfg: TrainConfig, total_steps: int):
+    """Linear warmup, then cosine / linear decay to `min_lr_ratio` of the peak, or constant."""
+    warmup, floor = cfg.warmup_steps, cfg.min_lr_ratio
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        if cfg.scheduler == "constant":
+            return 1.0
+        progress = min(1.0, (step - warmup) / max(1, total_steps - warmup))
+        decay = 0.5 * (1 + math.cos(math.pi * progress)) if cfg.scheduler == "cosine" else 1 - progress
+        return floor + (1 - floor) * decay
+
+    return factor
+
+
+def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
+    """Decay matrices only: biases and norm gains are not regularised (as in GPT-2/3 training)."""
+    decay, no_decay = [], []
+    for p in model.parameters():
+        if p.requires_grad:
+            (decay if p.ndim >= 2 else no_decay).append(p)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+class Trainable:
+    """A model with its optimizer and schedule. The loop calls forward on `.module`, then backward/step."""
+
+    def __init__(self, module: torch.nn.Module, cfg: TrainConfig, total_steps: int, lr: float | None = None):
+        self.module = module
+        self.max_grad_norm = cfg.max_grad_norm
+        self.optimizer = torch.optim.AdamW(param_groups(module, cfg.weight_decay), lr=cfg.lr if lr is None else lr,
+                                           betas=tuple(cfg.betas))
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(cfg, total_steps))
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """`loss` must already be scaled for accumulation (the loop divides by the whole batch's size)."""
+        loss.backward()
+
+    def step(self) -> dict:
+        params = [p for g in self.optimizer.param_groups for p in g["params"]]
+        norm = torch.nn.utils.clip_grad_norm_(params, self.max_grad_norm if self.max_grad_norm > 0 else float("inf"))
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return {"grad_norm": float(norm)}
+
+    @property
+    def lr(self) -> float:
+        return self.optimizer.param_groups[0]["lr"]
+
+    def train(self, mode: bool = True):
+        self.module.train(mode)
+        return self
+
+    # checkpoint pieces
+    def save(self, folder: Path, name: str) -> None:
+        save_model(self.module, str(folder / f"{name}.safetensors"))
+        torch.save({"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()},
+                   folder / f"{name}.optim.pt")
+
+    def load(self, folder: Path, name: str) -> None:
+        load_model(self.module, str(folder / f"{name}.safetensors"))
+        state = torch.load(folder / f"{name}.optim.pt", weights_only=True, map_location="cpu")
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+
+
+def rng_state() -> dict:
+    state = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _fsync_dir(path: Path) -> None:
+    with contextlib.suppress(OSError):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def atomic_folder(target: Path):
+    """Write a folder under a temporary name and rename it into place, so a crash never leaves it half-written."""
+
+    @contextlib.contextmanager
+    def writer():
+        tmp = target.with_name(target.name + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        try:
+            yield tmp
+            for f in tmp.iterdir():
+                if f.is_file():
+                    with open(f, "rb") as fh:
+                        os.fsync(fh.fileno())
+            if target.exists():
+                shutil.rmtree(target)
+            os.replace(tmp, target)
+            _fsync_dir(target.parent)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+
+    return writer()
+
+
+class LocalEngine:
+    """One process, one device (a GPU when there is one, else the CPU)."""
+
+    name = "local"
+
+    def __init__(self, cfg=None):
+        self.rank, self.world_size = 0, 1
+        self.is_main = True
+        self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+    def prepare(self, model: torch.nn.Module, train: TrainConfig, total_steps: int, lr: float | None = None,
+                stage: int | None = None) -> Trainable:
+        model.to(self.device)
+        model.train()
+        return Trainable(model, train, total_steps, lr)
+
+    def prepare_frozen(self, model: torch.nn.Module, stage: int | None = None) -> torch.nn.Module:
+        model.to(self.device)
+        model.eval()
+        model.requires_grad_(False)
+        return model
+
+    def gathered(self, module: torch.nn.Module):
+        """Context giving full parameters for generation (a no-op without ZeRO-3)."""
+        return contextlib.nullcontext()
+
+    def reduce_mean(self, metrics: dict) -> dict:
+        return metrics
+
+    def reduce_sum(self, value: float) -> float:
+        return value
+
+    def barrier(self) -> None:
+        pass
+
+    # checkpoints: folder/step-N/{name}.safetensors, {name}.optim.pt, state.pt; folder/latest names the newest
+    def save_checkpoint(self, folder: Path, step: int, trainables: dict, state: dict, keep: int = 2) -> Path:
+        target = folder / f"step-{step:08d}"
+        with atomic_folder(target) as tmp:
+            for name, trainable in trainables.items():
+                trainable.save(tmp, name)
+            torch.save({"step": step, "rng": rng_state(), **state}, tmp / "state.pt")
+        pointer = folder / "latest.tmp"
+        pointer.write_text(target.name)
+        os.replace(pointer, folder / "latest")
+        old = sorted(p for p in folder.glob("step-*") if p.is_dir() and not p.name.endswith(".tmp"))
+        for stale in old[:-keep] if keep > 0 else []:
+            shutil.rmtree(stale, ignore_errors=True)
+        return target
+
+    def load_checkpoint(self, folder: Path, trainables: dict) -> dict:
+        target = latest_checkpoint(folder)
+        for name, trainable in trainables.items():
+            trainable.load(target, name)
+        state = torch.load(target / "state.pt", weights_only=True)
+        set_rng_state(state.pop("rng"))
+        return state
+
+    def export_hf(self, model: torch.nn.Module, tokenizer, target: Path, in_place: bool = True) -> Path:
+        """A plain transformers folder (safetensors, tokenizer, LoRA merged) that from_pretrained loads."""
+        if is_lora(model) and not in_place:
+            model = copy.deepcopy(model)
+        plain = merged(model)
+        with atomic_folder(target) as tmp:
+            base_model(plain).save_pretrained(tmp, safe_serialization=True)
+            if tokenizer is not None:
+                tokenizer.save_pretrained(tmp)
+        return target
+
+
+def latest_checkpoint(folder: Path) -> Path:
+    pointer = folder / "latest"
+    if not pointer.is_file():
+        raise FileNotFoundError(f"no checkpoint to resume from in '{folder}' (no 'latest' file)")
+    target = folder / pointer.read_text().strip()
+    if not target.is_dir():
+        raise FileNotFoundError(f"checkpoint '{target}' named by '{pointer}' is missing")
+    return target
+
+
+def write_json(path: Path, obj) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=2))
+    os.replace(tmp, path)

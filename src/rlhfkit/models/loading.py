@@ -1,0 +1,133 @@
+"""Load tokenizers and models from local Hugging Face folders (or hub ids when online).
+
+Local folders never touch the network (`local_files_only=True`), so offline runs do not stall on a hub
+lookup (DeepSpeedExamples #511). Weights are read by transformers from safetensors (or its own safe
+`torch.load(weights_only=True)` path for .bin files); `trust_remote_code` is only ever the user's choice.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
+
+from rlhfkit.config.schema import LoadConfig
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "auto": "auto"}
+
+
+class ModelError(ValueError):
+    """A model or tokenizer cannot be loaded; the message says which folder and why."""
+
+
+def _is_local(name: str) -> bool:
+    return Path(name).exists() or name.startswith((".", "/", "~"))
+
+
+def _source_kwargs(name: str, opts: LoadConfig) -> dict:
+    """Check a model/tokenizer source exists and build the common from_pretrained kwargs."""
+    kwargs = {"trust_remote_code": opts.trust_remote_code}
+    if _is_local(name):
+        path = Path(name).expanduser()
+        if not path.is_dir():
+            raise ModelError(f"model folder '{name}' does not exist")
+        kwargs["local_files_only"] = True
+    elif os.environ.get("HF_HUB_OFFLINE") == "1":
+        raise ModelError(f"'{name}' is neither a local folder nor reachable (HF_HUB_OFFLINE=1): download it "
+                         f"elsewhere and pass the local folder")
+    return kwargs
+
+
+def load_tokenizer(name: str, opts: LoadConfig | None = None, padding_side: str = "right"):
+    """Load a tokenizer and make sure it can pad.
+
+    A tokenizer without a pad token gets `opts.pad_token` if set, else its EOS token. Padding with EOS is
+    safe here because every consumer masks with the attention mask and finds the last real token from it,
+    never by searching for the first pad id (TRL #2778, OpenRLHF #238).
+    """
+    opts = opts or LoadConfig()
+    source = opts.tokenizer or name
+    kwargs = _source_kwargs(source, opts)
+    try:
+        tok = AutoTokenizer.from_pretrained(source, **kwargs)
+    except (OSError, ValueError, TypeError) as exc:
+        raise ModelError(f"no usable tokenizer in '{source}': {str(exc).splitlines()[0]} "
+                         f"(set load.tokenizer to a folder that has one)") from None
+    if tok.pad_token is None:
+        if opts.pad_token is not None:
+            tok.add_special_tokens({"pad_token": opts.pad_token})
+        elif tok.eos_token is not None:
+            tok.pad_token = tok.eos_token
+        else:
+            raise ModelError(f"tokenizer in '{source}' has neither a pad nor an EOS token: set load.pad_token")
+    if tok.eos_token_id is None:
+        raise ModelError(f"tokenizer in '{source}' has no EOS token; responses could never end")
+    tok.padding_side = padding_side
+    return tok
+
+
+def _prepare(model, opts: LoadConfig, tokenizer=None):
+    if opts.disable_dropout:
+        disable_dropout(model)
+    if tokenizer is not None:
+        if len(tokenizer) > model.get_input_embeddings().weight.shape[0]:
+            model.resize_token_embeddings(len(tokenizer))
+        if model.config.pad_token_id is None:
+            model.config.pad_token_id = tokenizer.pad_token_id
+    if opts.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.config.use_cache = False
+    return model
+
+
+def load_causal_lm(name: str, opts: LoadConfig | None = None, tokenizer=None):
+    """An `AutoModelForCausalLM` in `opts.dtype`, dropout disabled when asked."""
+    opts = opts or LoadConfig()
+    kwargs = _source_kwargs(name, opts)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(name, dtype=DTYPES[opts.dtype], **kwargs)
+    except (OSError, ValueError) as exc:
+        raise ModelError(f"cannot load a causal LM from '{name}': {str(exc).splitlines()[0]}") from None
+    return _prepare(model, opts, tokenizer)
+
+
+def load_scalar_model(name: str, opts: LoadConfig | None = None, tokenizer=None):
+    """An `AutoModelForSequenceClassification` with one output: a reward model, or a critic.
+
+    Starting from a causal LM folder gives a fresh score head (seeded by the caller); starting from a
+    reward-model folder reloads its trained head. A head with more than one output is refused.
+    """
+    opts = opts or LoadConfig()
+    kwargs = _source_kwargs(name, opts)
+    try:
+        config = AutoConfig.from_pretrained(name, **kwargs)
+    except (OSError, ValueError) as exc:
+        raise ModelError(f"cannot read a model config in '{name}': {str(exc).splitlines()[0]}") from None
+    if getattr(config, "architectures", None) and any("SequenceClassification" in a for a in config.architectures):
+        if config.num_labels != 1:
+            raise ModelError(f"'{name}' has a {config.num_labels}-output head; a reward model needs exactly 1")
+    config.num_labels = 1
+    if config.pad_token_id is None and tokenizer is not None:
+        config.pad_token_id = tokenizer.pad_token_id
+    try:
+        model = AutoModelForSequenceClassification.from_pretrained(name, config=config, dtype=DTYPES[opts.dtype],
+                                                                   **kwargs)
+    except (OSError, ValueError) as exc:
+        raise ModelError(f"cannot load a scalar-head model from '{name}': {str(exc).splitlines()[0]}") from None
+    return _prepare(model, opts, tokenizer)
+
+
+def disable_dropout(model: torch.nn.Module) -> None:
+    """Zero every dropout: PPO's ratio pi/pi_old is only meaningful if both forwards are deterministic."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+        # attention kernels take their dropout as a float attribute, not a Dropout module
+        if isinstance(getattr(module, "attention_dropout", None), float):
+            module.attention_dropout = 0.0
+    for key in ("attention_dropout", "hidden_dropout", "dropout", "attn_pdrop", "resid_pdrop", "embd_pdrop",
+                "hidden_dropout_prob", "attention_probs_dropout_prob", "activation_dropout"):
+        if isinstance(getattr(model.config, key, None), float):
+            setattr(model.config, key, 0.0)

@@ -1,0 +1,166 @@
+"""PNG plots: one grid of training curves per stage, and the gold-reward bar chart.
+
+Figures are built with `matplotlib.figure.Figure` and saved as PNG, which matplotlib always renders with its
+Agg backend, so this works headless with no `matplotlib.use("Agg")`. Pyplot is never imported: calling
+`matplotlib.use` would switch (and close the figures of) a caller's interactive backend, e.g. in a notebook,
+and pyplot's global figure registry would need closing; a bare Figure is freed like any object.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+from matplotlib.figure import Figure
+
+from rlhfkit.report.metrics import StageRun, is_number, moving_average, numeric_keys, series
+
+COLORS = ["#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b"]
+MAX_GENERIC_PANELS = 12
+DPI = 110
+
+
+@dataclass(frozen=True)
+class Panel:
+    """One subplot: `keys` share the left axis, `twin_keys` a right axis (another scale, e.g. kl_coef).
+
+    `band` = (mean_key, std_key) shades mean ± std around that curve. `smooth=False` for schedules (lr),
+    which are not noisy and whose shape (warmup, decay) an average would blur.
+    """
+
+    title: str
+    keys: tuple[str, ...]
+    twin_keys: tuple[str, ...] = ()
+    band: tuple[str, str] | None = None
+    smooth: bool = True
+
+
+PANELS: dict[str, list[Panel]] = {
+    "sft": [
+        Panel("Loss", ("loss", "eval/loss")),
+        Panel("Eval perplexity", ("eval/perplexity",)),
+        Panel("Learning rate", ("lr",), smooth=False),
+    ],
+    "rm": [
+        Panel("Pairwise loss", ("loss", "eval/loss")),
+        Panel("Accuracy (chosen > rejected)", ("accuracy", "eval/accuracy")),
+        Panel("Eval rewards", ("eval/chosen", "eval/rejected", "eval/margin")),
+    ],
+    "ppo": [
+        Panel("Reward (mean ± std)", ("reward/mean",), band=("reward/mean", "reward/std")),
+        Panel("KL to reference", ("kl",), twin_keys=("kl_coef",)),
+        Panel("Response length (tokens)", ("response_length",)),
+        Panel("Policy loss", ("policy_loss",)),
+        Panel("Value loss", ("value_loss",)),
+        Panel("Entropy", ("entropy",)),
+        Panel("Clip fraction", ("clip_fraction",)),
+        Panel("Approx. KL (old -> new policy)", ("approx_kl",)),
+        Panel("Returns, values, advantages", ("return/mean", "value/mean", "advantage/mean")),
+    ],
+}
+
+
+def _generic_panels(rows: list[dict]) -> list[Panel]:
+    """For a stage with no table above: one panel per metric, `eval/x` drawn together with `x`."""
+    keys = numeric_keys(rows)
+    panels = [Panel(k, (k, f"eval/{k}") if f"eval/{k}" in keys else (k,)) for k in keys if not k.startswith("eval/")]
+    covered = {k for p in panels for k in p.keys}
+    panels += [Panel(k, (k,)) for k in keys if k not in covered]
+    return panels[:MAX_GENERIC_PANELS]
+
+
+def _smoothing_window(n: int) -> int:
+    """About a tenth of the points, at most 25; short (e.g. eval) series are left unsmoothed."""
+    window = min(n // 10, 25)
+    return window if window >= 3 else 1
+
+
+def _draw_curve(ax, steps, values, label: str, color: str, smooth: bool) -> None:
+    """Raw points, faint, under a moving average.
+
+    Per-step RL metrics (reward, KL, losses) are noisy: the average shows the trend, while the faint raw
+    curve stays visible so spikes and divergence are not hidden by the smoothing.
+    """
+    window = _smoothing_window(len(values)) if smooth else 1
+    if window == 1:
+        marker = "o" if len(values) <= 30 else None  # dots mark sparse (eval) points
+        ax.plot(steps, values, color=color, marker=marker, markersize=3, linewidth=1.5, label=label)
+        return
+    ax.plot(steps, values, color=color, alpha=0.3, linewidth=0.8)
+    ax.plot(steps, moving_average(values, window), color=color, linewidth=1.8, label=f"{label} (avg {window})")
+
+
+def _draw_panel(ax, rows: list[dict], panel: Panel) -> None:
+    handles_axes = [ax]
+    for i, key in enumerate(k for k in panel.keys if len(series(rows, k)[0])):
+        steps, values = series(rows, key)
+        _draw_curve(ax, steps, values, key, COLORS[i % len(COLORS)], panel.smooth)
+    if panel.band:
+        mean_key, std_key = panel.band
+        both = [r for r in rows if is_number(r.get(mean_key)) and is_number(r.get(std_key))]
+        (steps, mean), (_, std) = series(both, mean_key), series(both, std_key)  # same steps: rows have both
+        if len(steps):
+            ax.fill_between(steps, mean - std, mean + std, color=COLORS[0], alpha=0.12, linewidth=0, label="± std")
+    twin_keys = [k for k in panel.twin_keys if len(series(rows, k)[0])]
+    if twin_keys:
+        twin = ax.twinx()
+        for i, key in enumerate(twin_keys):
+            steps, values = series(rows, key)
+            twin.plot(steps, values, color=COLORS[-1 - i], linestyle="--", linewidth=1.4, label=key)
+        twin.set_ylabel(", ".join(twin_keys))
+        handles_axes.append(twin)
+    ax.set_title(panel.title, fontsize=10)
+    ax.set_xlabel("step")
+    ax.grid(alpha=0.3)
+    handles, labels = [], []
+    for a in handles_axes:
+        h, lab = a.get_legend_handles_labels()
+        handles, labels = handles + h, labels + lab
+    if len(handles) > 1:
+        ax.legend(handles, labels, fontsize=7, loc="best")
+
+
+def plot_stage(run: StageRun, out_path: Path) -> bool:
+    """Write the stage's curve grid to `out_path`; False (and no file) when it has nothing to plot."""
+    panels = PANELS.get(run.stage) or _generic_panels(run.rows)
+    present = set(numeric_keys(run.rows))
+    panels = [p for p in panels if present & set(p.keys + p.twin_keys)]
+    if not panels:
+        return False
+    ncols = min(3, len(panels))
+    nrows = math.ceil(len(panels) / ncols)
+    fig = Figure(figsize=(4.6 * ncols, 3.3 * nrows), dpi=DPI, layout="constrained")
+    axes = fig.subplots(nrows, ncols, squeeze=False).ravel()
+    for ax, panel in zip(axes, panels):
+        if set(panel.keys) & present:
+            _draw_panel(ax, run.rows, panel)
+        else:  # only the twin-axis metric exists: draw it on the main axis
+            _draw_panel(ax, run.rows, Panel(panel.title, panel.twin_keys, smooth=False))
+    for ax in axes[len(panels):]:
+        ax.set_visible(False)
+    fig.suptitle(f"{run.stage.upper()} — {run.label}", fontsize=12, fontweight="bold")
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out_path)
+    return True
+
+
+def plot_gold(policies: dict[str, dict], best: float | None, out_path: Path) -> None:
+    """Bar chart of gold reward per policy (mean with ± stderr bars); a dashed line at `best` if given."""
+    names = list(policies)
+    means = [float(policies[n]["mean"]) for n in names]
+    errors = [float(policies[n].get("stderr", 0.0)) for n in names]
+    fig = Figure(figsize=(max(4.0, 1.3 * len(names) + 2), 3.6), dpi=DPI, layout="constrained")
+    ax = fig.subplots()
+    bars = ax.bar(names, means, yerr=errors, capsize=6, color=COLORS[: len(names)] or None, alpha=0.85)
+    ax.bar_label(bars, labels=[f"{m:.3g}" for m in means], padding=3, fontsize=8)
+    if best is not None:
+        ax.axhline(float(best), color="black", linestyle="--", linewidth=1.2, label=f"best = {float(best):.3g}")
+        ax.legend(fontsize=8, loc="best")
+    ax.axhline(0.0, color="grey", linewidth=0.6)
+    ax.margins(y=0.15)  # room for the bar labels and the best line
+    ax.set_ylabel("gold reward (held-out prompts)")
+    ax.set_title("Gold reward by policy (± stderr)", fontsize=11)
+    ax.grid(axis="y", alpha=0.3)
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out_path)

@@ -1,0 +1,130 @@
+"""What every stage shares: the output folder, seeding, and the metrics logger (jsonl + TensorBoard + bar)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import sys
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from rlhfkit.config.fields import dump_yaml
+
+
+class RunError(RuntimeError):
+    """A run cannot start or continue; the message says why and what to do."""
+
+
+def set_seed(seed: int) -> None:
+    random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def prepare_output_dir(cfg, resume: bool, force: bool, is_main: bool = True) -> Path:
+    """Refuse to overwrite a finished run (unless --force) and write the resolved config.
+
+    Called only after data and models were checked, so a bad input leaves no folder behind.
+    """
+    out = Path(cfg.output_dir)
+    finished = (out / "final").exists()
+    if finished and not (force or resume):
+        raise RunError(f"output_dir '{out}' already holds a finished run (final/ exists): pass --force to "
+                       f"overwrite it or choose another output_dir")
+    if resume and not (out / "checkpoints" / "latest").is_file():
+        raise RunError(f"--resume: no checkpoint in '{out / 'checkpoints'}' to resume from")
+    if is_main:
+        out.mkdir(parents=True, exist_ok=True)
+        if not resume:
+            for stale in ("metrics.jsonl",):
+                (out / stale).unlink(missing_ok=True)
+        dump_yaml(cfg, out / "config.yaml")
+    return out
+
+
+def _finite(value):
+    if isinstance(value, torch.Tensor):
+        value = value.item()
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
+
+
+class MetricsLogger:
+    """One JSON object per logged step in metrics.jsonl, the same numbers in TensorBoard, a live bar.
+
+    Only the main rank writes; other ranks get a silent logger so loops need no rank checks.
+    """
+
+    def __init__(self, out: Path, stage: str, total: int, cfg, enabled: bool = True, initial: int = 0):
+        self.stage, self.enabled = stage, enabled
+        self.file = open(out / "metrics.jsonl", "a", encoding="utf-8") if enabled else None
+        self.tb = None
+        if enabled and cfg.tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.tb = SummaryWriter(str(out / "tensorboard"))
+        self.wandb = None
+        if enabled and cfg.wandb:
+            try:
+                import wandb
+            except ImportError:
+                raise RunError("log.wandb is true but wandb is not installed: pip install wandb") from None
+            self.wandb = wandb.init(project=cfg.wandb_project, name=out.name, dir=str(out))
+        show = enabled and cfg.progress and os.environ.get("RLHFKIT_NO_BAR") != "1"
+        self.bar = tqdm(total=total, initial=initial, desc=stage, disable=not show, dynamic_ncols=True,
+                        file=sys.stderr)
+
+    def log(self, step: int, metrics: dict, show: tuple[str, ...] = ()) -> None:
+        if not self.enabled:
+            return
+        clean = {k: _finite(v) for k, v in metrics.items()}
+        self.file.write(json.dumps({"step": step, "stage": self.stage, **clean}) + "\n")
+        self.file.flush()
+        for key, value in clean.items():
+            if isinstance(value, (int, float)) and self.tb is not None:
+                self.tb.add_scalar(f"{self.stage}/{key}", value, step)
+        if self.wandb is not None:
+            self.wandb.log({f"{self.stage}/{k}": v for k, v in clean.items()}, step=step)
+        shown = {k: clean[k] for k in show if isinstance(clean.get(k), (int, float))}
+        if shown:
+            self.bar.set_postfix({k.split("/")[-1]: f"{v:.4g}" for k, v in shown.items()}, refresh=False)
+
+    def advance(self, n: int = 1) -> None:
+        self.bar.update(n)
+
+    def write(self, text: str) -> None:
+        """A line above the bar (tqdm.write keeps the bar intact)."""
+        if self.enabled:
+            self.bar.write(text, file=sys.stderr)
+
+    def close(self) -> None:
+        self.bar.close()
+        if self.file:
+            self.file.close()
+        if self.tb:
+            self.tb.close()
+        if self.wandb:
+            self.wandb.finish()
+
+
+def epoch_order(n: int, seed: int, epoch: int) -> list[int]:
+    """A reproducible permutation per epoch: resuming at (epoch, position) replays the same data order."""
+    g = torch.Generator().manual_seed(seed * 1000 + epoch)
+    return torch.randperm(n, generator=g).tolist()
+
+
+def batches(n_rows: int, batch_size: int, seed: int, start_step: int = 0):
+    """Yield (step, epoch, row indices) forever, epoch after epoch; drops the last partial batch."""
+    per_epoch = n_rows // batch_size
+    if per_epoch == 0:
+        raise RunError(f"only {n_rows} training rows, fewer than one batch of {batch_size}: lower train.batch_size")
+    step = start_step
+    while True:
+        epoch, pos = divmod(step, per_epoch)
+        order = epoch_order(n_rows, seed, epoch)
+        yield step, epoch, order[pos * batch_size:(pos + 1) * batch_size]
+        step += 1

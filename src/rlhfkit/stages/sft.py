@@ -1,0 +1,103 @@
+"""Step 1: supervised fine-tuning. Read top to bottom: load, then the loop, then export."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from rlhfkit.algos import lm_loss_sum
+from rlhfkit.config.schema import SFTConfig
+from rlhfkit.data.loader import load_stage_data
+from rlhfkit.data.tokenize import collate_sft
+from rlhfkit.engine import make_engine
+from rlhfkit.models import load_causal_lm, load_tokenizer
+from rlhfkit.models.lora import apply_lora
+from rlhfkit.stages.common import MetricsLogger, batches, prepare_output_dir, set_seed
+
+
+def lm_forward(model, batch: dict, device) -> tuple[torch.Tensor, int]:
+    """Summed next-token NLL over labelled tokens and their count, for one (micro-)batch."""
+    batch = {k: v.to(device) for k, v in batch.items()}
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    # position t predicts token t+1
+    return lm_loss_sum(logits[:, :-1], batch["labels"][:, 1:])
+
+
+@torch.no_grad()
+def evaluate_lm(model, rows: list, pad_id: int, micro: int, device, engine) -> dict:
+    model.eval()
+    total, count = 0.0, 0
+    for i in range(0, len(rows), micro):
+        nll, n = lm_forward(model, collate_sft(rows[i:i + micro], pad_id), device)
+        total, count = total + nll.item(), count + n
+    model.train()
+    total, count = engine.reduce_sum(total), engine.reduce_sum(count)
+    loss = total / max(count, 1)
+    return {"eval/loss": loss, "eval/perplexity": math.exp(min(loss, 50.0))}
+
+
+def count_labels(rows: list) -> int:
+    """Tokens that the loss covers (labels != -100 after the shift)."""
+    return sum(sum(1 for t in r["labels"][1:] if t != -100) for r in rows)
+
+
+def run_sft(cfg: SFTConfig, resume: bool = False, force: bool = False) -> dict:
+    engine = make_engine(cfg.engine)
+    set_seed(cfg.train.seed)
+
+    # 1. tokenizer and data first: bad input fails here, before any folder is written
+    tokenizer = load_tokenizer(cfg.model, cfg.load)
+    data = load_stage_data("sft", cfg.data, tokenizer, cfg.train.seed)
+    model = load_causal_lm(cfg.model, cfg.load, tokenizer)
+    model = apply_lora(model, cfg.lora)
+    out = prepare_output_dir(cfg, resume, force, engine.is_main)
+
+    # 2. steps, accumulation and the optimizer
+    per_rank = cfg.train.batch_size // engine.world_size
+    accum = per_rank // cfg.train.micro_batch_size
+    steps_per_epoch = len(data.train) // cfg.train.batch_size
+    total = cfg.train.max_steps if cfg.train.max_steps > 0 else cfg.train.epochs * steps_per_epoch
+    actor = engine.prepare(model, cfg.train, total)
+    state = engine.load_checkpoint(out / "checkpoints", {"model": actor}) if resume else {"step": 0}
+    start = state["step"]
+
+    log = MetricsLogger(out, "sft", total, cfg.log, engine.is_main, initial=start)
+    log.write(f"sft: {data.info['train_rows']} train / {data.info['eval_rows']} eval rows, template "
+              f"{data.info['template']}, {data.info['truncated']} truncated, {data.info['dropped']} dropped; "
+              f"{total} steps of {cfg.train.batch_size} (accumulation {accum})")
+    pad_id, device = tokenizer.pad_token_id, engine.device
+    eval_every = cfg.train.eval_every
+
+    # 3. the loop: each step sees batch_size rows over all ranks, in micro-batches
+    for step, epoch, idx in batches(len(data.train), cfg.train.batch_size, cfg.train.seed, start):
+        if step >= total:
+            break
+        mine = idx[engine.rank * per_rank:(engine.rank + 1) * per_rank]
+        rows = [data.train[i] for i in mine]
+        # normalise by the tokens of the whole batch, so micro 1 x accum 4 == micro 4 x accum 1
+        n_tokens = max(1, engine.reduce_sum(count_labels(rows)))
+        loss_sum = 0.0
+        for m in range(accum):
+            micro = rows[m * cfg.train.micro_batch_size:(m + 1) * cfg.train.micro_batch_size]
+            nll, _ = lm_forward(actor.module, collate_sft(micro, pad_id), device)
+            actor.backward(nll * engine.world_size / n_tokens)  # ranks' gradients are averaged
+            loss_sum += nll.item()
+        lr = actor.lr
+        stats = actor.step()
+        done = step + 1
+        metrics = {"loss": engine.reduce_sum(loss_sum) / n_tokens, "lr": lr, "epoch": epoch, **stats}
+        if (eval_every > 0 and done % eval_every == 0) or done == total:
+            if data.eval:
+                metrics.update(evaluate_lm(actor.module, data.eval, pad_id, cfg.train.micro_batch_size, device,
+                                           engine))
+        if done % cfg.train.log_every == 0 or done == total or "eval/loss" in metrics:
+            log.log(done, metrics, show=("loss", "eval/loss", "lr"))
+        log.advance()
+        if cfg.train.save_every > 0 and done % cfg.train.save_every == 0 and done < total:
+            engine.save_checkpoint(out / "checkpoints", done, {"model": actor}, {}, cfg.train.keep_checkpoints)
+
+    # 4. export a plain transformers folder (LoRA merged, ZeRO-3 gathered)
+    log.close()
+    engine.export_hf(actor.module, tokenizer, out / "final")
+    return {"output_dir": str(out), "steps": total, **data.info}

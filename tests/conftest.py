@@ -1,0 +1,66 @@
+"""Shared test fixtures: tiny locally built models and data, paths to the real files in ../shared/data."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+# 2 cores shared with other test workers: one thread per process keeps runs predictable
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("RLHFKIT_NO_BAR", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("MPLBACKEND", "Agg")
+
+import torch  # noqa: E402
+
+torch.set_num_threads(1)
+
+ROOT = Path(__file__).resolve().parents[1]
+SHARED_DATA = ROOT.parent / "shared" / "data"
+STORIES = SHARED_DATA / "stories260K-hf"
+ALPACA = SHARED_DATA / "sft" / "alpaca_en_demo.json"
+HH = SHARED_DATA / "preference" / "hh-rlhf-helpful-online.test.jsonl.gz"
+
+needs_shared = pytest.mark.skipif(not STORIES.is_dir(), reason="../shared/data is absent (real model and data)")
+
+# A tiny world with a learnable rule: the response to "say NAME" is "NAME NAME NAME".
+NAMES = ["apple", "river", "stone", "cloud", "green", "tiger", "music", "paper", "light", "honey",
+         "ocean", "maple", "piano", "candy", "frost", "lemon", "zebra", "amber", "coral", "daisy"]
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    return path
+
+
+def sft_rows() -> list[dict]:
+    return [{"prompt": f"say {n}", "response": f"{n} {n} {n}"} for n in NAMES for _ in range(4)]
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> Path:
+    """A tiny random Llama with a BPE tokenizer trained on the test world's text (no chat template)."""
+    from rlhfkit.demo.tiny import build_tiny_llama, build_tokenizer, save_model_folder
+
+    texts = [f"User: say {n}\n\nAssistant: {n} {n} {n}" for n in NAMES] * 5
+    tok = build_tokenizer(texts, vocab_size=320)
+    model = build_tiny_llama(len(tok), hidden=32, layers=2, heads=2)
+    return save_model_folder(model, tok, tmp_path_factory.mktemp("tiny") / "model")
+
+
+def run_cli(*args: str, cwd: Path | None = None, timeout: int = 600, env: dict | None = None):
+    """Run `python -m rlhfkit ...` in a subprocess, as a user would; returns CompletedProcess."""
+    full_env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), **(env or {})}
+    return subprocess.run([sys.executable, "-m", "rlhfkit", *args], cwd=cwd, env=full_env, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def read_metrics(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]

@@ -1,0 +1,174 @@
+"""rlhfkit.report: metrics.jsonl -> PNG plots + report.html, on synthetic runs."""
+
+import json
+import math
+import re
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from rlhfkit.report import load_metrics, main, write_report
+from rlhfkit.report.metrics import moving_average, series
+
+
+def _write_metrics(path, rows, truncated_tail=None):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    text = "".join(json.dumps(r) + "\n" for r in rows)
+    if truncated_tail is not None:
+        text += truncated_tail  # a killed run: half a line, no newline
+    path.write_text(text)
+
+
+def _sft_rows(n=40):
+    rows = [{"step": s, "stage": "sft", "loss": 3.0 * math.exp(-s / 15) + 0.1 * (s % 3), "lr": 1e-4} for s in range(n)]
+    for s in range(0, n, 10):
+        rows[s].update({"eval/loss": 2.5 * math.exp(-s / 15), "eval/perplexity": math.exp(2.5 * math.exp(-s / 15))})
+    rows[1]["lr"] = "warmup"  # non-numeric values are ignored
+    return rows
+
+
+def _rm_rows(n=30):
+    rows = [{"step": s, "stage": "rm", "loss": 0.7 - 0.01 * s, "accuracy": 0.5 + 0.01 * s} for s in range(n)]
+    rows += [{"step": s, "stage": "rm", "eval/loss": 0.6, "eval/accuracy": 0.7, "eval/chosen": 1.0,
+              "eval/rejected": -0.5, "eval/margin": 1.5} for s in (10, 20)]
+    return rows
+
+
+def _ppo_rows(n=30):
+    keys = ["kl", "kl_coef", "policy_loss", "value_loss", "response_length", "entropy", "clip_fraction",
+            "approx_kl", "return/mean", "value/mean", "advantage/mean"]
+    return [{"step": s, "stage": "ppo", "reward/mean": 0.1 * s, "reward/std": 0.5, **{k: 0.01 * s + 0.1 for k in keys}}
+            for s in range(n)]
+
+
+def _png_refs(html):
+    return re.findall(r'<img src="([^"]+)"', html)
+
+
+def _assert_valid_png(path):
+    assert path.is_file() and path.stat().st_size > 5_000
+    with Image.open(path) as img:
+        img.verify()
+    with Image.open(path) as img:
+        assert img.format == "PNG" and img.width > 300 and img.height > 200
+
+
+def test_load_metrics_skips_truncated_last_line(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    _write_metrics(path, _sft_rows(5), truncated_tail='{"step": 5, "stage": "sft", "lo')
+    rows = load_metrics(path)
+    assert [r["step"] for r in rows] == [0, 1, 2, 3, 4]
+
+
+def test_load_metrics_rejects_corrupt_middle_line(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 0, "loss": 1.0}\n{"step": 1, "lo\n{"step": 2, "loss": 0.5}\n')
+    with pytest.raises(ValueError, match=r"metrics.jsonl:2"):
+        load_metrics(path)
+
+
+def test_series_ignores_non_numeric_and_missing_values():
+    rows = [{"step": 0, "loss": 1.0}, {"step": 1, "loss": "nan?"}, {"step": 2}, {"step": 3, "loss": True},
+            {"step": 4, "loss": float("nan")}, {"step": 5, "loss": 0.5}]
+    steps, values = series(rows, "loss")
+    assert steps.tolist() == [0, 5] and values.tolist() == [1.0, 0.5]
+
+
+def test_series_sorts_by_step_and_keeps_the_resumed_value():
+    rows = [{"step": 1, "loss": 1.0}, {"step": 2, "loss": 0.9}, {"step": 3, "loss": 0.8},
+            {"step": 2, "loss": 0.7}, {"step": 3, "loss": 0.6}, {"step": 0, "loss": 1.1}]
+    steps, values = series(rows, "loss")
+    assert steps.tolist() == [0, 1, 2, 3] and values.tolist() == [1.1, 1.0, 0.7, 0.6]
+
+
+def test_moving_average_keeps_length_and_averages_edges_over_existing_points():
+    out = moving_average(np.array([1.0, 2.0, 3.0, 4.0, 5.0]), 3)
+    assert out.tolist() == pytest.approx([1.5, 2.0, 3.0, 4.0, 4.5])
+
+
+def test_single_stage_run(tmp_path):
+    _write_metrics(tmp_path / "metrics.jsonl", _sft_rows(), truncated_tail='{"step": 40, "sta')
+    out = write_report(tmp_path)
+    html = out.read_text()
+    assert out == tmp_path / "report.html"
+    refs = _png_refs(html)
+    assert refs == ["plots/curves_sft.png"]
+    _assert_valid_png(tmp_path / refs[0])
+    assert "40 logged rows" in html and "eval/perplexity" in html
+    assert "<script" not in html.lower() and "http" not in html  # self-contained, no JS
+
+
+def test_pipeline_layout_with_extras(tmp_path):
+    _write_metrics(tmp_path / "sft" / "metrics.jsonl", _sft_rows())
+    _write_metrics(tmp_path / "rm" / "metrics.jsonl", _rm_rows(), truncated_tail="{")
+    _write_metrics(tmp_path / "ppo" / "metrics.jsonl", _ppo_rows())
+    (tmp_path / "notes").mkdir()  # a subfolder without metrics is ignored
+    (tmp_path / "summary.json").write_text(json.dumps({"title": "Demo & results", "rows": [
+        {"name": "RM accuracy", "value": 0.8123456, "target": ">= 0.7", "passed": True},
+        {"name": "Gold reward gain", "value": -0.25, "target": "> 0", "passed": False},
+        {"name": "KL", "value": 1.5},
+    ]}))
+    (tmp_path / "gold.json").write_text(json.dumps({"policies": {
+        "base": {"mean": -0.5, "stderr": 0.1}, "sft": {"mean": 0.2, "stderr": 0.08},
+        "ppo": {"mean": 0.9, "stderr": 0.05}}, "best": 1.2}))
+    samples = [{"prompt": "Say <script>alert(1)</script>", "before": "a & b", "after": "x < y",
+                "before_reward": 0.1, "after_reward": 0.9}, {"prompt": "p2", "before": "b2", "after": "a2"}]
+    (tmp_path / "samples.jsonl").write_text("".join(json.dumps(s) + "\n" for s in samples))
+
+    html = write_report(tmp_path).read_text()
+
+    refs = _png_refs(html)
+    assert refs == ["plots/gold_reward.png", "plots/curves_sft.png", "plots/curves_rm.png", "plots/curves_ppo.png"]
+    for ref in refs:
+        _assert_valid_png(tmp_path / ref)
+    assert sorted(p.name for p in (tmp_path / "plots").iterdir()) == sorted(r.split("/")[1] for r in refs)
+    # the stages come in pipeline order, the summary title becomes the page title (escaped)
+    assert html.index("SFT — sft") < html.index("RM — rm") < html.index("PPO — ppo")
+    assert "<title>Demo &amp; results</title>" in html
+    # pass/fail colouring on the right rows
+    assert re.search(r'<tr class="pass"><td>RM accuracy</td><td class="num">0.8123</td>.*?PASS', html)
+    assert re.search(r'<tr class="fail"><td>Gold reward gain</td>.*?FAIL', html)
+    assert re.search(r'<tr class=""><td>KL</td>', html)
+    # sample text is escaped, rewards shown
+    assert "<script>" not in html
+    assert "Say &lt;script&gt;alert(1)&lt;/script&gt;" in html and "a &amp; b" in html and "x &lt; y" in html
+    assert "reward 0.9" in html
+
+
+def test_title_argument_and_unknown_stage(tmp_path):
+    rows = [{"step": s, "stage": "dpo", "loss": 1.0 / (s + 1), "eval/loss": 1.2 / (s + 1)} for s in range(20)]
+    _write_metrics(tmp_path / "metrics.jsonl", rows)
+    html = write_report(tmp_path, title="My <run>").read_text()
+    assert "<h1>My &lt;run&gt;</h1>" in html
+    _assert_valid_png(tmp_path / "plots" / "curves_dpo.png")
+
+
+def test_empty_metrics_file_gives_a_section_without_plot(tmp_path):
+    (tmp_path / "metrics.jsonl").write_text("")
+    html = write_report(tmp_path).read_text()
+    assert "No numeric metrics logged yet." in html and _png_refs(html) == []
+
+
+def test_malformed_gold_json_is_a_clear_error(tmp_path, capsys):
+    _write_metrics(tmp_path / "metrics.jsonl", _ppo_rows(5))
+    (tmp_path / "gold.json").write_text(json.dumps({"policies": {"base": {"stderr": 0.1}}}))
+    with pytest.raises(ValueError, match="gold.json"):
+        write_report(tmp_path)
+    assert main([str(tmp_path)]) == 2
+    assert "gold.json" in capsys.readouterr().err
+
+
+def test_main_prints_report_path(tmp_path, capsys):
+    _write_metrics(tmp_path / "rm" / "metrics.jsonl", _rm_rows())
+    assert main([str(tmp_path)]) == 0
+    assert capsys.readouterr().out.strip() == str(tmp_path / "report.html")
+    assert (tmp_path / "report.html").is_file()
+
+
+def test_main_on_folder_without_metrics_returns_2(tmp_path, capsys):
+    (tmp_path / "sub").mkdir()
+    assert main([str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "metrics.jsonl" in err and len(err.strip().splitlines()) == 1
+    assert main([str(tmp_path / "missing")]) == 2
