@@ -12,6 +12,7 @@ from rlhfkit.data.loader import load_stage_data
 from rlhfkit.data.tokenize import collate_sft
 from rlhfkit.engine import make_engine
 from rlhfkit.models import load_causal_lm, load_tokenizer
+from rlhfkit.models.forward import causal_logits
 from rlhfkit.models.lora import apply_lora
 from rlhfkit.stages.common import MetricsLogger, batches, prepare_output_dir, set_seed
 
@@ -19,7 +20,7 @@ from rlhfkit.stages.common import MetricsLogger, batches, prepare_output_dir, se
 def lm_forward(model, batch: dict, device) -> tuple[torch.Tensor, int]:
     """Summed next-token NLL over labelled tokens and their count, for one (micro-)batch."""
     batch = {k: v.to(device) for k, v in batch.items()}
-    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    logits = causal_logits(model, batch["input_ids"], batch["attention_mask"])
     # position t predicts token t+1
     return lm_loss_sum(logits[:, :-1], batch["labels"][:, 1:])
 
@@ -68,6 +69,8 @@ def run_sft(cfg: SFTConfig, resume: bool = False, force: bool = False) -> dict:
               f"{total} steps of {cfg.train.batch_size} (accumulation {accum})")
     pad_id, device = tokenizer.pad_token_id, engine.device
     eval_every = cfg.train.eval_every
+    if start == 0 and data.eval:  # the starting point, so curves show what training changed
+        log.log(0, evaluate_lm(actor.module, data.eval, pad_id, cfg.train.micro_batch_size, device, engine))
 
     # 3. the loop: each step sees batch_size rows over all ranks, in micro-batches
     for step, epoch, idx in batches(len(data.train), cfg.train.batch_size, cfg.train.seed, start):

@@ -1,0 +1,200 @@
+"""read_rows: every supported source gives the same rows with correct 1-based lines; bad input names file:line."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from rlhfkit.data.errors import DataError, where
+from rlhfkit.data.readers import Row, read_rows
+
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "formats"
+SHARED_DATA = Path(__file__).resolve().parents[2].parent / "shared" / "data"
+ROWS = [{"prompt": "What is the capital of France?", "response": "Paris."}, {"prompt": "Add 2 and 3.", "response": " 5 "}]
+
+
+def test_where_formats_path_and_line():
+    assert where("data/train.jsonl", 17) == "data/train.jsonl:17"
+    assert where("data/train.jsonl", None) == "data/train.jsonl"
+
+
+def test_jsonl_rows_keep_source_and_line_and_skip_blank_lines(tmp_path):
+    path = tmp_path / "x.jsonl"
+    path.write_text(json.dumps(ROWS[0]) + "\n\n  \n" + json.dumps(ROWS[1]) + "\n")
+    assert read_rows(str(path)) == [Row(ROWS[0], str(path), 1), Row(ROWS[1], str(path), 4)]
+
+
+def test_fixture_jsonl_and_gzip_give_the_same_rows(tmp_path):
+    plain = read_rows(str(FIXTURES / "prompt_response.jsonl"))
+    packed = tmp_path / "prompt_response.jsonl.gz"
+    packed.write_bytes(gzip.compress((FIXTURES / "prompt_response.jsonl").read_bytes()))
+    assert [row.data for row in plain] == ROWS
+    assert [(row.data, row.line) for row in read_rows(str(packed))] == [(row.data, row.line) for row in plain]
+
+
+def test_json_array_wrapper_and_json_lines_content(tmp_path):
+    alpaca = read_rows(str(FIXTURES / "alpaca.json"))
+    assert [row.line for row in alpaca] == [1, 2]  # row index in the array
+    assert alpaca[1].data == {"instruction": "Translate to French.", "input": "Good morning", "output": "Bonjour"}
+    wrapped = tmp_path / "wrapped.json"
+    wrapped.write_text(json.dumps({"version": 2, "data": ROWS}))
+    assert [row.data for row in read_rows(str(wrapped))] == ROWS
+    lines = tmp_path / "lines.json"
+    lines.write_text("\n".join(json.dumps(row) for row in ROWS))
+    assert [(row.data, row.line) for row in read_rows(str(lines))] == [(ROWS[0], 1), (ROWS[1], 2)]
+    # A one-row file whose only list is a row field stays one row, not a wrapper.
+    single = tmp_path / "single.json"
+    single.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}]}))
+    assert [row.data for row in read_rows(str(single))] == [{"messages": [{"role": "user", "content": "hi"}]}]
+
+
+def test_csv_rows_are_data_row_indices_with_multiline_cells():
+    rows = read_rows(str(FIXTURES / "prompt_response.csv"))
+    assert [(row.data, row.line) for row in rows] == [
+        ({"prompt": "What is the capital of Italy?", "response": "Rome."}, 1),
+        ({"prompt": "List two colours.", "response": "Red,\nblue."}, 2),
+    ]
+
+
+def test_parquet_via_datasets(tmp_path):
+    import datasets
+
+    path = tmp_path / "train.parquet"
+    datasets.Dataset.from_list(ROWS).to_parquet(str(path))
+    assert [(row.data, row.line) for row in read_rows(str(path))] == [(ROWS[0], 1), (ROWS[1], 2)]
+
+
+def test_text_documents_split_on_endoftext_or_blank_lines(tmp_path):
+    marked = tmp_path / "corpus.txt"
+    marked.write_text("One day.\n\nThe end.\n<|endoftext|>\nSecond story.\n<|endoftext|>\n")
+    assert [(row.data["text"], row.line) for row in read_rows(str(marked))] == [
+        ("One day.\n\nThe end.", 1),
+        ("Second story.", 5),
+    ]
+    blank = tmp_path / "paragraphs.txt"
+    blank.write_text("First doc\nline two\n\n\nSecond doc\n")
+    assert [(row.data["text"], row.line) for row in read_rows(str(blank))] == [("First doc\nline two", 1), ("Second doc", 5)]
+
+
+def test_save_to_disk_dataset_and_dataset_dict(tmp_path):
+    import datasets
+
+    datasets.Dataset.from_list(ROWS).save_to_disk(str(tmp_path / "single"))
+    assert [row.data for row in read_rows(str(tmp_path / "single"))] == ROWS
+    splits = datasets.DatasetDict({"train": datasets.Dataset.from_list(ROWS), "test": datasets.Dataset.from_list(ROWS[:1])})
+    splits.save_to_disk(str(tmp_path / "dict"))
+    test_rows = read_rows(str(tmp_path / "dict"), split="test")
+    assert [(row.data, row.line) for row in test_rows] == [(ROWS[0], 1)]
+    with pytest.raises(DataError, match=r"dict: no split 'validation' \(available: train, test\)"):
+        read_rows(str(tmp_path / "dict"), split="validation")
+
+
+def test_folder_of_split_files_and_shards(tmp_path):
+    (tmp_path / "train.jsonl").write_text(json.dumps(ROWS[0]) + "\n")
+    (tmp_path / "test.jsonl").write_text(json.dumps(ROWS[1]) + "\n")
+    rows = read_rows(str(tmp_path), split="test")
+    assert [(row.data, row.source) for row in rows] == [(ROWS[1], str(tmp_path / "test.jsonl"))]
+    shards = tmp_path / "snapshot" / "data"
+    shards.mkdir(parents=True)
+    for index, row in enumerate(ROWS):
+        (shards / f"train-0000{index}-of-00002.jsonl").write_text(json.dumps(row) + "\n")
+    assert [row.data for row in read_rows(str(tmp_path / "snapshot"))] == ROWS
+    with pytest.raises(DataError, match=r"no data file for split 'validation' \(data files found: .*test.jsonl"):
+        read_rows(str(tmp_path), split="validation")
+
+
+def test_malformed_json_line_names_file_and_line(tmp_path):
+    path = tmp_path / "bad.jsonl"
+    path.write_text(json.dumps(ROWS[0]) + '\n{"prompt": "x", "response": }\n')
+    with pytest.raises(DataError, match=rf"^{re.escape(str(path))}:2: invalid JSON: Expecting value \(column 29\)$"):
+        read_rows(str(path))
+
+
+def test_non_object_line_is_an_error(tmp_path):
+    path = tmp_path / "list.jsonl"
+    path.write_text('["a", "b"]\n')
+    with pytest.raises(DataError, match=rf"^{re.escape(str(path))}:1: expected a JSON object, got list$"):
+        read_rows(str(path))
+
+
+def test_non_utf8_bytes_name_file_and_line(tmp_path):
+    path = tmp_path / "latin1.jsonl"
+    path.write_bytes(b'{"prompt": "a", "response": "b"}\n{"prompt": "caf\xe9", "response": "b"}\n')
+    with pytest.raises(DataError, match=rf"^{re.escape(str(path))}:2: not UTF-8 text \(byte b'\\xe9'\)"):
+        read_rows(str(path))
+
+
+def test_empty_file_missing_path_and_unsupported_type(tmp_path):
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n\n")
+    with pytest.raises(DataError, match=rf"^{re.escape(str(empty))}: no rows$"):
+        read_rows(str(empty))
+    with pytest.raises(DataError, match=r"^data/missing\.jsonl: no such file or folder$"):
+        read_rows("data/missing.jsonl")
+    with pytest.raises(DataError, match=r"^\./nowhere: no such file or folder$"):
+        read_rows("./nowhere")
+    odd = tmp_path / "x.xml"
+    odd.write_text("<a/>")
+    with pytest.raises(DataError, match=r"unsupported file type '\.xml' \(supported: \.csv, \.json, \.jsonl"):
+        read_rows(str(odd))
+
+
+@pytest.mark.parametrize("variable", ["HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE"])
+def test_hub_id_offline_says_how_to_pass_a_local_copy(monkeypatch, variable):
+    monkeypatch.delenv("HF_DATASETS_OFFLINE", raising=False)
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setenv(variable, "1")
+    expected = (
+        "cannot fetch dataset 'Dahoas/rm-static' (offline): download it elsewhere and pass a local copy: "
+        "a .jsonl/.json/.parquet/.csv file or a save_to_disk folder"
+    )
+    with pytest.raises(DataError) as info:
+        read_rows("Dahoas/rm-static")
+    assert str(info.value) == expected
+
+
+def test_hub_connection_failure_is_reported_as_offline(monkeypatch):
+    import datasets
+
+    monkeypatch.delenv("HF_DATASETS_OFFLINE", raising=False)
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+
+    def no_network(name, split):
+        try:
+            raise OSError("Network is unreachable")
+        except OSError as exc:  # the hub client wraps socket errors like this
+            raise ConnectionError("Couldn't reach 'owner/name' on the Hub") from exc
+
+    monkeypatch.setattr(datasets, "load_dataset", no_network)
+    with pytest.raises(DataError, match=r"^cannot fetch dataset 'owner/name' \(offline\): download it elsewhere"):
+        read_rows("owner/name")
+
+
+def test_hub_rows_come_from_load_dataset(monkeypatch):
+    import datasets
+
+    monkeypatch.delenv("HF_DATASETS_OFFLINE", raising=False)
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    calls = []
+
+    def fake_load(name, split):
+        calls.append((name, split))
+        return datasets.Dataset.from_list(ROWS)
+
+    monkeypatch.setattr(datasets, "load_dataset", fake_load)
+    rows = read_rows("owner/name", split="test")
+    assert calls == [("owner/name", "test")]
+    assert rows[1] == Row(ROWS[1], "owner/name", 2)
+
+
+@pytest.mark.skipif(not SHARED_DATA.is_dir(), reason=f"shared data folder {SHARED_DATA} is absent")
+def test_real_files_read_completely():
+    assert len(read_rows(str(SHARED_DATA / "preference" / "hh-rlhf-helpful-online.test.jsonl.gz"))) == 1137
+    assert len(read_rows(str(SHARED_DATA / "sft" / "alpaca_en_demo.json"))) == 999
+    stories = read_rows(str(SHARED_DATA / "text" / "tinystories-2MiB.txt"))
+    # 2,316 complete stories plus the cut-off tail of the 2 MiB sample.
+    assert len(stories) == 2317 and stories[0].data["text"].startswith("One day, a little girl named Lily")
