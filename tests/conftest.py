@@ -51,7 +51,7 @@ def tiny_model_dir(tmp_path_factory) -> Path:
 
     texts = [f"User: say {n}\n\nAssistant: {n} {n} {n}" for n in NAMES] * 5
     tok = build_tokenizer(texts, vocab_size=320)
-    model = build_tiny_llama(len(tok), hidden=32, layers=2, heads=2)
+    model = build_tiny_llama(len(tok), hidden=64, layers=2, heads=4)
     return save_model_folder(model, tok, tmp_path_factory.mktemp("tiny") / "model")
 
 

@@ -14,10 +14,16 @@ from rlhfkit.config.fields import ConfigError, help_text, load_config
 TRAIN_VERBS = {
     "sft": ("rlhfkit.config.schema:SFTConfig", "rlhfkit.stages.sft:run_sft",
             "step 1: supervised fine-tuning on demonstrations"),
+    "rm": ("rlhfkit.config.schema:RMConfig", "rlhfkit.stages.reward:run_rm",
+           "step 2: reward model (scalar head) on preference pairs"),
+    "ppo": ("rlhfkit.config.ppo_schema:PPOConfig", "rlhfkit.stages.ppo:run_ppo",
+            "step 3: PPO with actor, critic, frozen reference and reward (LoRA, PPO-ptx, EMA)"),
 }
 
 EXAMPLES = {
     "sft": "rlhfkit sft --config configs/sft.yaml train.max_steps=40 lora.rank=8",
+    "rm": "rlhfkit rm --config configs/rm.yaml model=runs/sft/final train.max_steps=200 rm.margin=0.5",
+    "ppo": "rlhfkit ppo --config configs/ppo.yaml actor=runs/sft/final reward=runs/rm/final ppo.kl_coef=0.05",
 }
 
 
@@ -47,6 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
         _train_parser(sub, verb)
     rep = sub.add_parser("report", help="write report.html with plots for a run folder")
     rep.add_argument("run_dir")
+    _load("rlhfkit.stages.score:add_score_parser")(sub)
     return parser
 
 
@@ -60,12 +67,22 @@ def _errors() -> tuple[type, ...]:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    # overrides may come before or after flags (`--force k=v` or `k=v --force`): argparse stops collecting a
+    # positional list at the first flag, so gather the stragglers here
+    args, extra = parser.parse_known_args(argv)
+    stray = [x for x in extra if x.startswith("-") or "=" not in x]
+    if stray:
+        parser.error(f"unrecognized arguments: {' '.join(stray)}")
+    if extra:
+        args.overrides = list(getattr(args, "overrides", []) or []) + extra
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     if args.verb == "report":
         from rlhfkit.report import main as report_main
 
         return report_main([args.run_dir])
+    if args.verb == "score":
+        return _load("rlhfkit.stages.score:main")(args)
     cfg_path, runner_path, _ = TRAIN_VERBS[args.verb]
     try:
         cfg = load_config(_load(cfg_path), args.config, args.overrides)

@@ -14,7 +14,10 @@ from rlhfkit.data.readers import Row, read_rows
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "formats"
 SHARED_DATA = Path(__file__).resolve().parents[2].parent / "shared" / "data"
-ROWS = [{"prompt": "What is the capital of France?", "response": "Paris."}, {"prompt": "Add 2 and 3.", "response": " 5 "}]
+ROWS = [
+    {"prompt": "What is the capital of France?", "response": "Paris."},
+    {"prompt": "Add 2 and 3.", "response": " 5 "},
+]
 
 
 def test_where_formats_path_and_line():
@@ -77,7 +80,10 @@ def test_text_documents_split_on_endoftext_or_blank_lines(tmp_path):
     ]
     blank = tmp_path / "paragraphs.txt"
     blank.write_text("First doc\nline two\n\n\nSecond doc\n")
-    assert [(row.data["text"], row.line) for row in read_rows(str(blank))] == [("First doc\nline two", 1), ("Second doc", 5)]
+    assert [(row.data["text"], row.line) for row in read_rows(str(blank))] == [
+        ("First doc\nline two", 1),
+        ("Second doc", 5),
+    ]
 
 
 def test_save_to_disk_dataset_and_dataset_dict(tmp_path):
@@ -85,7 +91,9 @@ def test_save_to_disk_dataset_and_dataset_dict(tmp_path):
 
     datasets.Dataset.from_list(ROWS).save_to_disk(str(tmp_path / "single"))
     assert [row.data for row in read_rows(str(tmp_path / "single"))] == ROWS
-    splits = datasets.DatasetDict({"train": datasets.Dataset.from_list(ROWS), "test": datasets.Dataset.from_list(ROWS[:1])})
+    splits = datasets.DatasetDict(
+        {"train": datasets.Dataset.from_list(ROWS), "test": datasets.Dataset.from_list(ROWS[:1])}
+    )
     splits.save_to_disk(str(tmp_path / "dict"))
     test_rows = read_rows(str(tmp_path / "dict"), split="test")
     assert [(row.data, row.line) for row in test_rows] == [(ROWS[0], 1)]

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from rlhfkit.data.errors import DataError, where
 from rlhfkit.data.readers import Row
@@ -46,11 +46,7 @@ class PromptExample:
 
 
 class _Skip(Exception):
-    """A well-formed row without training signal (a tie, identical sides, ...); `reason` is its stats key."""
-
-    def __init__(self, reason: str):
-        super().__init__(reason)
-        self.reason = reason
+    """A well-formed row without training signal (a tie, differing prompts); its one argument is the stats key."""
 
 
 class _Fields:
@@ -68,6 +64,13 @@ class _Fields:
         if self.data[name] is None:
             raise self.error(name, "is null")
         return self.data[name]
+
+    def number(self, name: str) -> float:
+        """A number; text such as "1" (CSV cells) is accepted."""
+        try:
+            return float(self.get(name))
+        except (TypeError, ValueError):
+            raise self.error(name, f"expected a number, got {self.data[name]!r:.40}") from None
 
     def text(self, name: str, value=None, allow_empty: bool = False) -> str:
         value = self.get(name) if value is None else value
@@ -126,7 +129,8 @@ def parse_hh(text: str) -> list[dict]:
     body = "\n\n" + text.lstrip()  # so a leading "Human:" without blank lines is a marker too
     strict = "\n\nAssistant:" in body or body.count("\n\nHuman:") > 1
     parts = (_HH_MARKER if strict else _HH_MARKER_LOOSE).split(body)
-    return [{"role": _HH_ROLE[name], "content": content.strip()} for name, content in zip(parts[1::2], parts[2::2])]
+    turns = zip(parts[1::2], parts[2::2], strict=True)  # split() alternates marker names and turn texts
+    return [{"role": _HH_ROLE[name], "content": content.strip()} for name, content in turns]
 
 
 def _parse_prompt_text(text: str) -> list[dict]:
@@ -158,7 +162,9 @@ def _split_chat(fields: _Fields, name: str, allow_empty: bool = False) -> tuple[
     """A message list ending with the assistant's reply -> (the messages before it, the reply)."""
     messages = fields.messages(name)
     if messages[-1]["role"] != "assistant":
-        raise fields.error(name, f"the last message must be the assistant's response (got role {messages[-1]['role']!r})")
+        raise fields.error(
+            name, f"the last message must be the assistant's response (got role {messages[-1]['role']!r})"
+        )
     return messages[:-1], fields.text(name, messages[-1]["content"], allow_empty=allow_empty)
 
 
@@ -176,6 +182,10 @@ def _shared(prompt_a: list[dict], prompt_b: list[dict]) -> list[dict]:
 def _sft_from_pair(pair):
     """A preference format's SFT view: its chosen side (both sides are parsed so layouts are validated alike)."""
     return lambda f: pair(f)[:2]
+
+
+def _prompt_field(f):
+    return f.prompt("prompt")
 
 
 def _prompt_response(f):
@@ -198,10 +208,16 @@ def _alpaca_prompt(f):
     extra = f.text("input", f.data.get("input") or "", allow_empty=True)
     messages = [{"role": "system", "content": f.text("system")}] if (f.data.get("system") or "").strip() else []
     # LLaMA-Factory's alpaca files may carry earlier turns as [[query, answer], ...].
-    for query, answer in f.data.get("history") or []:
-        messages += [{"role": "user", "content": str(query).strip()}, {"role": "assistant", "content": str(answer).strip()}]
+    for turn in f.data.get("history") or []:
+        if not (isinstance(turn, list) and len(turn) == 2 and all(isinstance(text, str) for text in turn)):
+            raise f.error("history", f"expected [query, answer] string pairs, got {turn!r:.60}")
+        messages += [{"role": "user", "content": turn[0].strip()}, {"role": "assistant", "content": turn[1].strip()}]
     content = f"{instruction}\n\n{extra}" if extra else instruction
     return messages + [{"role": "user", "content": content}]
+
+
+def _alpaca_sft(f):
+    return _alpaca_prompt(f), f.text("output")
 
 
 def _strip_assistant_cue(text: str) -> str:
@@ -221,9 +237,12 @@ def _chat_pairs(f):
     prefix_c, chosen = _split_chat(f, "chosen")
     prefix_r, rejected = _split_chat(f, "rejected", allow_empty=True)
     prompt = _shared(prefix_c, prefix_r)
-    if not prompt:
-        return f.prompt("prompt"), chosen, rejected
-    return _checked_prompt(f, "chosen", prompt), chosen, rejected
+    return (_checked_prompt(f, "chosen", prompt) if prompt else f.prompt("prompt")), chosen, rejected
+
+
+def _chat_pairs_sft(f):
+    prefix, chosen = _split_chat(f, "chosen")  # SFT needs only the chosen side, so no shared-prefix check
+    return (_checked_prompt(f, "chosen", prefix) if prefix else f.prompt("prompt")), chosen
 
 
 def _chat_pairs_prompt(f):
@@ -238,21 +257,25 @@ def _hh_dialogue(f):
 
 def _shp(f):
     """stanfordnlp/SHP: prompt = the post's `history`; labels == 1 means comment A was preferred."""
-    label = f.get("labels")
+    label = f.number("labels")
     if label not in (0, 1):
-        raise f.error("labels", f"expected 0 or 1, got {label!r}")
+        raise f.error("labels", f"expected 0 or 1, got {label:g}")
     a, b = f.text("human_ref_A", allow_empty=not label), f.text("human_ref_B", allow_empty=bool(label))
     return f.prompt("history"), *((a, b) if label == 1 else (b, a))
 
 
 def _webgpt_question(f):
     question = f.get("question")
-    return f.prompt("question", question.get("full_text") if isinstance(question, dict) else question)
+    if isinstance(question, dict):  # {"dataset": ..., "id": ..., "full_text": ...}
+        if "full_text" not in question:
+            raise f.error("question", f"expected a 'full_text' key (question has keys: {', '.join(question)})")
+        question = question["full_text"]
+    return f.prompt("question", question)
 
 
 def _webgpt(f):
     """openai/webgpt_comparisons: the answer with the higher score is chosen; equal scores carry no preference."""
-    scores = (f.get("score_0"), f.get("score_1"))
+    scores = (f.number("score_0"), f.number("score_1"))
     if scores[0] == scores[1]:
         raise _Skip("dropped_ties")
     first = 0 if scores[0] > scores[1] else 1
@@ -266,40 +289,46 @@ class _Format:
     prompt: Callable
     sft: Callable | None = None
     preference: Callable | None = None
-    fields: tuple[str, ...] = field(default=())  # canonical field names it reads (for the `fields` option)
 
 
 def _has(*keys):
     return lambda row: all(key in row for key in keys)
 
 
-def _is(key, kind):
-    return lambda row: isinstance(row.get(key), kind)
+def _is_list(*keys):
+    return lambda row: all(isinstance(row.get(key), list) for key in keys)
 
 
 _FORMATS: dict[str, _Format] = {
     "webgpt": _Format(
-        _has("question", "answer_0", "answer_1", "score_0", "score_1"), _webgpt_question, _sft_from_pair(_webgpt),
-        _webgpt, ("question", "answer_0", "answer_1", "score_0", "score_1")),
+        _has("question", "answer_0", "answer_1", "score_0", "score_1"),
+        _webgpt_question,
+        _sft_from_pair(_webgpt),
+        _webgpt,
+    ),
     "shp": _Format(
-        _has("history", "human_ref_A", "human_ref_B", "labels"), lambda f: f.prompt("history"), _sft_from_pair(_shp),
-        _shp, ("history", "human_ref_A", "human_ref_B", "labels")),
-    "chat_pairs": _Format(
-        lambda row: _is("chosen", list)(row) and _is("rejected", list)(row), _chat_pairs_prompt,
-        _sft_from_pair(_chat_pairs), _chat_pairs, ("prompt", "chosen", "rejected")),
+        _has("history", "human_ref_A", "human_ref_B", "labels"),
+        lambda f: f.prompt("history"),
+        _sft_from_pair(_shp),
+        _shp,
+    ),
+    "chat_pairs": _Format(_is_list("chosen", "rejected"), _chat_pairs_prompt, _chat_pairs_sft, _chat_pairs),
     "prompt_chosen_rejected": _Format(
-        lambda row: _has("prompt", "rejected")(row) and _is("chosen", str)(row), lambda f: f.prompt("prompt"),
-        _sft_from_pair(_prompt_chosen_rejected), _prompt_chosen_rejected, ("prompt", "chosen", "rejected")),
+        lambda row: _has("prompt", "rejected")(row) and isinstance(row.get("chosen"), str),
+        _prompt_field,
+        _sft_from_pair(_prompt_chosen_rejected),
+        _prompt_chosen_rejected,
+    ),
     "hh_dialogue": _Format(
-        lambda row: isinstance(row.get("chosen"), str) and is_hh(row["chosen"]), lambda f: _split_dialogue(f, "chosen")[0],
-        lambda f: _split_dialogue(f, "chosen"), _hh_dialogue, ("chosen", "rejected")),
-    "messages": _Format(_is("messages", list), _messages_prompt, _messages_sft, None, ("messages",)),
-    "alpaca": _Format(
-        _has("instruction", "output"), _alpaca_prompt, lambda f: (_alpaca_prompt(f), f.text("output")), None,
-        ("instruction", "input", "output", "system", "history")),
-    "prompt_response": _Format(
-        _has("prompt", "response"), lambda f: f.prompt("prompt"), _prompt_response, None, ("prompt", "response")),
-    "prompt_only": _Format(_has("prompt"), lambda f: f.prompt("prompt"), None, None, ("prompt",)),
+        lambda row: isinstance(row.get("chosen"), str) and is_hh(row["chosen"]),
+        lambda f: _split_dialogue(f, "chosen")[0],
+        lambda f: _split_dialogue(f, "chosen"),
+        _hh_dialogue,
+    ),
+    "messages": _Format(_is_list("messages"), _messages_prompt, _messages_sft),
+    "alpaca": _Format(_has("instruction", "output"), _alpaca_prompt, _alpaca_sft),
+    "prompt_response": _Format(_has("prompt", "response"), _prompt_field, _prompt_response),
+    "prompt_only": _Format(_has("prompt"), _prompt_field),
 }
 
 TASKS = ("sft", "preference", "prompt")
@@ -308,9 +337,18 @@ FORMATS: dict[str, dict[str, Callable]] = {
     task: {name: getattr(spec, task) for name, spec in _FORMATS.items() if getattr(spec, task) is not None}
     for task in TASKS
 }
-CANONICAL_FIELDS = sorted({name for spec in _FORMATS.values() for name in spec.fields})
-# Columns people often use for a response; named in the detection error as a `fields` suggestion.
-_RESPONSE_ALIASES = ("completion", "output", "answer", "target", "text")
+# Every field name the formats read: the targets `fields` may map a column to.
+CANONICAL_FIELDS = tuple(
+    "prompt response chosen rejected messages instruction input output system history question answer_0 answer_1 "
+    "score_0 score_1 human_ref_A human_ref_B labels".split()
+)
+_FIELDS_EXAMPLE = {
+    "sft": "{'prompt': 'question', 'response': 'answer'}",
+    "prompt": "{'prompt': 'question'}",
+    "preference": "{'prompt': 'question', 'chosen': 'better', 'rejected': 'worse'}",
+}
+# Columns people often use for a response; the detection error suggests mapping them.
+_RESPONSE_ALIASES = ("completion", "output", "answer", "target")
 
 
 def detect_format(row: dict, task: str) -> str:
@@ -320,15 +358,15 @@ def detect_format(row: dict, task: str) -> str:
     for name in FORMATS[task]:
         if _FORMATS[name].matches(row):
             return name
-    keys = ", ".join(map(str, row)) or "none"
     alias = next((key for key in _RESPONSE_ALIASES if key in row), None)
-    if alias == "text" and "prompt" not in row:
-        hint = "plain {text} rows are pretraining text, not a prompt/response pair; map columns with fields, e.g. fields={'prompt': 'question', 'response': 'answer'}"
-    elif "prompt" in row and alias and task == "sft":
-        hint = f"map columns with fields, e.g. fields={{'response': {alias!r}}}"
-    else:
-        hint = "map columns with fields, e.g. fields={'prompt': 'question', 'response': 'answer'}"
-    raise DataError(f"cannot detect a {task} format from keys ({keys}); known formats: {', '.join(FORMATS[task])}; {hint}")
+    example = f"{{'response': {alias!r}}}" if task == "sft" and "prompt" in row and alias else _FIELDS_EXAMPLE[task]
+    hint = f"map columns with fields, e.g. fields={example}"
+    if "text" in row and task != "prompt":
+        hint = "plain {text} rows are pretraining text, not prompt/response data; " + hint
+    keys = ", ".join(map(str, row)) or "none"
+    raise DataError(
+        f"cannot detect a {task} format from keys ({keys}); known formats: {', '.join(FORMATS[task])}; {hint}"
+    )
 
 
 def _apply_fields(row: Row, fields: dict[str, str] | None) -> _Fields:
@@ -348,7 +386,9 @@ def _parse_rows(rows: list[Row], fields, format: str, task: str, stats: dict):
         raise DataError("no rows to convert")
     unknown = sorted(set(fields or {}) - set(CANONICAL_FIELDS))
     if unknown:
-        raise DataError(f"fields: unknown canonical field(s) {', '.join(unknown)} (known: {', '.join(CANONICAL_FIELDS)})")
+        raise DataError(
+            f"fields: unknown canonical field(s) {', '.join(unknown)} (known: {', '.join(CANONICAL_FIELDS)})"
+        )
     first = _apply_fields(rows[0], fields)
     if format == "auto":
         try:
@@ -362,13 +402,20 @@ def _parse_rows(rows: list[Row], fields, format: str, task: str, stats: dict):
         try:
             yield row, parse(_apply_fields(row, fields))
         except _Skip as skip:
-            stats[skip.reason] = stats.get(skip.reason, 0) + 1
+            stats[skip.args[0]] = stats.get(skip.args[0], 0) + 1
 
 
-def to_sft_examples(rows: list[Row], fields: dict[str, str] | None = None, format: str = "auto") -> list[SFTExample]:
-    """Rows -> (prompt messages, response) demonstrations; preference rows give their chosen side."""
-    return [SFTExample(prompt, response, row.source, row.line)
-            for row, (prompt, response) in _parse_rows(rows, fields, format, "sft", {})]
+def to_sft_examples(
+    rows: list[Row], fields: dict[str, str] | None = None, format: str = "auto", stats: dict | None = None
+) -> list[SFTExample]:
+    """Rows -> (prompt messages, response) demonstrations; preference rows give their chosen side (rows without
+    one, webgpt ties, are skipped and counted in `stats["dropped_ties"]`)."""
+    stats = {} if stats is None else stats
+    stats.setdefault("dropped_ties", 0)
+    return [
+        SFTExample(prompt, response, row.source, row.line)
+        for row, (prompt, response) in _parse_rows(rows, fields, format, "sft", stats)
+    ]
 
 
 def to_preference_examples(
@@ -376,9 +423,11 @@ def to_preference_examples(
 ) -> list[PreferenceExample]:
     """Rows -> (prompt, chosen, rejected) pairs. Rows without a usable preference are skipped and counted in
     `stats`: dropped_ties (equal scores), no_shared_prompt (the two sides' prompts differ), identical (chosen ==
-    rejected); empty_rejected counts kept pairs whose rejected reply is empty."""
+    rejected); empty_rejected counts kept pairs whose rejected reply is empty. Counts add up over calls that share
+    one `stats` dict (several sources)."""
     stats = {} if stats is None else stats
-    stats.update(dropped_ties=0, no_shared_prompt=0, identical=0, empty_rejected=0)
+    for key in ("dropped_ties", "no_shared_prompt", "identical", "empty_rejected"):
+        stats.setdefault(key, 0)
     examples = []
     for row, (prompt, chosen, rejected) in _parse_rows(rows, fields, format, "preference", stats):
         if chosen == rejected:
@@ -389,6 +438,10 @@ def to_preference_examples(
     return examples
 
 
-def to_prompt_examples(rows: list[Row], fields: dict[str, str] | None = None, format: str = "auto") -> list[PromptExample]:
+def to_prompt_examples(
+    rows: list[Row], fields: dict[str, str] | None = None, format: str = "auto"
+) -> list[PromptExample]:
     """Rows -> prompts for PPO rollouts: the prompt part of any SFT or preference format, or `{prompt}` alone."""
-    return [PromptExample(prompt, row.source, row.line) for row, prompt in _parse_rows(rows, fields, format, "prompt", {})]
+    return [
+        PromptExample(prompt, row.source, row.line) for row, prompt in _parse_rows(rows, fields, format, "prompt", {})
+    ]

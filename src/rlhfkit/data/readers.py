@@ -16,9 +16,9 @@ import io
 import json
 import os
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 from rlhfkit.data.errors import DataError, where
 
@@ -209,7 +209,8 @@ def _load_from_disk(path: Path):
 
 
 def _read_split_files(path: Path, source: str, split: str) -> list[Row]:
-    """Files named after the split (`train.jsonl`), or its shards as in a hub snapshot (`data/train-00000-of-00002.parquet`)."""
+    """The files named after the split (`train.jsonl`), or its shards as in a hub snapshot
+    (`data/train-00000-of-00002.parquet`), concatenated in name order."""
     candidates = [file for file in sorted(path.rglob("*")) if file.is_file() and _data_suffix(file.name)]
     chosen = [file for file in candidates if re.match(rf"{re.escape(split)}([.-]|$)", file.name.lower())]
     if not chosen:
@@ -236,7 +237,10 @@ def _looks_like_hub_id(source: str) -> bool:
 def _read_hub(name: str, split: str) -> list[Row]:
     offline_error = DataError(f"cannot fetch dataset '{name}' (offline): {OFFLINE_HINT}")
     # Checked before importing `datasets` so an offline run fails at once, without network timeouts.
-    if any(os.environ.get(var, "").lower() in {"1", "true", "yes", "on"} for var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")):
+    if any(
+        os.environ.get(var, "").lower() in {"1", "true", "yes", "on"}
+        for var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")
+    ):
         raise offline_error
     import datasets
 

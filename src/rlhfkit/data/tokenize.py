@@ -56,7 +56,9 @@ def tokenize_preferences(examples, tokenizer, template: Template, max_length: in
 
 
 def tokenize_prompts(examples, tokenizer, template: Template, max_prompt_length: int):
-    """-> (list of {"prompt_ids", "prompt_text"}, stats). Long prompts keep their end (the question)."""
+    """-> (list of {"prompt_ids", "prompt_text", "messages"}, stats). Long prompts keep their end (the question).
+
+    `messages` are kept so PPO can re-render a prompt for a reward model with another tokenizer/template."""
     out, truncated = [], 0
     for ex in examples:
         text = template.prompt(ex.prompt)
@@ -64,7 +66,7 @@ def tokenize_prompts(examples, tokenizer, template: Template, max_prompt_length:
         if len(ids) > max_prompt_length:
             truncated += 1
             ids = ids[-max_prompt_length:]
-        out.append({"prompt_ids": ids, "prompt_text": text})
+        out.append({"prompt_ids": ids, "prompt_text": text, "messages": ex.prompt})
     return out, {"rows": len(out), "truncated": truncated, "dropped": 0}
 
 

@@ -91,7 +91,9 @@ class MetricsLogger:
             self.wandb.log({f"{self.stage}/{k}": v for k, v in clean.items()}, step=step)
         shown = {k: clean[k] for k in show if isinstance(clean.get(k), (int, float))}
         if shown:
-            self.bar.set_postfix({k.split("/")[-1]: f"{v:.4g}" for k, v in shown.items()}, refresh=False)
+            # "eval/loss" -> "eval_loss", so it does not overwrite the training "loss" on the bar
+            self.bar.set_postfix({k.replace("eval/", "eval_").split("/")[-1]: f"{v:.4g}" for k, v in shown.items()},
+                                 refresh=False)
 
     def advance(self, n: int = 1) -> None:
         self.bar.update(n)

@@ -1,0 +1,60 @@
+import pytest
+
+from rlhfkit.config import ConfigError, SFTConfig, help_text, load_config, parse_overrides
+from rlhfkit.config.fields import read_yaml
+
+
+def test_yaml_and_dotted_overrides(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("model: m\ndata: {train: t.jsonl}\ntrain: {lr: 1e-5, batch_size: 8}\n")
+    cfg = load_config(SFTConfig, str(path), ["train.lr=5e-6", "lora.rank=16", "data.fields={prompt: q}"])
+    assert cfg.train.lr == 5e-6 and isinstance(cfg.train.lr, float)
+    assert cfg.train.batch_size == 8
+    assert cfg.lora.rank == 16
+    assert cfg.data.fields == {"prompt": "q"}
+
+
+def test_yaml_float_without_dot_is_a_float(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("train: {lr: 1e-5}\n")
+    assert read_yaml(path)["train"]["lr"] == 1e-5
+
+
+@pytest.mark.parametrize("override, key", [
+    ("train.lrr=1", "train.lrr"),
+    ("bogus=1", "bogus"),
+    ("lora.rank=abc", "lora.rank"),
+    ("train.batch_size=2.5", "train.batch_size"),
+    ("engine.backend=tpu", "engine.backend"),
+    ("data.template=fancy", "data.template"),
+])
+def test_bad_keys_and_types_name_the_key(override, key):
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        load_config(SFTConfig, None, ["model=m", "data.train=t", override])
+
+
+def test_int_is_accepted_for_float_but_not_bool_for_int():
+    cfg = load_config(SFTConfig, None, ["model=m", "data.train=t", "train.lr=1"])
+    assert cfg.train.lr == 1.0
+    with pytest.raises(ConfigError, match="train.epochs"):
+        load_config(SFTConfig, None, ["model=m", "data.train=t", "train.epochs=true"])
+
+
+def test_required_fields_and_validation():
+    with pytest.raises(ConfigError, match="'model'"):
+        load_config(SFTConfig, None, ["data.train=t"])
+    with pytest.raises(ConfigError, match="micro_batch_size"):
+        load_config(SFTConfig, None, ["model=m", "data.train=t", "train.batch_size=6", "train.micro_batch_size=4"])
+
+
+def test_override_syntax_error():
+    with pytest.raises(ConfigError, match="dotted.key=value"):
+        parse_overrides(["train.lr"])
+
+
+def test_help_lists_every_field_with_doc_and_default():
+    text = help_text(SFTConfig)
+    for key in ("model", "output_dir", "data.train", "data.max_length", "train.lr", "train.micro_batch_size",
+                "lora.rank", "lora.target_modules", "engine.backend", "engine.zero_stage", "load.trust_remote_code"):
+        assert f"  {key}  (" in text
+    assert "default 1e-05" in text and "peak learning rate" in text

@@ -1,0 +1,78 @@
+"""Rendering, label masking, truncation and collation of SFT rows."""
+
+import pytest
+import torch
+
+from rlhfkit.data.formats import SFTExample
+from rlhfkit.data.templates import Template
+from rlhfkit.data.tokenize import IGNORE, collate_sft, tokenize_sft
+from rlhfkit.models import load_tokenizer
+
+from conftest import STORIES, needs_shared
+
+
+def ex(prompt, response):
+    return SFTExample(prompt=[{"role": "user", "content": prompt}], response=response, source="x.jsonl", line=1)
+
+
+@pytest.fixture(scope="module")
+def tok(tiny_model_dir):
+    return load_tokenizer(str(tiny_model_dir))
+
+
+def test_plain_template_text(tok):
+    tpl = Template.for_tokenizer(tok, "auto")
+    assert tpl.name == "plain"  # the tiny tokenizer has no chat template
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "say apple"}]
+    assert tpl.prompt(msgs) == "System: Be brief.\n\nUser: say apple\n\nAssistant:"
+    assert tpl.response(msgs, "apple apple apple ") == " apple apple apple</s>"
+
+
+def test_chat_template_requested_but_missing(tok):
+    with pytest.raises(ValueError, match="no chat template"):
+        Template.for_tokenizer(tok, "chat")
+
+
+@needs_shared
+def test_chat_template_used_when_present():
+    tok = load_tokenizer(str(STORIES))
+    tpl = Template.for_tokenizer(tok, "auto")
+    msgs = [{"role": "user", "content": "Hi"}]
+    assert tpl.name == "chat"
+    assert tpl.prompt(msgs) == "<s>User: Hi\nAssistant:"
+    assert tpl.response(msgs, "Hello") == " Hello</s>"
+    rows, _ = tokenize_sft([ex("Hi", "Hello")], tok, tpl, 64)
+    assert rows[0]["input_ids"].count(tok.bos_token_id) == 1  # BOS written by the template, not added twice
+
+
+def test_labels_cover_only_the_response_and_end_with_eos(tok):
+    tpl = Template.for_tokenizer(tok)
+    rows, stats = tokenize_sft([ex("say apple", "apple apple apple")], tok, tpl, 128)
+    ids, labels = rows[0]["input_ids"], rows[0]["labels"]
+    n_prompt = len(tok(tpl.prompt([{"role": "user", "content": "say apple"}]))["input_ids"])
+    assert ids[0] == tok.bos_token_id and ids[-1] == tok.eos_token_id
+    assert labels[:n_prompt] == [IGNORE] * n_prompt
+    assert labels[n_prompt:] == ids[n_prompt:]
+    assert tok.decode(ids[n_prompt:], skip_special_tokens=True) == " apple apple apple"
+    assert stats == {"rows": 1, "truncated": 0, "dropped": 0}
+    rows_all, _ = tokenize_sft([ex("say apple", "apple apple apple")], tok, tpl, 128, loss_on="all")
+    assert rows_all[0]["labels"] == ids
+
+
+def test_truncation_keeps_prompt_and_counts(tok):
+    tpl = Template.for_tokenizer(tok)
+    prompt_len = len(tok(tpl.prompt([{"role": "user", "content": "say apple"}]))["input_ids"])
+    rows, stats = tokenize_sft([ex("say apple", "apple " * 50), ex("say apple " * 40, "x")], tok, tpl,
+                               prompt_len + 3)
+    assert stats == {"rows": 1, "truncated": 1, "dropped": 1}
+    assert len(rows[0]["input_ids"]) == prompt_len + 3
+    assert sum(t != IGNORE for t in rows[0]["labels"]) == 3
+
+
+def test_collate_right_pads(tok):
+    batch = collate_sft([{"input_ids": [1, 5, 6], "labels": [IGNORE, 5, 6]}, {"input_ids": [1, 7], "labels": [IGNORE, 7]}],
+                        pad_id=0)
+    assert batch["input_ids"].tolist() == [[1, 5, 6], [1, 7, 0]]
+    assert batch["attention_mask"].tolist() == [[1, 1, 1], [1, 1, 0]]
+    assert batch["labels"].tolist() == [[IGNORE, 5, 6], [IGNORE, 7, IGNORE]]
+    assert batch["input_ids"].dtype == torch.long
