@@ -18,12 +18,15 @@ TRAIN_VERBS = {
            "step 2: reward model (scalar head) on preference pairs"),
     "ppo": ("rlhfkit.config.ppo_schema:PPOConfig", "rlhfkit.stages.ppo:run_ppo",
             "step 3: PPO with actor, critic, frozen reference and reward (LoRA, PPO-ptx, EMA)"),
+    "pipeline": ("rlhfkit.config.pipeline_schema:PipelineConfig", "rlhfkit.stages.pipeline:run_pipeline",
+                 "steps 1 -> 2 -> 3 from one config, outputs chained, complete steps skipped"),
 }
 
 EXAMPLES = {
     "sft": "rlhfkit sft --config configs/sft.yaml train.max_steps=40 lora.rank=8",
     "rm": "rlhfkit rm --config configs/rm.yaml model=runs/sft/final train.max_steps=200 rm.margin=0.5",
     "ppo": "rlhfkit ppo --config configs/ppo.yaml actor=runs/sft/final reward=runs/rm/final ppo.kl_coef=0.05",
+    "pipeline": "rlhfkit pipeline --config configs/pipeline.yaml ppo.train.max_steps=100 --force",
 }
 
 
@@ -54,6 +57,8 @@ def build_parser() -> argparse.ArgumentParser:
     rep = sub.add_parser("report", help="write report.html with plots for a run folder")
     rep.add_argument("run_dir")
     _load("rlhfkit.stages.score:add_score_parser")(sub)
+    _load("rlhfkit.demo.cli:add_demo_parser")(sub)
+    _load("rlhfkit.chat:add_chat_parser")(sub)
     return parser
 
 
@@ -67,6 +72,9 @@ def _errors() -> tuple[type, ...]:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    # the `deepspeed` launcher appends --local_rank=N; the rank comes from the environment anyway
+    argv = [a for i, a in enumerate(argv) if not a.startswith("--local_rank")
+            and not (i > 0 and argv[i - 1] == "--local_rank")]
     parser = build_parser()
     # overrides may come before or after flags (`--force k=v` or `k=v --force`): argparse stops collecting a
     # positional list at the first flag, so gather the stragglers here
@@ -83,6 +91,8 @@ def main(argv: list[str] | None = None) -> int:
         return report_main([args.run_dir])
     if args.verb == "score":
         return _load("rlhfkit.stages.score:main")(args)
+    if args.verb in ("demo", "chat"):
+        return _load(f"rlhfkit.{'demo.cli' if args.verb == 'demo' else 'chat'}:main")(args)
     cfg_path, runner_path, _ = TRAIN_VERBS[args.verb]
     try:
         cfg = load_config(_load(cfg_path), args.config, args.overrides)
@@ -93,7 +103,8 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"rlhfkit {args.verb}: interrupted", file=sys.stderr)
         return 130
-    print(json.dumps(result))
+    if os.environ.get("RANK", "0") == "0":
+        print(json.dumps(result))
     return 0
 
 

@@ -150,6 +150,7 @@ class LocalEngine:
 
     def prepare(self, model: torch.nn.Module, train: TrainConfig, total_steps: int, lr: float | None = None,
                 stage: int | None = None) -> Trainable:
+        """A trainable model: AdamW + warmup/decay schedule. `stage` is DeepSpeed's ZeRO stage (ignored here)."""
         model.to(self.device)
         model.train()
         return Trainable(model, train, total_steps, lr)

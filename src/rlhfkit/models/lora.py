@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import copy
 
 import torch
 from peft import LoraConfig as PeftLoraConfig
@@ -64,3 +65,17 @@ def base_model(model) -> torch.nn.Module:
     if isinstance(model, PeftModel):
         return model.get_base_model()
     return model
+
+
+def clone_for_export(model) -> torch.nn.Module:
+    """An empty CPU twin of `model` (same transformers class, same adapters) to load gathered weights into.
+
+    ZeRO-3 parameters live in shards; export gathers them into a state dict and loads it into this twin,
+    which can then be merged and saved like any model.
+    """
+    plain = base_model(model)
+    config = copy.deepcopy(plain.config)
+    twin = type(plain)._from_config(config, dtype=getattr(plain, "dtype", torch.float32))
+    if isinstance(model, PeftModel):
+        twin = get_peft_model(twin, copy.deepcopy(model.peft_config[model.active_adapter]))
+    return twin

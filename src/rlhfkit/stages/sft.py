@@ -26,14 +26,14 @@ def lm_forward(model, batch: dict, device) -> tuple[torch.Tensor, int]:
 
 
 @torch.no_grad()
-def evaluate_lm(model, rows: list, pad_id: int, micro: int, device, engine) -> dict:
+def evaluate_lm(model, rows: list, pad_id: int, micro: int, device) -> dict:
+    """Token-weighted eval loss. Every rank evaluates all rows: ZeRO-3 needs the same forwards on all ranks."""
     model.eval()
     total, count = 0.0, 0
     for i in range(0, len(rows), micro):
         nll, n = lm_forward(model, collate_sft(rows[i:i + micro], pad_id), device)
         total, count = total + nll.item(), count + n
     model.train()
-    total, count = engine.reduce_sum(total), engine.reduce_sum(count)
     loss = total / max(count, 1)
     return {"eval/loss": loss, "eval/perplexity": math.exp(min(loss, 50.0))}
 
@@ -70,7 +70,7 @@ def run_sft(cfg: SFTConfig, resume: bool = False, force: bool = False) -> dict:
     pad_id, device = tokenizer.pad_token_id, engine.device
     eval_every = cfg.train.eval_every
     if start == 0 and data.eval:  # the starting point, so curves show what training changed
-        log.log(0, evaluate_lm(actor.module, data.eval, pad_id, cfg.train.micro_batch_size, device, engine))
+        log.log(0, evaluate_lm(actor.module, data.eval, pad_id, cfg.train.micro_batch_size, device))
 
     # 3. the loop: each step sees batch_size rows over all ranks, in micro-batches
     for step, epoch, idx in batches(len(data.train), cfg.train.batch_size, cfg.train.seed, start):
@@ -92,8 +92,7 @@ def run_sft(cfg: SFTConfig, resume: bool = False, force: bool = False) -> dict:
         metrics = {"loss": engine.reduce_sum(loss_sum) / n_tokens, "lr": lr, "epoch": epoch, **stats}
         if (eval_every > 0 and done % eval_every == 0) or done == total:
             if data.eval:
-                metrics.update(evaluate_lm(actor.module, data.eval, pad_id, cfg.train.micro_batch_size, device,
-                                           engine))
+                metrics.update(evaluate_lm(actor.module, data.eval, pad_id, cfg.train.micro_batch_size, device))
         if done % cfg.train.log_every == 0 or done == total or "eval/loss" in metrics:
             log.log(done, metrics, show=("loss", "eval/loss", "lr"))
         log.advance()
