@@ -1,8 +1,9 @@
 """Typed configs: YAML files + dotted overrides -> dataclasses, with `--help` generated from field docs."""
 
 from rlhfkit.config.fields import ConfigError, dump_yaml, from_dict, help_text, load_config, parse_overrides, to_dict
-from rlhfkit.config.schema import (DataConfig, EngineConfig, LoadConfig, LogConfig, LoraConfig, SFTConfig,
-                                   TrainConfig)
+from rlhfkit.config.schema import (DataConfig, EngineConfig, LoadConfig, LogConfig, LoraConfig, RewardOptions,
+                                   RMConfig, SFTConfig, TrainConfig)
 
 __all__ = ["ConfigError", "dump_yaml", "from_dict", "help_text", "load_config", "parse_overrides", "to_dict",
-           "DataConfig", "EngineConfig", "LoadConfig", "LogConfig", "LoraConfig", "SFTConfig", "TrainConfig"]
+           "DataConfig", "EngineConfig", "LoadConfig", "LogConfig", "LoraConfig", "RewardOptions",
+           "RMConfig", "SFTConfig", "TrainConfig"]

@@ -108,3 +108,37 @@ class SFTConfig:
             raise ConfigError(f"config key '{prefix}model': required (a model folder or hub id)")
         if self.data.train is None:
             raise ConfigError(f"config key '{prefix}data.train': required (a data file, folder or hub name)")
+
+
+@dataclass
+class RewardOptions:
+    margin: float = option(0.0, "ask for r_chosen - r_rejected > margin, loss -log sigmoid(gap - margin) "
+                                "(Llama 2 eq. 2); 0 = off")
+    norm_samples: int = option(512, "after training, the reward's mean/std over this many training responses "
+                                    "(chosen and rejected) is saved in final/config.json for PPO; 0 = skip")
+
+    def validate(self, prefix: str = "") -> None:
+        if self.margin < 0:
+            raise ConfigError(f"config key '{prefix}margin': must be >= 0")
+        if self.norm_samples < 0:
+            raise ConfigError(f"config key '{prefix}norm_samples': must be >= 0")
+
+
+@dataclass
+class RMConfig:
+    model: Optional[str] = option(None, "the backbone: a causal LM folder or hub id (usually the SFT output's "
+                                        "final/); a fresh scalar head is added, seeded by train.seed")
+    output_dir: str = option("runs/rm", "where final/, checkpoints/, metrics.jsonl and config.yaml go")
+    data: DataConfig = option(DataConfig(), "data")
+    train: TrainConfig = option(TrainConfig(), "optimisation")
+    load: LoadConfig = option(LoadConfig(), "model loading")
+    lora: LoraConfig = option(LoraConfig(), "LoRA")
+    engine: EngineConfig = option(EngineConfig(), "backend")
+    log: LogConfig = option(LogConfig(), "logging")
+    rm: RewardOptions = option(RewardOptions(), "reward model")
+
+    def validate(self, prefix: str = "") -> None:
+        if not self.model:
+            raise ConfigError(f"config key '{prefix}model': required (a model folder or hub id)")
+        if self.data.train is None:
+            raise ConfigError(f"config key '{prefix}data.train': required (a data file, folder or hub name)")

@@ -119,6 +119,22 @@ def epoch_order(n: int, seed: int, epoch: int) -> list[int]:
     return torch.randperm(n, generator=g).tolist()
 
 
+def plan_steps(n_rows: int, train, world_size: int) -> tuple[int, int, int]:
+    """(examples per rank per step, micro-batches per step, total steps), checked before anything is written."""
+    if train.batch_size % world_size:
+        raise RunError(f"train.batch_size {train.batch_size} is not divisible by the {world_size} ranks")
+    per_rank = train.batch_size // world_size
+    if per_rank % train.micro_batch_size:
+        raise RunError(f"train.batch_size / ranks = {per_rank} is not a multiple of train.micro_batch_size "
+                       f"{train.micro_batch_size}")
+    steps_per_epoch = n_rows // train.batch_size
+    if steps_per_epoch == 0:
+        raise RunError(f"only {n_rows} training rows, fewer than one batch of {train.batch_size}: lower "
+                       f"train.batch_size or add data")
+    total = train.max_steps if train.max_steps > 0 else train.epochs * steps_per_epoch
+    return per_rank, per_rank // train.micro_batch_size, total
+
+
 def batches(n_rows: int, batch_size: int, seed: int, start_step: int = 0):
     """Yield (step, epoch, row indices) forever, epoch after epoch; drops the last partial batch."""
     per_epoch = n_rows // batch_size

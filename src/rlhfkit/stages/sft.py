@@ -14,7 +14,7 @@ from rlhfkit.engine import make_engine
 from rlhfkit.models import load_causal_lm, load_tokenizer
 from rlhfkit.models.forward import causal_logits
 from rlhfkit.models.lora import apply_lora
-from rlhfkit.stages.common import MetricsLogger, batches, prepare_output_dir, set_seed
+from rlhfkit.stages.common import MetricsLogger, batches, plan_steps, prepare_output_dir, set_seed
 
 
 def lm_forward(model, batch: dict, device) -> tuple[torch.Tensor, int]:
@@ -52,13 +52,10 @@ def run_sft(cfg: SFTConfig, resume: bool = False, force: bool = False) -> dict:
     data = load_stage_data("sft", cfg.data, tokenizer, cfg.train.seed)
     model = load_causal_lm(cfg.model, cfg.load, tokenizer)
     model = apply_lora(model, cfg.lora)
+    per_rank, accum, total = plan_steps(len(data.train), cfg.train, engine.world_size)
     out = prepare_output_dir(cfg, resume, force, engine.is_main)
 
-    # 2. steps, accumulation and the optimizer
-    per_rank = cfg.train.batch_size // engine.world_size
-    accum = per_rank // cfg.train.micro_batch_size
-    steps_per_epoch = len(data.train) // cfg.train.batch_size
-    total = cfg.train.max_steps if cfg.train.max_steps > 0 else cfg.train.epochs * steps_per_epoch
+    # 2. the optimizer (and the state of a resumed run)
     actor = engine.prepare(model, cfg.train, total)
     state = engine.load_checkpoint(out / "checkpoints", {"model": actor}) if resume else {"step": 0}
     start = state["step"]

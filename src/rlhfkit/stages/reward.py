@@ -1,0 +1,163 @@
+"""Step 2: the reward model. Read top to bottom: load, then the loop, then the reward statistics and export.
+
+The model is the backbone with a fresh one-output head (`AutoModelForSequenceClassification`, num_labels=1),
+so plain transformers loads the result. It is trained with the Bradley-Terry loss -log sigmoid(r_c - r_r)
+(Ouyang et al. 2022, eq. 1), chosen and rejected sides in one forward pass, each score read at the last real
+token of its sequence (`sequence_scores`: correct for left and right padding and for pad == EOS).
+"""
+
+from __future__ import annotations
+
+import random
+
+import torch
+
+from rlhfkit.algos import pairwise_loss
+from rlhfkit.config.schema import RMConfig
+from rlhfkit.data.loader import load_stage_data
+from rlhfkit.data.tokenize import collate_preferences
+from rlhfkit.engine import make_engine
+from rlhfkit.models import load_scalar_model, load_tokenizer
+from rlhfkit.models.forward import sequence_scores
+from rlhfkit.models.lora import apply_lora, base_model
+from rlhfkit.stages.common import MetricsLogger, batches, plan_steps, prepare_output_dir, set_seed
+
+# Keys written into final/config.json next to the weights; PPO and `rlhfkit score` read them back.
+MEAN_KEY, STD_KEY = "rlhfkit_reward_mean", "rlhfkit_reward_std"
+TEMPLATE_KEY, MAX_LENGTH_KEY = "rlhfkit_template", "rlhfkit_max_length"
+
+
+def pair_scores(model, rows: list[dict], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scores of the chosen and rejected sides of `rows`, each (B,), from ONE (2B, T) forward pass."""
+    batch = collate_preferences(rows, pad_id)
+    scores = sequence_scores(model, batch["input_ids"].to(device), batch["attention_mask"].to(device))  # (2B,)
+    return scores[:len(rows)], scores[len(rows):]
+
+
+SUM_KEYS = ("loss", "accuracy", "chosen", "rejected", "margin")
+
+
+def pair_sums(chosen: torch.Tensor, rejected: torch.Tensor, margin: float | None) -> dict:
+    """Per-batch sums (not means), so micro-batches and ranks add up before one division; "accuracy" sums the
+    pairs with r_c > r_r (a tie counts as wrong)."""
+    gap = (chosen - rejected).detach()
+    return {"loss": pairwise_loss(chosen, rejected, margin).item() * len(chosen), "accuracy": (gap > 0).sum().item(),
+            "chosen": chosen.detach().sum().item(), "rejected": rejected.detach().sum().item(),
+            "margin": gap.sum().item()}
+
+
+def pair_means(sums: dict, n_pairs: int, engine, prefix: str = "") -> dict:
+    """Sums from `pair_sums`, added over ranks, divided by the pairs: mean loss, accuracy, scores and margin."""
+    return {prefix + key: engine.reduce_sum(value) / max(1, n_pairs) for key, value in sums.items()}
+
+
+@torch.no_grad()
+def evaluate_rm(model, rows: list, pad_id: int, micro: int, device, engine, margin: float | None) -> dict:
+    """Held-out eval/loss, eval/accuracy, eval/chosen, eval/rejected (mean scores) and eval/margin (r_c - r_r)."""
+    model.eval()
+    sums = dict.fromkeys(SUM_KEYS, 0.0)
+    for i in range(0, len(rows), micro):
+        for key, value in pair_sums(*pair_scores(model, rows[i:i + micro], pad_id, device), margin).items():
+            sums[key] += value
+    model.train()
+    return pair_means(sums, engine.reduce_sum(len(rows)), engine, prefix="eval/")
+
+
+@torch.no_grad()
+def reward_stats(model, rows: list, pad_id: int, micro: int, device, n_samples: int, seed: int) -> dict:
+    """Mean and std of the reward over up to `n_samples` training responses, chosen and rejected alike.
+
+    PPO may normalise rewards with them (as OpenRLHF does with its RM's saved mean/std), so that the KL
+    coefficient means the same thing whatever scale this reward model happened to learn.
+    """
+    pairs = random.Random(seed).sample(rows, min(len(rows), (n_samples + 1) // 2))
+    model.eval()
+    scores = []
+    for i in range(0, len(pairs), micro):
+        scores.extend(torch.cat(pair_scores(model, pairs[i:i + micro], pad_id, device)).tolist())
+    model.train()
+    scores = torch.tensor(scores[:n_samples], dtype=torch.float64)
+    std = scores.std().item() if len(scores) > 1 else 0.0
+    return {MEAN_KEY: scores.mean().item(), STD_KEY: std, "rlhfkit_reward_samples": len(scores)}
+
+
+def describe(info: dict) -> str:
+    """The data summary a user sees first: pairs kept, and every pair dropped or skipped, with why."""
+    skipped = ", ".join(f"{info[k]} {k}" for k in ("dropped_ties", "no_shared_prompt", "identical") if info.get(k))
+    return (f"rm: {info['train_rows']} train / {info['eval_rows']} eval pairs, template {info['template']}, "
+            f"{info['truncated']} truncated, {info['dropped']} dropped (prompt over data.max_length, or both "
+            f"sides equal once truncated){'; skipped ' + skipped if skipped else ''}")
+
+
+def run_rm(cfg: RMConfig, resume: bool = False, force: bool = False) -> dict:
+    engine = make_engine(cfg.engine)
+    set_seed(cfg.train.seed)
+
+    # 1. tokenizer and data first: bad input fails here, before any folder is written
+    tokenizer = load_tokenizer(cfg.model, cfg.load)
+    data = load_stage_data("rm", cfg.data, tokenizer, cfg.train.seed)
+    set_seed(cfg.train.seed)  # the fresh score head is drawn from the torch RNG: same seed, same head
+    model = load_scalar_model(cfg.model, cfg.load, tokenizer)
+    model = apply_lora(model, cfg.lora, task="scalar")
+    per_rank, accum, total = plan_steps(len(data.train), cfg.train, engine.world_size)
+    out = prepare_output_dir(cfg, resume, force, engine.is_main)
+
+    # 2. the optimizer (and the state of a resumed run)
+    rm = engine.prepare(model, cfg.train, total)
+    state = engine.load_checkpoint(out / "checkpoints", {"model": rm}) if resume else {"step": 0}
+    start = state["step"]
+
+    log = MetricsLogger(out, "rm", total, cfg.log, engine.is_main, initial=start)
+    log.write(f"{describe(data.info)}; {total} steps of {cfg.train.batch_size} pairs (accumulation {accum})")
+    pad_id, device, micro_size = tokenizer.pad_token_id, engine.device, cfg.train.micro_batch_size
+    margin = cfg.rm.margin or None
+    eval_every, final_eval = cfg.train.eval_every, {}
+    if start == 0 and data.eval:  # the untrained head's accuracy (~0.5): curves show what training changed
+        log.log(0, evaluate_rm(rm.module, data.eval, pad_id, micro_size, device, engine, margin))
+
+    # 3. the loop: each step sees batch_size pairs over all ranks, in micro-batches
+    for step, epoch, idx in batches(len(data.train), cfg.train.batch_size, cfg.train.seed, start):
+        if step >= total:
+            break
+        rows = [data.train[i] for i in idx[engine.rank * per_rank:(engine.rank + 1) * per_rank]]
+        sums = dict.fromkeys(SUM_KEYS, 0.0)
+        for m in range(accum):
+            micro = rows[m * micro_size:(m + 1) * micro_size]
+            chosen, rejected = pair_scores(rm.module, micro, pad_id, device)
+            # mean over the micro-batch * its size / pairs in the whole batch: micro 1 x accum 4 == micro 4 x
+            # accum 1; the world size undoes the engine's averaging of gradients over ranks
+            loss = pairwise_loss(chosen, rejected, margin) * len(micro)
+            rm.backward(loss * engine.world_size / cfg.train.batch_size)
+            for key, value in pair_sums(chosen, rejected, margin).items():
+                sums[key] += value
+        lr = rm.lr
+        stats = rm.step()
+        done = step + 1
+        metrics = {**pair_means(sums, cfg.train.batch_size, engine), "lr": lr, "epoch": epoch, **stats}
+        if ((eval_every > 0 and done % eval_every == 0) or done == total) and data.eval:
+            final_eval = evaluate_rm(rm.module, data.eval, pad_id, micro_size, device, engine, margin)
+            metrics.update(final_eval)
+        if done % cfg.train.log_every == 0 or done == total or "eval/loss" in metrics:
+            log.log(done, metrics, show=("loss", "accuracy", "eval/accuracy"))
+        log.advance()
+        if cfg.train.save_every > 0 and done % cfg.train.save_every == 0 and done < total:
+            engine.save_checkpoint(out / "checkpoints", done, {"model": rm}, {}, cfg.train.keep_checkpoints)
+
+    # 4. reward statistics and how inputs were rendered, stored in config.json for PPO and `rlhfkit score`
+    if not final_eval and data.eval:  # resumed from a run that had already finished its steps
+        final_eval = evaluate_rm(rm.module, data.eval, pad_id, micro_size, device, engine, margin)
+    config = base_model(rm.module).config
+    extra = {TEMPLATE_KEY: data.info["template"], MAX_LENGTH_KEY: cfg.data.max_length}
+    if cfg.rm.norm_samples > 0:
+        extra.update(reward_stats(rm.module, data.train, pad_id, micro_size, device, cfg.rm.norm_samples,
+                                  cfg.train.seed))
+        log.write(f"rm: reward over {extra['rlhfkit_reward_samples']} training responses: mean "
+                  f"{extra[MEAN_KEY]:.4f}, std {extra[STD_KEY]:.4f}")
+    for key, value in extra.items():
+        setattr(config, key, value)
+    config.pad_token_id = tokenizer.pad_token_id  # plain transformers pools by it (batch size > 1 needs it)
+    log.close()
+
+    # 5. export a plain transformers folder (LoRA merged, score head included, ZeRO-3 gathered)
+    engine.export_hf(rm.module, tokenizer, out / "final")
+    return {"output_dir": str(out), "steps": total, **final_eval, **extra, **data.info}

@@ -1,0 +1,208 @@
+"""`rlhfkit score RM_DIR --data FILE`: a reward model's accuracy on preference pairs, or the scores of responses.
+
+- Preference data (any format `rlhfkit rm` reads) -> one JSON line on stdout: pairs, accuracy (r_c > r_r, a tie
+  counts as wrong), mean chosen / rejected score, mean margin. With `--output`, also one line per pair.
+- Prompt/response data (any SFT format) -> one JSON line per row in `--output` (required: data folders are
+  often read-only and silently writing next to them would surprise), and a summary line on stdout.
+
+Rows are rendered exactly as in training: the RM folder's own tokenizer, and the template and max_length that
+`rlhfkit rm` recorded in final/config.json; scores are read at the last real token (`sequence_scores`).
+Only argparse is imported at module level so `rlhfkit --help` stays fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+DESCRIPTION = "reward-model accuracy on preference data, or scores of prompt/response data"
+EPILOG = """\
+data kinds (detected from the first row, or set with --format):
+  preference rows ({prompt, chosen, rejected}, HH dialogues, chat pairs, SHP, WebGPT)
+      -> prints {"pairs", "accuracy", "chosen", "rejected", "margin"}; --output FILE adds
+         {"source", "line", "chosen_score", "rejected_score"} per pair
+  prompt/response rows ({prompt, response}, {messages}, Alpaca)
+      -> --output FILE (required) gets {"source", "line", "prompt", "response", "score"} per row
+         (score is null for a row whose prompt alone exceeds --max-length); prints a summary line
+
+examples:
+  rlhfkit score runs/rm/final --data data/eval_pairs.jsonl
+  rlhfkit score runs/rm/final --data samples.jsonl --output samples.scores.jsonl --batch-size 32
+"""
+
+
+def add_score_parser(sub) -> argparse.ArgumentParser:
+    p = sub.add_parser("score", help=DESCRIPTION, description=DESCRIPTION, epilog=EPILOG,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("rm_dir", metavar="RM_DIR", help="a reward-model folder (an `rlhfkit rm` run's final/)")
+    p.add_argument("--data", required=True, help="a .jsonl/.json/.parquet/.csv file, save_to_disk folder or hub name")
+    p.add_argument("--output", help="JSONL of per-row scores (required for prompt/response data)")
+    p.add_argument("--batch-size", type=int, default=16, help="rows per forward pass (default 16)")
+    p.add_argument("--max-length", type=int, help="tokens per sequence; default: the RM's training data.max_length")
+    p.add_argument("--template", choices=("auto", "chat", "plain"),
+                   help="prompt rendering; default: the one the RM was trained with")
+    p.add_argument("--format", default="auto", help="row format name (default: auto-detected)")
+    p.add_argument("--field", action="append", default=[], metavar="CANONICAL=COLUMN",
+                   help="rename a column, e.g. --field prompt=question (repeatable)")
+    p.add_argument("--split", default="train", help="split of a save_to_disk folder or hub dataset")
+    return p
+
+
+def _fields(items: list[str]) -> dict:
+    from rlhfkit.data.errors import DataError
+
+    pairs = [item.split("=", 1) for item in items]
+    if any(len(p) != 2 or not p[0] or not p[1] for p in pairs):
+        raise DataError(f"--field: expected CANONICAL=COLUMN, got {items}")
+    return dict(pairs)
+
+
+def _task(rows, fields: dict, fmt: str) -> str:
+    """"preference" when the rows are pairs (they are tried first: SFT reads pairs too, as their chosen side)."""
+    from rlhfkit.data.errors import DataError
+    from rlhfkit.data.formats import FORMATS, detect_format
+
+    if fmt != "auto":
+        return "preference" if fmt in FORMATS["preference"] else "sft"
+    first = dict(rows[0].data)
+    for canonical, column in fields.items():
+        if column in first:
+            first[canonical] = first.pop(column)
+    try:
+        detect_format(first, "preference")
+        return "preference"
+    except DataError:
+        return "sft"
+
+
+def _bar(total: int, desc: str):
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc=desc, file=sys.stderr, dynamic_ncols=True,
+                disable=os.environ.get("RLHFKIT_NO_BAR") == "1")
+
+
+def score_pairs(model, tokenizer, template, examples, max_length: int, batch_size: int, device):
+    """(per-pair (chosen, rejected) scores or None when tokenisation dropped the pair, summary dict)."""
+    import torch
+
+    from rlhfkit.data.tokenize import tokenize_preferences
+    from rlhfkit.stages.reward import SUM_KEYS, pair_scores, pair_sums
+
+    tokenised = [tokenize_preferences([ex], tokenizer, template, max_length)[0] for ex in examples]
+    kept = [i for i, rows in enumerate(tokenised) if rows]
+    scores: list = [None] * len(examples)
+    sums = dict.fromkeys(SUM_KEYS, 0.0)
+    with torch.no_grad(), _bar(len(kept), "score") as bar:
+        for start in range(0, len(kept), batch_size):
+            index = kept[start:start + batch_size]
+            chosen, rejected = pair_scores(model, [tokenised[i][0] for i in index], tokenizer.pad_token_id, device)
+            for key, value in pair_sums(chosen, rejected, None).items():
+                sums[key] += value
+            for i, c, r in zip(index, chosen.tolist(), rejected.tolist()):
+                scores[i] = (c, r)
+            bar.update(len(index))
+    n = max(1, len(kept))
+    summary = {"pairs": len(kept), "dropped": len(examples) - len(kept),
+               **{key: value / n for key, value in sums.items() if key != "loss"}}
+    return scores, summary
+
+
+def score_responses(model, tokenizer, template, examples, max_length: int, batch_size: int, device) -> list:
+    """One score per prompt/response example (None when its prompt alone exceeds max_length)."""
+    import torch
+
+    from rlhfkit.data.tokenize import pad_sequences, tokenize_sft
+    from rlhfkit.models.forward import sequence_scores
+
+    ids = [tokenize_sft([ex], tokenizer, template, max_length, "all")[0] for ex in examples]
+    kept = [i for i, rows in enumerate(ids) if rows]
+    scores: list = [None] * len(examples)
+    with torch.no_grad(), _bar(len(kept), "score") as bar:
+        for start in range(0, len(kept), batch_size):
+            index = kept[start:start + batch_size]
+            seqs = [ids[i][0]["input_ids"] for i in index]
+            batch = pad_sequences(seqs, tokenizer.pad_token_id).to(device)  # (B, T), right-padded
+            mask = pad_sequences([[1] * len(s) for s in seqs], 0).to(device)
+            for i, value in zip(index, sequence_scores(model, batch, mask).tolist()):
+                scores[i] = value
+            bar.update(len(index))
+    return scores
+
+
+def _write_jsonl(path: str, records: list[dict]) -> None:
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with open(target, "w", encoding="utf-8") as fh:
+        fh.writelines(json.dumps(r) + "\n" for r in records)
+
+
+def run_score(args) -> dict:
+    import torch
+
+    from rlhfkit.config.schema import LoadConfig
+    from rlhfkit.data.errors import DataError
+    from rlhfkit.data.formats import to_preference_examples, to_sft_examples
+    from rlhfkit.data.readers import read_rows
+    from rlhfkit.data.templates import Template
+    from rlhfkit.models import ModelError, load_scalar_model, load_tokenizer
+    from rlhfkit.stages.reward import MAX_LENGTH_KEY, TEMPLATE_KEY
+
+    if args.batch_size < 1:
+        raise DataError(f"--batch-size must be >= 1, got {args.batch_size}")
+    # 1. the data first (cheap), so a wrong file fails before a model is loaded
+    fields = _fields(args.field)
+    rows = read_rows(args.data, split=args.split)
+    task = _task(rows, fields, args.format)
+    if task == "sft" and not args.output:
+        raise DataError(f"{args.data}: prompt/response rows get one score each: pass --output FILE for them")
+
+    # 2. the reward model with its own tokenizer; refuse anything without a trained scalar head
+    if not Path(args.rm_dir).is_dir():
+        raise ModelError(f"RM_DIR '{args.rm_dir}' is not a folder: pass an `rlhfkit rm` run's final/ folder")
+    tokenizer = load_tokenizer(args.rm_dir)
+    model = load_scalar_model(args.rm_dir, LoadConfig(), tokenizer)
+    if not any("SequenceClassification" in a for a in (model.config.architectures or [])):
+        raise ModelError(f"'{args.rm_dir}' is not a reward model (architectures: {model.config.architectures}); "
+                         f"pass an `rlhfkit rm` run's final/ folder")
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    model.to(device).eval()
+    try:
+        template = Template.for_tokenizer(tokenizer, args.template or getattr(model.config, TEMPLATE_KEY, "auto"))
+    except ValueError as exc:
+        raise DataError(f"--template: {exc}") from None
+    max_length = args.max_length or getattr(model.config, MAX_LENGTH_KEY, None) or 512
+
+    # 3. score: accuracy for pairs, one score per row for prompt/response data
+    if task == "preference":
+        examples = to_preference_examples(rows, fields or None, args.format)
+        scores, summary = score_pairs(model, tokenizer, template, examples, max_length, args.batch_size, device)
+        if args.output:
+            _write_jsonl(args.output, [{"source": ex.source, "line": ex.line, "chosen_score": s and s[0],
+                                        "rejected_score": s and s[1]} for ex, s in zip(examples, scores)])
+        return {**summary, "template": template.name, "max_length": max_length,
+                **({"output": args.output} if args.output else {})}
+    examples = to_sft_examples(rows, fields or None, args.format)
+    scores = score_responses(model, tokenizer, template, examples, max_length, args.batch_size, device)
+    _write_jsonl(args.output, [{"source": ex.source, "line": ex.line, "prompt": ex.prompt, "response": ex.response,
+                                "score": s} for ex, s in zip(examples, scores)])
+    valid = torch.tensor([s for s in scores if s is not None], dtype=torch.float64)
+    return {"rows": len(examples), "scored": len(valid), "mean": valid.mean().item() if len(valid) else None,
+            "std": valid.std().item() if len(valid) > 1 else None, "template": template.name,
+            "max_length": max_length, "output": args.output}
+
+
+def main(args) -> int:
+    """Run `rlhfkit score`; print the summary as one JSON line, or one error line (exit 2)."""
+    from rlhfkit.cli import _errors
+
+    try:
+        result = run_score(args)
+    except _errors() as exc:
+        print(f"rlhfkit score: error: {exc}", file=sys.stderr)
+        return 2
+    print(json.dumps(result))
+    return 0

@@ -1,0 +1,134 @@
+"""Reward-model pieces: padding-safe scores, every preference format, loss normalisation, resume, config."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from rlhfkit.config import ConfigError, RMConfig, load_config
+from rlhfkit.data.loader import load_stage_data
+from rlhfkit.data.templates import Template, encode_prompt, encode_response
+from rlhfkit.data.tokenize import pad_sequences
+from rlhfkit.models import load_scalar_model, load_tokenizer
+from rlhfkit.models.forward import sequence_scores
+from rlhfkit.stages.common import RunError
+from rlhfkit.stages.reward import MEAN_KEY, STD_KEY, run_rm
+
+from conftest import NAMES, ROOT, read_metrics, write_jsonl
+
+FIXTURES = ROOT / "tests" / "fixtures" / "formats"
+TEXTS = [("say apple", "apple apple apple"), ("say ocean", "ocean"), ("say tiger", "tiger tiger tiger tiger tiger")]
+
+
+@pytest.fixture(scope="module")
+def scalar_model(tiny_model_dir):
+    torch.manual_seed(0)
+    return load_scalar_model(str(tiny_model_dir), tokenizer=load_tokenizer(str(tiny_model_dir))).eval()
+
+
+def encode(tok, prompt: str, response: str) -> list[int]:
+    tpl = Template.for_tokenizer(tok)
+    messages = [{"role": "user", "content": prompt}]
+    return encode_prompt(tok, tpl.prompt(messages)) + encode_response(tok, tpl.response(messages, response))
+
+
+def scores(model, seqs: list[list[int]], pad_id: int, side: str) -> torch.Tensor:
+    ids = pad_sequences(seqs, pad_id, side)  # (B, T)
+    mask = pad_sequences([[1] * len(s) for s in seqs], 0, side)
+    with torch.no_grad():
+        return sequence_scores(model, ids, mask)
+
+
+@pytest.mark.parametrize("pad_is_eos", [False, True], ids=["pad!=eos", "pad==eos"])
+def test_score_is_the_same_alone_left_and_right_padded(tiny_model_dir, scalar_model, pad_is_eos):
+    tok = load_tokenizer(str(tiny_model_dir))
+    if pad_is_eos:
+        tok.pad_token = tok.eos_token  # every response ends with EOS: a pad-id search would stop too early
+    seqs = [encode(tok, p, r) for p, r in TEXTS]
+    assert len({len(s) for s in seqs}) == 3 and all(s[-1] == tok.eos_token_id for s in seqs)
+    alone = torch.cat([scores(scalar_model, [s], tok.pad_token_id, "right") for s in seqs])
+    for side in ("left", "right"):
+        batched = scores(scalar_model, seqs, tok.pad_token_id, side)
+        torch.testing.assert_close(batched, alone, atol=1e-5, rtol=0)
+    # the score is really read at the last token: reading one token earlier gives other values
+    earlier = torch.cat([scores(scalar_model, [s[:-1]], tok.pad_token_id, "right") for s in seqs])
+    assert (earlier - alone).abs().min() > 1e-4
+
+
+def word_rows(n: int, seed: int) -> list[dict]:
+    rng = random.Random(seed)
+    return [{"prompt": f"say {rng.choice(NAMES)}", "chosen": f"{rng.choice(NAMES)} honey",
+             "rejected": " ".join(rng.sample(NAMES, 3))} for _ in range(n)]
+
+
+def rm_config(model_dir, tmp_path, name: str, **overrides) -> RMConfig:
+    train = write_jsonl(tmp_path / "train.jsonl", word_rows(24, 0))
+    evals = write_jsonl(tmp_path / "eval.jsonl", word_rows(8, 1))
+    items = [f"model={model_dir}", f"output_dir={tmp_path / name}", f"data.train={train}", f"data.eval={evals}",
+             "train.lr=1e-3", "train.eval_every=0", "train.save_every=0", "log.tensorboard=false",
+             "log.progress=false", "rm.norm_samples=16"] + [f"{k}={v}" for k, v in overrides.items()]
+    return load_config(RMConfig, None, items)
+
+
+def test_micro_batch_times_accumulation_is_invariant(tiny_model_dir, tmp_path):
+    # micro 1 x accumulation 8 must give the loss and gradient of micro 8 x accumulation 1 (TRL invariance)
+    runs = {}
+    for micro in (8, 1):
+        cfg = rm_config(tiny_model_dir, tmp_path, f"micro{micro}", **{"train.batch_size": 8,
+                        "train.micro_batch_size": micro, "train.max_steps": 1, "rm.margin": 0.5})
+        run_rm(cfg)
+        runs[micro] = read_metrics(tmp_path / f"micro{micro}" / "metrics.jsonl")[1]
+    assert runs[8]["step"] == runs[1]["step"] == 1
+    for key in ("loss", "grad_norm", "accuracy", "margin", "chosen", "rejected"):
+        assert runs[1][key] == pytest.approx(runs[8][key], rel=1e-5, abs=1e-6), key
+    # the untrained head: loss near -log sigmoid(0 - 0.5) = 0.974077 (scores are small at init)
+    assert runs[8]["loss"] == pytest.approx(0.974077, abs=0.2)
+
+
+def test_resume_continues_to_the_same_model(tiny_model_dir, tmp_path):
+    common = {"train.batch_size": 4, "train.micro_batch_size": 2, "train.max_steps": 4}
+    straight = run_rm(rm_config(tiny_model_dir, tmp_path, "straight", **common))
+    cfg = rm_config(tiny_model_dir, tmp_path, "resumed", **common, **{"train.save_every": 2})
+    run_rm(cfg)
+    with pytest.raises(RunError, match="already holds a finished run"):
+        run_rm(cfg)
+    resumed = run_rm(cfg, resume=True)  # continues from checkpoints/step-2 and exports final/ again
+    a = load_file(str(tmp_path / "straight" / "final" / "model.safetensors"))
+    b = load_file(str(tmp_path / "resumed" / "final" / "model.safetensors"))
+    assert a.keys() == b.keys() and "score.weight" in a
+    for key in a:
+        torch.testing.assert_close(b[key], a[key], atol=1e-6, rtol=0)
+    assert resumed["eval/accuracy"] == straight["eval/accuracy"]
+    config = json.loads((tmp_path / "resumed" / "final" / "config.json").read_text())
+    assert config[MEAN_KEY] == pytest.approx(straight[MEAN_KEY]) and config[STD_KEY] > 0
+
+
+def test_config_errors_name_the_key(tiny_model_dir):
+    with pytest.raises(ConfigError, match="'rm.margin'"):
+        load_config(RMConfig, None, [f"model={tiny_model_dir}", "data.train=x.jsonl", "rm.margin=-1"])
+    with pytest.raises(ConfigError, match="unknown config key 'rm.marginn'"):
+        load_config(RMConfig, None, [f"model={tiny_model_dir}", "data.train=x.jsonl", "rm.marginn=1"])
+    with pytest.raises(ConfigError, match="'model'"):
+        load_config(RMConfig, None, ["data.train=x.jsonl"])
+
+
+PREFERENCE_FIXTURES = ["rm_static.jsonl", "synthetic_gptj.jsonl", "yitingxie.jsonl", "hh_rlhf.jsonl",
+                       "chat_pairs.jsonl", "ultrafeedback.jsonl", "shp.jsonl", "webgpt.jsonl"]
+
+
+@pytest.mark.parametrize("name", PREFERENCE_FIXTURES)
+def test_every_preference_format_becomes_pairs_sharing_their_prompt(tiny_model_dir, name):
+    # each fixture is written in that dataset's real field layout; the RM sees prompt + side, side ending in EOS
+    tok = load_tokenizer(str(tiny_model_dir))
+    path = FIXTURES / name
+    cfg = load_config(RMConfig, None, [f"model={tiny_model_dir}", f"data.train={path}", "data.eval_fraction=0"]).data
+    data = load_stage_data("rm", cfg, tok, seed=0)
+    assert data.train and not data.eval
+    for row in data.train:
+        n = row["prompt_len"]
+        assert row["chosen_ids"][:n] == row["rejected_ids"][:n] and row["chosen_ids"] != row["rejected_ids"]
+        assert row["chosen_ids"][-1] == row["rejected_ids"][-1] == tok.eos_token_id
