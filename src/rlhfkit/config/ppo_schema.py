@@ -1,0 +1,156 @@
+"""The config of step 3 (`rlhfkit ppo`): four models, prompts, generation, PPO, PPO-ptx and EMA.
+
+`train` is the shared TrainConfig read the PPO way: `max_steps` counts PPO iterations (one rollout plus its
+update) and `batch_size` the prompts per iteration; `lr` is the actor's learning rate.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from rlhfkit.config.fields import ConfigError, option
+from rlhfkit.config.schema import DataConfig, EngineConfig, LoadConfig, LogConfig, LoraConfig, TrainConfig
+
+
+@dataclass
+class PPODataConfig:
+    prompts: Any = option(None, "prompts to roll out: a file, save_to_disk folder or hub name (any SFT or "
+                                "preference format, or {prompt}), or a list of {path, weight} to mix")
+    ptx: Optional[str] = option(None, "PPO-ptx pretraining text: a .txt file (documents split by <|endoftext|> "
+                                      "or blank lines) or rows with a `text` field; used when ptx.coef > 0")
+    eval_prompts: Optional[str] = option(None, "held-out prompts for eval/reward; default: a split of prompts")
+    eval_fraction: float = option(0.05, "fraction of prompts held out for evaluation when eval_prompts is unset")
+    eval_max_rows: int = option(64, "at most this many evaluation prompts (each eval generates for all of them)")
+    max_prompt_length: int = option(256, "prompt tokens; longer prompts keep their end")
+    format: str = option("auto", "row format of the prompt source: auto (detected) or a format name")
+    fields: dict = option({}, "rename fields, canonical->yours, e.g. {prompt: question}")
+    template: str = option("auto", "auto: the tokenizer's chat template if it has one, else plain; or chat|plain",
+                           choices=("auto", "chat", "plain"))
+    split: str = option("train", "split to read from a save_to_disk DatasetDict or a hub dataset")
+    max_rows: int = option(-1, "use at most this many training prompts (-1: all)")
+
+    def as_prompt_data(self) -> DataConfig:
+        """The DataConfig that `load_stage_data("prompts", ...)` reads (max_length = the prompt budget)."""
+        return DataConfig(train=self.prompts, eval=self.eval_prompts, eval_fraction=self.eval_fraction,
+                          eval_max_rows=self.eval_max_rows, max_length=self.max_prompt_length, format=self.format,
+                          fields=self.fields, template=self.template, split=self.split, max_rows=self.max_rows)
+
+
+@dataclass
+class GenConfig:
+    max_new_tokens: int = option(64, "longest response; responses that hit it without EOS count as truncated")
+    min_new_tokens: int = option(0, "EOS is forbidden before this many response tokens")
+    temperature: float = option(1.0, "sampling temperature (log-probs of actor and reference use the same one)")
+    top_p: float = option(1.0, "nucleus sampling: keep the smallest token set with this much probability")
+    top_k: int = option(0, "sample among the k most likely tokens (0 = all)")
+    generation_batch_size: int = option(0, "prompts per generate() call per rank (0 = all of the iteration's)")
+    eval_greedy: bool = option(False, "eval: greedy decoding; default: sampling with a fixed seed (the policy "
+                                      "PPO optimises)")
+
+    def validate(self, prefix: str = "") -> None:
+        if self.max_new_tokens < 1:
+            raise ConfigError(f"config key '{prefix}max_new_tokens': must be >= 1")
+        if not 0 <= self.min_new_tokens <= self.max_new_tokens:
+            raise ConfigError(f"config key '{prefix}min_new_tokens': must be between 0 and max_new_tokens")
+        if self.temperature <= 0:
+            raise ConfigError(f"config key '{prefix}temperature': must be > 0 (use eval_greedy for greedy eval)")
+        if not 0 < self.top_p <= 1:
+            raise ConfigError(f"config key '{prefix}top_p': must be in (0, 1]")
+
+
+@dataclass
+class PPOSection:
+    kl_coef: float = option(0.1, "KL penalty coefficient beta in the reward (initial value when adaptive)")
+    kl_estimator: str = option("k1", "per-token KL estimator in the reward", choices=("k1", "k2", "k3"))
+    adaptive_kl: bool = option(False, "adapt kl_coef towards kl_target (Ziegler et al. 2019)")
+    kl_target: float = option(6.0, "adaptive KL: target KL per sequence, in nats")
+    kl_horizon: float = option(10000.0, "adaptive KL: horizon in samples")
+    kl_loss_coef: float = option(0.0, "coefficient of a k3 KL-to-reference term in the actor loss (0 = off)")
+    gamma: float = option(1.0, "GAE discount")
+    lam: float = option(0.95, "GAE lambda")
+    clip_eps: float = option(0.2, "policy ratio clip range")
+    value_clip: Optional[float] = option(0.2, "value clip range around the rollout's values (null = off)")
+    epochs: int = option(1, "PPO epochs over each rollout (more than 1 is often unstable for LMs)")
+    mini_batch_size: int = option(0, "rollouts per optimizer step, over all ranks (0 = train.batch_size)")
+    whiten_advantages: bool = option(True, "normalise advantages to mean 0, std 1 over valid tokens")
+    score_clip: Optional[float] = option(5.0, "clamp reward scores to [-x, x] (null = off)")
+    normalize_reward: bool = option(False, "standardise RM scores with the rlhfkit_reward_mean/std stored in "
+                                           "the RM's config.json")
+    missing_eos_penalty: Optional[float] = option(None, "subtract this from the score of responses without EOS")
+    critic_lr: Optional[float] = option(None, "critic learning rate (default: train.lr)")
+    critic_warmup_iters: int = option(0, "first N iterations update only the critic")
+    sample_every: int = option(10, "write a few sample generations every N iterations (0 = never)")
+    num_samples: int = option(3, "sample generations written each time")
+
+    def validate(self, prefix: str = "") -> None:
+        if self.kl_coef < 0 or self.kl_loss_coef < 0:
+            raise ConfigError(f"config key '{prefix}kl_coef': KL coefficients must be >= 0")
+        if self.adaptive_kl and (self.kl_target <= 0 or self.kl_horizon <= 0):
+            raise ConfigError(f"config key '{prefix}kl_target': adaptive KL needs kl_target > 0 and kl_horizon > 0")
+        if self.epochs < 1:
+            raise ConfigError(f"config key '{prefix}epochs': must be >= 1")
+        if self.clip_eps <= 0:
+            raise ConfigError(f"config key '{prefix}clip_eps': must be > 0")
+
+
+@dataclass
+class PtxConfig:
+    coef: float = option(0.0, "weight of the causal-LM loss on data.ptx in the actor loss (InstructGPT's gamma)")
+    batch_size: int = option(4, "pretraining texts per actor optimizer step, over all ranks")
+    max_length: int = option(256, "tokens per pretraining text (longer ones are truncated)")
+
+    def validate(self, prefix: str = "") -> None:
+        if self.coef < 0:
+            raise ConfigError(f"config key '{prefix}coef': must be >= 0")
+        if self.batch_size < 1 or self.max_length < 2:
+            raise ConfigError(f"config key '{prefix}batch_size': needs batch_size >= 1 and max_length >= 2")
+
+
+@dataclass
+class EMAConfig:
+    enabled: bool = option(False, "keep an exponential moving average of the actor, exported as final-ema/")
+    beta: float = option(0.992, "EMA decay per actor optimizer step")
+
+    def validate(self, prefix: str = "") -> None:
+        if not 0 < self.beta < 1:
+            raise ConfigError(f"config key '{prefix}beta': must be in (0, 1)")
+
+
+@dataclass
+class PPOConfig:
+    actor: Optional[str] = option(None, "the policy to train: an SFT output folder or hub id")
+    reward: Optional[str] = option(None, "a reward-model folder, or a Python function module:function or "
+                                         "path/file.py:function taking (prompts, responses) -> list[float]")
+    critic: Optional[str] = option(None, "value model folder; default: the reward model when it is a folder "
+                                         "with the actor's tokenizer, else the actor with a fresh value head")
+    reference: Optional[str] = option(None, "frozen KL reference; default: the actor (with LoRA: the actor "
+                                            "with its adapter disabled, no second copy)")
+    output_dir: str = option("runs/ppo", "where final/, final-critic/, checkpoints/, metrics.jsonl go")
+    data: PPODataConfig = option(PPODataConfig(), "prompts and pretraining text")
+    train: TrainConfig = option(TrainConfig(), "optimisation (max_steps = PPO iterations, batch_size = prompts "
+                                               "per iteration)")
+    gen: GenConfig = option(GenConfig(), "generation")
+    ppo: PPOSection = option(PPOSection(), "PPO")
+    ptx: PtxConfig = option(PtxConfig(), "PPO-ptx")
+    ema: EMAConfig = option(EMAConfig(), "EMA of the actor")
+    load: LoadConfig = option(LoadConfig(), "model loading")
+    lora: LoraConfig = option(LoraConfig(), "LoRA (actor and critic)")
+    engine: EngineConfig = option(EngineConfig(), "backend")
+    log: LogConfig = option(LogConfig(), "logging")
+
+    def validate(self, prefix: str = "") -> None:
+        for key in ("actor", "reward"):
+            if not getattr(self, key):
+                raise ConfigError(f"config key '{prefix}{key}': required")
+        if self.data.prompts is None:
+            raise ConfigError(f"config key '{prefix}data.prompts': required (a prompt file, folder or hub name)")
+        if self.ptx.coef > 0 and not self.data.ptx:
+            raise ConfigError(f"config key '{prefix}data.ptx': required when ptx.coef > 0")
+        if self.train.max_steps < 1:
+            raise ConfigError(f"config key '{prefix}train.max_steps': set the number of PPO iterations (>= 1)")
+        mini = self.ppo.mini_batch_size or self.train.batch_size
+        if self.train.batch_size % mini or mini % self.train.micro_batch_size:
+            raise ConfigError(f"config key '{prefix}ppo.mini_batch_size': {mini} must divide train.batch_size "
+                              f"{self.train.batch_size} and be a multiple of micro_batch_size "
+                              f"{self.train.micro_batch_size}")

@@ -1,0 +1,134 @@
+"""The frozen reward of PPO: a reward-model folder, or a Python function `(prompts, responses) -> list[float]`.
+
+Both are callables taking a rollout batch (prompt_texts, response_texts, messages, input_ids, attention_mask)
+and returning a (B,) float tensor of sequence scores.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import math
+import os
+import sys
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from rlhfkit.data.templates import Template, encode_prompt, encode_response
+from rlhfkit.data.tokenize import pad_sequences
+from rlhfkit.models.forward import sequence_scores
+from rlhfkit.models.loading import ModelError
+
+
+def is_function_spec(spec: str) -> bool:
+    """`module:function` or `path/file.py:function` (an existing folder is always a model, even with a ':')."""
+    if Path(spec).is_dir() or ":" not in spec:
+        return False
+    target, name = spec.rsplit(":", 1)
+    return bool(target) and name.isidentifier()
+
+
+def load_reward_function(spec: str) -> Callable:
+    """Import `module:function` (from the working directory or PYTHONPATH) or load `path/file.py:function`."""
+    target, name = spec.rsplit(":", 1)
+    if target.endswith(".py"):
+        path = Path(target).expanduser()
+        if not path.is_file():
+            raise ModelError(f"reward '{spec}': file '{target}' does not exist")
+        module_spec = importlib.util.spec_from_file_location(f"rlhfkit_reward_{path.stem}", path)
+        module = importlib.util.module_from_spec(module_spec)
+        try:
+            module_spec.loader.exec_module(module)
+        except Exception as exc:
+            raise ModelError(f"reward '{spec}': importing '{target}' failed: {type(exc).__name__}: {exc}") from None
+    else:
+        if os.getcwd() not in sys.path:  # `python -m` adds it, console scripts do not
+            sys.path.insert(0, os.getcwd())
+        try:
+            module = importlib.import_module(target)
+        except ImportError as exc:
+            raise ModelError(f"reward '{spec}': cannot import module '{target}': {exc}") from None
+    fn = getattr(module, name, None)
+    if not callable(fn):
+        raise ModelError(f"reward '{spec}': '{target}' has no function '{name}'")
+    return fn
+
+
+class FunctionReward:
+    """Calls `fn(prompts, responses)` with the rendered prompts and the decoded responses (special tokens
+    skipped) and checks it returned one finite number per response."""
+
+    def __init__(self, fn: Callable, spec: str):
+        self.fn, self.spec = fn, spec
+        self.stats = None  # no stored mean/std to normalise with
+
+    def __call__(self, batch, finished: torch.Tensor | None = None) -> torch.Tensor:
+        scores = self.fn(list(batch.prompt_texts), list(batch.response_texts))
+        try:
+            values = [float(s) for s in scores]
+        except (TypeError, ValueError):
+            raise ModelError(f"reward '{self.spec}' must return a list of numbers, got {scores!r:.200}") from None
+        if len(values) != batch.size or not all(math.isfinite(v) for v in values):
+            raise ModelError(f"reward '{self.spec}' returned {len(values)} values for {batch.size} responses "
+                             f"(all must be finite numbers)")
+        return torch.tensor(values, dtype=torch.float32)
+
+
+def same_tokenization(a, b) -> bool:
+    """Can token ids from `a` be fed to a model trained with `b` (and rendered the same way)?"""
+    return (type(a) is type(b) and len(a) == len(b) and a.get_vocab() == b.get_vocab()
+            and getattr(a, "chat_template", None) == getattr(b, "chat_template", None))
+
+
+class ModelReward:
+    """A reward model scoring prompt + response at the last real token.
+
+    With the actor's tokenizer the rollout's token ids are scored as they are. Otherwise the response is
+    decoded and prompt + response re-rendered with the RM's own template and re-tokenised, since its scores
+    only mean something on text laid out as in its training (TRL #1674, OpenRLHF #242).
+    """
+
+    def __init__(self, model, tokenizer, actor_template: Template, template_mode: str, micro_batch_size: int,
+                 device):
+        self.model, self.tokenizer, self.device = model, tokenizer, device
+        self.micro = micro_batch_size
+        # render as in the RM's training when `rlhfkit rm` recorded it (rlhfkit_template: chat|plain)
+        self.template = Template.for_tokenizer(tokenizer, getattr(model.config, "rlhfkit_template", None)
+                                               or template_mode)
+        self.retokenize = not (same_tokenization(tokenizer, actor_template.tokenizer)
+                               and self.template.name == actor_template.name)
+        mean = getattr(model.config, "rlhfkit_reward_mean", None)
+        std = getattr(model.config, "rlhfkit_reward_std", None)
+        self.stats = {"mean": float(mean), "std": float(std)} if mean is not None and std is not None else None
+
+    def _rm_inputs(self, batch, finished: list[bool]) -> tuple[torch.Tensor, torch.Tensor]:
+        seqs = []
+        eos = self.tokenizer.eos_token or ""
+        for messages, response, done in zip(batch.messages, batch.response_texts, finished):
+            text = self.template.response(messages, response)
+            if not done and eos and text.endswith(eos):
+                text = text[: -len(eos)]  # a truncated response must not look finished to the RM
+            ids = encode_prompt(self.tokenizer, self.template.prompt(messages))
+            ids += encode_response(self.tokenizer, text) if done else list(
+                self.tokenizer(text, add_special_tokens=False)["input_ids"])
+            seqs.append(ids)
+        ids = pad_sequences(seqs, self.tokenizer.pad_token_id)
+        return ids, pad_sequences([[1] * len(s) for s in seqs], 0)
+
+    @torch.no_grad()
+    def __call__(self, batch, finished: torch.Tensor | None = None) -> torch.Tensor:
+        if self.retokenize:
+            if not all(batch.messages):
+                raise ModelError("the reward model's tokenizer differs from the actor's, and the prompts carry no "
+                                 "messages to re-render")
+            done = finished.tolist() if finished is not None else [True] * batch.size
+            ids, mask = self._rm_inputs(batch, done)
+        else:
+            ids, mask = batch.input_ids, batch.attention_mask
+        scores = []
+        for start in range(0, ids.size(0), self.micro):
+            chunk = slice(start, start + self.micro)
+            scores.append(sequence_scores(self.model, ids[chunk].to(self.device), mask[chunk].to(self.device)))
+        return torch.cat(scores).float()

@@ -1,0 +1,56 @@
+"""Held-out evaluation of the policy: mean reward of its responses and their KL to the reference."""
+
+from __future__ import annotations
+
+import torch
+
+from rlhfkit.config.ppo_schema import GenConfig
+from rlhfkit.models.lora import adapter_disabled
+from rlhfkit.rollout.batch import RolloutBatch, cat_rollouts
+from rlhfkit.rollout.experience import ended_with_eos, response_logprobs
+from rlhfkit.rollout.generate import generate_rollout
+
+
+def generate_all(model, engine, tokenizer, rows: list[dict], cfg: GenConfig, greedy: bool = False) -> RolloutBatch:
+    """Generate for every row, `cfg.generation_batch_size` prompts per generate() call (0 = all at once)."""
+    size = cfg.generation_batch_size or len(rows)
+    parts = [generate_rollout(model, engine, tokenizer, rows[i:i + size], cfg, greedy)
+             for i in range(0, len(rows), size)]
+    return cat_rollouts(parts, tokenizer.pad_token_id)
+
+
+@torch.no_grad()
+def sequence_kl(actor, reference, batch: RolloutBatch, temperature: float, micro: int) -> torch.Tensor:
+    """(B,) sum over valid tokens of log pi - log pi_ref (k1): nats per sequence, as in the training metric."""
+    out = []
+    for start in range(0, batch.size, micro):
+        part = batch.select(list(range(start, min(start + micro, batch.size))))
+        logp = response_logprobs(actor, part, temperature)
+        if reference is None:
+            with adapter_disabled(actor):
+                ref = response_logprobs(actor, part, temperature)
+        else:
+            ref = response_logprobs(reference, part, temperature)
+        out.append(((logp - ref) * part.response_mask).sum(-1))
+    return torch.cat(out)
+
+
+@torch.no_grad()
+def evaluate_policy(actor, reference, reward, tokenizer, rows: list[dict], cfg: GenConfig, engine, micro: int,
+                    seed: int, eos_ids: list[int]) -> tuple[dict, RolloutBatch]:
+    """eval/reward (raw reward of one response per held-out prompt), eval/kl, eval/response_length.
+
+    Sampling uses a fixed seed in a forked RNG: every evaluation draws with the same noise, so a change in
+    eval/reward is the policy's, and the training RNG stream is untouched.
+    """
+    devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
+    with torch.random.fork_rng(devices=devices):
+        torch.manual_seed(seed)
+        batch = generate_all(actor, engine, tokenizer, rows, cfg, greedy=cfg.eval_greedy)
+    finished = ended_with_eos(batch, eos_ids)
+    scores = reward(batch, finished).float().cpu()
+    kl = sequence_kl(actor, reference, batch.to(engine.device), cfg.temperature, micro)
+    metrics = {"eval/reward": scores.mean().item(), "eval/reward_std": scores.std().item() if len(scores) > 1 else 0.0,
+               "eval/kl": kl.mean().item(), "eval/response_length": batch.response_lengths.float().mean().item(),
+               "eval/finished": finished.float().mean().item()}
+    return engine.reduce_mean(metrics), batch

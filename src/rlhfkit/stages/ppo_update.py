@@ -1,0 +1,126 @@
+"""Step 5 of a PPO iteration: optimise actor and critic on one rollout (and the PPO-ptx text mixed in).
+
+Losses are normalised by the valid tokens of the whole mini-batch (over all ranks), not per micro-batch, so
+one optimizer step is the same for micro-batch 1 x accumulation k and micro-batch k x accumulation 1.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import torch
+
+from rlhfkit.algos import (entropy_from_logits, kl_penalty, lm_loss_sum, masked_mean, policy_loss, token_logprobs,
+                           value_loss)
+from rlhfkit.config.ppo_schema import PPOConfig, PPOSection
+from rlhfkit.data.errors import DataError
+from rlhfkit.data.readers import read_rows
+from rlhfkit.data.tokenize import collate_sft
+from rlhfkit.models.forward import causal_logits
+from rlhfkit.rollout.batch import RolloutBatch
+from rlhfkit.rollout.experience import response_logits, response_values
+
+
+def actor_loss(model, part: RolloutBatch, cfg: PPOSection, temperature: float) -> tuple[torch.Tensor, dict]:
+    """Clipped surrogate (Schulman et al. 2017, eq. 7), plus an optional k3 KL-to-reference loss term."""
+    logits = response_logits(model, part, temperature)  # (b, R, V)
+    logp = token_logprobs(logits, part.response_ids)  # (b, R)
+    mask = part.response_mask
+    loss, stats = policy_loss(logp, part.old_logprobs, part.advantages, mask, cfg.clip_eps)
+    stats["policy_loss"] = loss.item()
+    if cfg.kl_loss_coef > 0:
+        # KL as a loss instead of (or besides) the reward penalty; k3 is unbiased and >= 0 (verl's default)
+        kl = masked_mean(kl_penalty(logp, part.ref_logprobs, "k3"), mask)
+        loss = loss + cfg.kl_loss_coef * kl
+        stats["kl_loss"] = kl.item()
+    with torch.no_grad():
+        stats["entropy"] = masked_mean(entropy_from_logits(logits), mask).item()
+    return loss, stats
+
+
+def critic_loss(model, part: RolloutBatch, cfg: PPOSection) -> tuple[torch.Tensor, dict]:
+    values = response_values(model, part)  # (b, R)
+    loss, stats = value_loss(values, part.values, part.returns, part.response_mask, cfg.value_clip)
+    stats["value_loss"] = loss.item()
+    return loss, stats
+
+
+class PtxText:
+    """Tokenised pretraining documents for PPO-ptx, drawn by a seeded generator keyed on the update index so
+    a resumed run draws the same texts."""
+
+    def __init__(self, source: str, tokenizer, max_length: int, seed: int):
+        rows = read_rows(source)
+        if "text" not in rows[0].data:
+            raise DataError(f"{source}: PPO-ptx text needs a `text` field (found {sorted(rows[0].data)}); "
+                            f"a .txt file works as it is")
+        encoded = tokenizer([str(row.data.get("text", "")) for row in rows])["input_ids"]
+        self.rows = [{"input_ids": ids[:max_length], "labels": ids[:max_length]} for ids in encoded if len(ids) >= 2]
+        if not self.rows:
+            raise DataError(f"{source}: no PPO-ptx text of at least 2 tokens")
+        self.seed = seed
+
+    def draw(self, n: int, key: int) -> list[dict]:
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + key)
+        return [self.rows[i] for i in torch.randint(len(self.rows), (n,), generator=g).tolist()]
+
+
+def ptx_backward(actor, rows: list[dict], coef: float, micro: int, pad_id: int, engine) -> float:
+    """Accumulate coef * causal-LM loss (InstructGPT eq. 2, the gamma * E[log pi(x)] term) into the actor's
+    gradients, normalised by the texts' token count. Returns the loss per token."""
+    n_tokens = max(1, engine.reduce_sum(sum(len(r["labels"]) - 1 for r in rows)))
+    total = 0.0
+    for start in range(0, len(rows), micro):
+        batch = {k: v.to(engine.device) for k, v in collate_sft(rows[start:start + micro], pad_id).items()}
+        logits = causal_logits(actor.module, batch["input_ids"], batch["attention_mask"])
+        nll, _ = lm_loss_sum(logits[:, :-1], batch["labels"][:, 1:])
+        actor.backward(coef * nll * engine.world_size / n_tokens)
+        total += nll.item()
+    return engine.reduce_sum(total) / n_tokens
+
+
+def ppo_update(batch: RolloutBatch, actor, critic, cfg: PPOConfig, engine, iteration: int,
+               update_actor: bool = True, ptx: PtxText | None = None, ema=None, pad_id: int = 0) -> dict:
+    """PPO epochs x mini-batches over `batch`; one optimizer step of each model per mini-batch.
+
+    Returns the metrics averaged over the optimizer steps (and ranks).
+    """
+    world, micro = engine.world_size, cfg.train.micro_batch_size
+    mini = (cfg.ppo.mini_batch_size or cfg.train.batch_size) // world
+    temperature = cfg.gen.temperature
+    sums, steps = defaultdict(float), 0
+    for epoch in range(cfg.ppo.epochs):
+        # seeded by iteration and epoch, so a resumed run shuffles the same way
+        order = torch.randperm(batch.size, generator=torch.Generator().manual_seed(
+            cfg.train.seed * 1000 + iteration * 100 + epoch))
+        for start in range(0, batch.size, mini):
+            rows = order[start:start + mini]
+            local_tokens = batch.response_mask[rows].sum().item()
+            n_tokens = max(1.0, engine.reduce_sum(local_tokens))
+            stats = defaultdict(float)
+            for m in range(0, len(rows), micro):
+                part = batch.select(rows[m:m + micro]).to(engine.device)
+                part_tokens = part.response_mask.sum().item()
+                scale = part_tokens * world / n_tokens  # this micro-batch's share of the mini-batch's tokens
+                share = part_tokens / max(local_tokens, 1.0)  # for metrics: token-weighted means
+                if update_actor:
+                    loss, actor_stats = actor_loss(actor.module, part, cfg.ppo, temperature)
+                    actor.backward(loss * scale)
+                    for k, v in actor_stats.items():
+                        stats[k] += v * share
+                loss, critic_stats = critic_loss(critic.module, part, cfg.ppo)
+                critic.backward(loss * scale)
+                for k, v in critic_stats.items():
+                    stats[k] += v * share
+            if update_actor:
+                if ptx is not None:
+                    draw = ptx.draw(cfg.ptx.batch_size // world, (iteration * 1000 + steps) * world + engine.rank)
+                    stats["ptx_loss"] = ptx_backward(actor, draw, cfg.ptx.coef, micro, pad_id, engine)
+                stats["actor_grad_norm"] = actor.step()["grad_norm"]
+                if ema is not None:
+                    ema.update(actor.module)
+            stats["critic_grad_norm"] = critic.step()["grad_norm"]
+            for k, v in stats.items():
+                sums[k] += v
+            steps += 1
+    return engine.reduce_mean({k: v / steps for k, v in sums.items()})

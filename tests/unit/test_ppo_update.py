@@ -1,0 +1,141 @@
+"""PPO update: micro-batch x accumulation invariance, LoRA reference, EMA, config validation."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from rlhfkit.config.fields import ConfigError, from_dict, help_text
+from rlhfkit.config.ppo_schema import PPOConfig
+from rlhfkit.data.templates import Template, encode_prompt
+from rlhfkit.engine import LocalEngine
+from rlhfkit.models import load_causal_lm, load_scalar_model, load_tokenizer
+from rlhfkit.models.ema import EMA
+from rlhfkit.rollout import add_advantages, add_model_outputs, generate_all
+from rlhfkit.rollout.experience import response_logprobs
+from rlhfkit.stages.ppo_setup import load_ppo_models
+from rlhfkit.stages.ppo_update import PtxText, ppo_update
+
+
+def prompt_rows(tok, prompts: list[str]) -> list[dict]:
+    template = Template.for_tokenizer(tok)
+    return [{"prompt_ids": encode_prompt(tok, template.prompt([{"role": "user", "content": p}])),
+             "prompt_text": p, "messages": [{"role": "user", "content": p}]} for p in prompts]
+
+
+def ppo_config(**sections) -> PPOConfig:
+    base = {"actor": "unused", "reward": "unused.py:f", "data": {"prompts": "unused"},
+            "train": {"max_steps": 1, "batch_size": 4, "micro_batch_size": 4, "lr": 1.0, "warmup_steps": 0,
+                      "scheduler": "constant"},
+            "gen": {"max_new_tokens": 6, "temperature": 0.8}}
+    for key, value in sections.items():
+        base[key] = {**base.get(key, {}), **value} if isinstance(value, dict) else value
+    return from_dict(PPOConfig, base)
+
+
+@pytest.fixture(scope="module")
+def rollout(tiny_model_dir):
+    """A scored rollout of 4 prompts with different lengths (left padding) and different response lengths."""
+    engine = LocalEngine()  # a GPU when there is one: models, rollout and updates all live on engine.device
+    tok = load_tokenizer(str(tiny_model_dir), padding_side="left")
+    actor = load_causal_lm(str(tiny_model_dir), tokenizer=tok).to(engine.device)
+    torch.manual_seed(0)
+    critic = load_scalar_model(str(tiny_model_dir), tokenizer=tok).to(engine.device)
+    cfg = ppo_config()
+    rows = prompt_rows(tok, ["say apple", "say a river stone cloud", "say honey honey", "say tiger"])
+    torch.manual_seed(1)
+    batch = generate_all(actor, engine, tok, rows, cfg.gen)
+    batch.response_mask[0, 3:] = 0  # make the response lengths differ for sure
+    batch = add_model_outputs(batch, actor, critic, actor, cfg.gen.temperature, 4)
+    batch.ref_logprobs = batch.ref_logprobs - 0.1 * torch.rand_like(batch.ref_logprobs) * batch.response_mask
+    scores = torch.tensor([1.0, -0.5, 0.3, 2.0], device=engine.device)
+    batch, _ = add_advantages(batch, scores, 0.1, cfg.ppo)
+    return tok, actor, critic, batch
+
+
+def one_update(tmp_path, rollout, micro: int, **sections) -> tuple[dict, list, list]:
+    tok, actor, critic, batch = rollout
+    cfg = ppo_config(train={"micro_batch_size": micro}, **sections)
+    engine = LocalEngine()
+    a = engine.prepare(copy.deepcopy(actor), cfg.train, 10)
+    c = engine.prepare(copy.deepcopy(critic), cfg.train, 10)
+    # Adam's first step is ~lr * sign(g), blind to how the gradient is weighted; with eps = 1 it is ~lr * g,
+    # so comparing parameters after one step compares the accumulated gradients themselves
+    for group in a.optimizer.param_groups + c.optimizer.param_groups:
+        group["eps"] = 1.0
+    ptx = None
+    if cfg.ptx.coef > 0:
+        source = tmp_path / cfg.data.ptx
+        source.write_text("say apple apple\n\nsay a river stone cloud green\n\nhoney\n\ntiger tiger")
+        ptx = PtxText(str(source), tok, 32, seed=0)
+    metrics = ppo_update(batch, a, c, cfg, engine, iteration=0, ptx=ptx, pad_id=tok.pad_token_id)
+    return metrics, [p.detach().clone() for p in a.module.parameters()], [p.detach().clone() for p in
+                                                                          c.module.parameters()]
+
+
+@pytest.mark.parametrize("sections", [
+    {},
+    {"ppo": {"kl_loss_coef": 0.5, "epochs": 2, "mini_batch_size": 2}, "ptx": {"coef": 0.5, "batch_size": 4},
+     "data": {"ptx": "ptx.txt"}},
+], ids=["plain", "kl_loss+epochs+minibatches+ptx"])
+def test_micro_batch_times_accumulation_invariance(tmp_path, rollout, sections):
+    m1, actor1, critic1 = one_update(tmp_path, rollout, 1, **sections)  # micro 1 x accumulation 4 (or 2)
+    m4, actor4, critic4 = one_update(tmp_path, rollout, sections.get("ppo", {}).get("mini_batch_size", 4), **sections)
+    before = [p.detach() for p in rollout[1].parameters()]
+    assert max((a - b).abs().max().item() for a, b in zip(actor1, before)) > 1e-3  # the update did something
+    for a, b in zip(actor1 + critic1, actor4 + critic4):
+        torch.testing.assert_close(a, b, atol=2e-6, rtol=1e-5)
+    for key in ("policy_loss", "value_loss", "entropy", "clip_fraction"):
+        assert m1[key] == pytest.approx(m4[key], abs=1e-5)
+    if "ptx" in sections:
+        assert m1["ptx_loss"] == pytest.approx(m4["ptx_loss"], rel=1e-5)
+
+
+def test_lora_reference_is_the_actor_with_its_adapter_disabled(tmp_path, tiny_model_dir, rollout):
+    (tmp_path / "r.py").write_text("def f(prompts, responses):\n    return [0.0] * len(responses)\n")
+    cfg = ppo_config(actor=str(tiny_model_dir), reward=f"{tmp_path / 'r.py'}:f",
+                     lora={"rank": 4, "alpha": 8.0})
+    tok, plain_actor, _, batch = rollout
+    models = load_ppo_models(cfg, tok, LocalEngine(), 10)
+    assert models.reference is None and any("adapter disabled" in n for n in models.notes)
+    # make the adapter non-zero (a fresh LoRA B is 0), as training would
+    with torch.no_grad():
+        for name, p in models.actor.module.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.5)
+    with_ref = add_model_outputs(batch, models.actor.module, models.critic.module, None, 0.8, 4)
+    base = response_logprobs(plain_actor, batch, 0.8) * batch.response_mask
+    torch.testing.assert_close(with_ref.ref_logprobs, base, atol=1e-5, rtol=1e-5)
+    assert (with_ref.old_logprobs - base).abs().max() > 1e-2  # the adapted actor itself differs
+
+
+def test_ema_averages_and_swaps_back():
+    layer = torch.nn.Linear(2, 1, bias=False)
+    with torch.no_grad():
+        layer.weight.fill_(1.0)
+    ema = EMA(layer, beta=0.9)
+    with torch.no_grad():
+        layer.weight.fill_(3.0)
+    ema.update(layer)
+    torch.testing.assert_close(ema.shadow["weight"], torch.full((1, 2), 1.2))  # 0.9 * 1 + 0.1 * 3
+    with ema.swapped_in(layer):
+        assert torch.allclose(layer.weight, torch.tensor(1.2))
+    assert torch.allclose(layer.weight, torch.tensor(3.0))
+
+
+def test_config_errors_name_the_key_and_help_lists_fields(tmp_path):
+    with pytest.raises(ConfigError, match="'actor'"):
+        from_dict(PPOConfig, {"reward": "x:f", "data": {"prompts": "p"}, "train": {"max_steps": 1}})
+    with pytest.raises(ConfigError, match="'data.ptx'"):
+        ppo_config(ptx={"coef": 0.1})
+    with pytest.raises(ConfigError, match="'ppo.mini_batch_size'"):
+        ppo_config(ppo={"mini_batch_size": 3})
+    with pytest.raises(ConfigError, match="unknown config key 'ppo.kl_coeff'"):
+        ppo_config(ppo={"kl_coeff": 0.1})
+    with pytest.raises(ConfigError, match="'gen.temperature'"):
+        ppo_config(gen={"temperature": 0.0})
+    fields = help_text(PPOConfig)
+    for key in ("ppo.kl_coef", "ppo.critic_lr", "gen.top_p", "ptx.coef", "ema.beta", "data.max_prompt_length"):
+        assert key in fields

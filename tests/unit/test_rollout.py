@@ -1,0 +1,187 @@
+"""Rollout: response masks, padding-safe generation and forwards, reward placement, reward functions."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rlhfkit.config.ppo_schema import GenConfig, PPOSection
+from rlhfkit.data.templates import Template, encode_prompt, encode_response
+from rlhfkit.models import ModelError, load_causal_lm, load_scalar_model, load_tokenizer
+from rlhfkit.models.reward_fn import FunctionReward, ModelReward, is_function_spec, load_reward_function
+from rlhfkit.rollout import (RolloutBatch, add_advantages, add_model_outputs, adjust_scores, cat_rollouts,
+                             ended_with_eos, generate_rollout, response_mask)
+from rlhfkit.rollout.experience import response_logprobs
+
+
+class CPU:
+    device, rank, world_size = torch.device("cpu"), 0, 1
+
+    def gathered(self, module):
+        import contextlib
+
+        return contextlib.nullcontext()
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_model_dir):
+    tok = load_tokenizer(str(tiny_model_dir), padding_side="left")
+    return tok, load_causal_lm(str(tiny_model_dir), tokenizer=tok).eval()
+
+
+def prompt_rows(tok, prompts: list[str]) -> list[dict]:
+    template = Template.for_tokenizer(tok)
+    rows = []
+    for p in prompts:
+        messages = [{"role": "user", "content": p}]
+        text = template.prompt(messages)
+        rows.append({"prompt_ids": encode_prompt(tok, text), "prompt_text": text, "messages": messages})
+    return rows
+
+
+# ---------------------------------------------------------------- masks and batch plumbing
+
+
+def test_response_mask_keeps_tokens_up_to_first_eos():
+    ids = torch.tensor([[5, 2, 7, 2], [5, 6, 7, 8], [2, 0, 0, 0]])
+    assert response_mask(ids, [2]).tolist() == [[1, 1, 0, 0], [1, 1, 1, 1], [1, 0, 0, 0]]
+    # any of several EOS ids ends a response (e.g. a chat model's end-of-turn token)
+    assert response_mask(torch.tensor([[5, 9, 2, 3]]), [2, 9]).tolist() == [[1, 1, 0, 0]]
+
+
+def make_batch(prompts, responses, masks, pad=0) -> RolloutBatch:
+    width = max(len(p) for p in prompts)
+    prompt_ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
+    prompt_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    return RolloutBatch(prompt_ids=prompt_ids, prompt_mask=prompt_mask, response_ids=torch.tensor(responses),
+                        response_mask=torch.tensor(masks, dtype=torch.float), prompt_texts=["a"] * len(prompts),
+                        response_texts=["b"] * len(prompts))
+
+
+def test_cat_rollouts_pads_prompts_left_and_responses_right():
+    a = make_batch([[1, 5]], [[7, 2]], [[1, 1]])
+    b = make_batch([[1, 5, 6, 7]], [[8, 9, 4, 2]], [[1, 1, 1, 1]])
+    a.values, b.values = torch.tensor([[0.5, 0.25]]), torch.tensor([[1.0, 2.0, 3.0, 4.0]])
+    both = cat_rollouts([a, b], pad_id=0)
+    assert both.prompt_ids.tolist() == [[0, 0, 1, 5], [1, 5, 6, 7]]
+    assert both.prompt_mask.tolist() == [[0, 0, 1, 1], [1, 1, 1, 1]]
+    assert both.response_ids.tolist() == [[7, 2, 0, 0], [8, 9, 4, 2]]
+    assert both.response_mask.tolist() == [[1, 1, 0, 0], [1, 1, 1, 1]]
+    assert both.values.tolist() == [[0.5, 0.25, 0.0, 0.0], [1.0, 2.0, 3.0, 4.0]]
+    assert both.prompt_texts == ["a", "a"]
+
+
+def test_select_trims_columns_that_are_padding_in_every_selected_row():
+    batch = make_batch([[1, 5], [1, 5, 6, 7]], [[7, 2, 0, 0], [8, 9, 4, 2]], [[1, 1, 0, 0], [1, 1, 1, 1]])
+    batch.values = torch.arange(8.0).view(2, 4)
+    short = batch.select([0])
+    assert short.prompt_ids.tolist() == [[1, 5]] and short.response_ids.tolist() == [[7, 2]]
+    assert short.values.tolist() == [[0.0, 1.0]]
+    assert batch.select([0], trim=False).response_ids.shape == (1, 4)
+
+
+# ---------------------------------------------------------------- generation and forwards with left padding
+
+
+def test_batched_generation_equals_one_prompt_at_a_time(tiny):
+    tok, model = tiny
+    rows = prompt_rows(tok, ["say apple", "say a very long river stone cloud green", "say honey"])
+    cfg = GenConfig(max_new_tokens=6)
+    batch = generate_rollout(model, CPU(), tok, rows, cfg, greedy=True)
+    assert batch.prompt_mask.sum(-1).tolist() == [len(r["prompt_ids"]) for r in rows]
+    for i, row in enumerate(rows):
+        alone = generate_rollout(model, CPU(), tok, [row], cfg, greedy=True)
+        n = int(alone.response_mask.sum())
+        assert int(batch.response_mask[i].sum()) == n
+        assert batch.response_ids[i, :n].tolist() == alone.response_ids[0, :n].tolist()
+        assert (batch.response_ids[i, n:] == tok.pad_token_id).all()
+
+
+def test_logprobs_and_values_ignore_padding_and_post_eos_tokens(tiny, tiny_model_dir):
+    tok, model = tiny
+    critic = load_scalar_model(str(tiny_model_dir), tokenizer=tok).eval()
+    rows = prompt_rows(tok, ["say apple", "say a very long river stone cloud green"])
+    torch.manual_seed(0)
+    batch = generate_rollout(model, CPU(), tok, rows, GenConfig(max_new_tokens=5))
+    batch.response_mask[0, 2:] = 0  # pretend row 0 stopped early: everything after must be ignored
+    batch.response_ids[0, 2:] = 17
+    full = add_model_outputs(batch, model, critic, model, temperature=0.7, micro_batch_size=2)
+    assert (full.old_logprobs[0, 2:] == 0).all() and (full.values[0, 2:] == 0).all()
+    assert torch.equal(full.old_logprobs, full.ref_logprobs)  # reference = same weights -> KL 0
+    for i in range(2):
+        alone = batch.select([i])  # no padding at all
+        n = int(alone.response_mask.sum())
+        expected = response_logprobs(model, alone, temperature=0.7)[0, :n]
+        torch.testing.assert_close(full.old_logprobs[i, :n], expected, atol=1e-5, rtol=1e-5)
+
+
+def test_reward_on_last_valid_token_with_left_padded_prompts():
+    batch = make_batch([[1, 5], [1, 5, 6]], [[7, 2, 0, 0], [8, 9, 4, 6]], [[1, 1, 0, 0], [1, 1, 1, 1]])
+    batch.old_logprobs = torch.tensor([[-1.0, -1.0, 99.0, 99.0], [-1.0, -2.0, -1.0, -1.0]])
+    batch.ref_logprobs = torch.tensor([[-1.5, -1.0, -99.0, 5.0], [-1.0, -1.0, -1.0, -1.0]])
+    batch.values = torch.tensor([[0.0, 0.0, 7.0, 7.0], [0.0, 0.0, 0.0, 0.0]])  # garbage after EOS
+    cfg = PPOSection(kl_coef=0.5, gamma=1.0, lam=1.0, whiten_advantages=False, score_clip=None)
+    out, metrics = add_advantages(batch, torch.tensor([1.0, 2.0]), kl_coef=0.5, cfg=cfg)
+    # row 0: k1 = [0.5, 0]; score on its EOS (index 1); row 1: k1 = [0, -1, 0, 0], score on index 3
+    torch.testing.assert_close(out.rewards, torch.tensor([[-0.25, 1.0, 0.0, 0.0], [0.0, 0.5, 0.0, 2.0]]))
+    # gamma = lambda = 1 and V = 0: advantages are rewards-to-go, 0 after EOS
+    torch.testing.assert_close(out.advantages, torch.tensor([[0.75, 1.0, 0.0, 0.0], [2.5, 2.5, 2.0, 2.0]]))
+    assert metrics["kl"] == pytest.approx((0.5 + -1.0) / 2)
+
+
+def test_scores_normalised_and_missing_eos_penalised():
+    batch = make_batch([[1]], [[5, 2, 0]], [[1, 1, 0]])
+    two = cat_rollouts([batch, make_batch([[1]], [[5, 6, 7]], [[1, 1, 1]])], pad_id=0)
+    finished = ended_with_eos(two, [2])
+    assert finished.tolist() == [True, False]
+    cfg = PPOSection(normalize_reward=True, missing_eos_penalty=1.0)
+    scores = adjust_scores(torch.tensor([3.0, 3.0]), finished, cfg, {"mean": 1.0, "std": 2.0})
+    assert scores.tolist() == [1.0, 0.0]
+
+
+# ---------------------------------------------------------------- rewards: Python functions and RMs
+
+
+def test_reward_function_from_file_and_module(tmp_path, monkeypatch):
+    (tmp_path / "my_rewards.py").write_text("def count_a(prompts, responses):\n"
+                                            "    return [r.count('a') for r in responses]\n"
+                                            "def broken(prompts, responses):\n    return [1.0]\n")
+    spec = f"{tmp_path / 'my_rewards.py'}:count_a"
+    assert is_function_spec(spec) and is_function_spec("pkg.mod:fn") and not is_function_spec(str(tmp_path))
+    batch = make_batch([[1], [1]], [[5], [6]], [[1], [1]])
+    batch.response_texts = ["banana", "kiwi"]
+    assert FunctionReward(load_reward_function(spec), spec)(batch).tolist() == [3.0, 0.0]
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert load_reward_function("my_rewards:count_a") is not None
+    with pytest.raises(ModelError, match="returned 1 values for 2"):
+        FunctionReward(load_reward_function("my_rewards:broken"), "my_rewards:broken")(batch)
+    with pytest.raises(ModelError, match="no function 'nope'"):
+        load_reward_function("my_rewards:nope")
+    with pytest.raises(ModelError, match="does not exist"):
+        load_reward_function(f"{tmp_path / 'missing.py'}:f")
+
+
+def test_reward_model_with_another_tokenizer_gets_retokenised_text(tiny, tmp_path):
+    from rlhfkit.demo.tiny import build_tiny_llama, build_tokenizer, save_model_folder
+
+    tok, _ = tiny
+    rm_tok = build_tokenizer(["Human: something else entirely, with other merges"] * 3, vocab_size=290)
+    save_model_folder(build_tiny_llama(len(rm_tok), hidden=16, layers=1, heads=2), rm_tok, tmp_path / "rm")
+    rm_tok = load_tokenizer(str(tmp_path / "rm"))
+    rm = load_scalar_model(str(tmp_path / "rm"), tokenizer=rm_tok).eval()
+    reward = ModelReward(rm, rm_tok, Template.for_tokenizer(tok), "auto", 4, torch.device("cpu"))
+    assert reward.retokenize
+    same = ModelReward(rm, rm_tok, Template.for_tokenizer(rm_tok), "auto", 4, torch.device("cpu"))
+    assert not same.retokenize
+
+    batch = make_batch([[1], [1]], [[5], [6]], [[1], [1]])
+    batch.messages = [[{"role": "user", "content": "say apple"}]] * 2
+    batch.response_texts = ["apple apple", "apple"]
+    ids, mask = reward._rm_inputs(batch, finished=[True, False])
+    template = Template.for_tokenizer(rm_tok)
+    prompt = encode_prompt(rm_tok, template.prompt(batch.messages[0]))
+    finished_ids = prompt + encode_response(rm_tok, template.response(batch.messages[0], "apple apple"))
+    truncated_ids = prompt + rm_tok(" apple", add_special_tokens=False)["input_ids"]  # no EOS: it never ended
+    assert ids[0, : len(finished_ids)].tolist() == finished_ids and mask[0].sum() == len(finished_ids)
+    assert ids[1, : len(truncated_ids)].tolist() == truncated_ids and mask[1].sum() == len(truncated_ids)
+    assert reward(batch, torch.tensor([True, False])).shape == (2,)
