@@ -1,5 +1,6 @@
 """The DeepSpeed engine on 2 CPU ranks over gloo: ZeRO-2/3 match the local engine, export, resume, launchers."""
 
+import json
 import os
 import shutil
 import subprocess
@@ -102,3 +103,74 @@ def test_optimizer_offload_trains(tmp_path, sft_args):
     assert res.returncode == 0, res.stderr[-3000:]
     evals = [m["eval/loss"] for m in read_metrics(out / "metrics.jsonl") if "eval/loss" in m]
     assert evals[-1] < evals[0] - 1.0
+
+
+def _pairs(path):
+    """Chosen answers say the name four times, rejected ones 1-3 times: a rule a tiny RM learns quickly."""
+    import random
+
+    from conftest import NAMES
+
+    rng = random.Random(0)
+    rows = []
+    for _ in range(160):
+        name, k = rng.choice(NAMES), rng.randint(1, 3)
+        rows.append({"prompt": f"say {name}", "chosen": " ".join([name] * 4), "rejected": " ".join([name] * k)})
+    return write_jsonl(path, rows)
+
+
+@pytest.fixture(scope="module")
+def ds_reward_model(tmp_path_factory, ppo_world):
+    """A reward model trained with ZeRO-3 on 2 ranks; the PPO tests below use it as reward and critic."""
+    root = tmp_path_factory.mktemp("ds_rm")
+    out = root / "rm"
+    res = launch("rm", f"model={ppo_world / 'sft' / 'final'}", f"data.train={_pairs(root / 'pairs.jsonl')}",
+                 f"output_dir={out}", "train.batch_size=16", "train.micro_batch_size=4", "train.lr=5e-3",
+                 "train.max_steps=15", "train.eval_every=5", "data.eval_fraction=0.2", "engine.backend=deepspeed",
+                 "engine.zero_stage=3")
+    assert res.returncode == 0, res.stderr[-3000:]
+    return out
+
+
+def test_reward_model_learns_under_zero3_and_exports_its_head(ds_reward_model):
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    accuracy = [m["eval/accuracy"] for m in read_metrics(ds_reward_model / "metrics.jsonl") if "eval/accuracy" in m]
+    assert accuracy[0] < 0.8 and accuracy[-1] >= 0.95, accuracy
+    tok = AutoTokenizer.from_pretrained(ds_reward_model / "final")
+    rm = AutoModelForSequenceClassification.from_pretrained(ds_reward_model / "final")
+    texts = ["User: say river\n\nAssistant: river river river river</s>", "User: say river\n\nAssistant: river</s>"]
+    with torch.no_grad():
+        good, bad = (rm(**tok(t, return_tensors="pt")).logits.item() for t in texts)
+    assert good > bad + 1.0  # the gathered head was exported, not a random one
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_ppo_learns_on_two_ranks(tmp_path, ppo_world, stage):
+    out = tmp_path / "ppo"
+    res = launch("ppo", f"actor={ppo_world / 'sft' / 'final'}", f"reward={ppo_world / 'rewards.py'}:four_words",
+                 f"data.prompts={ppo_world / 'prompts.jsonl'}", f"data.eval_prompts={ppo_world / 'eval.jsonl'}",
+                 f"output_dir={out}", "train.batch_size=16", "train.micro_batch_size=8", "train.lr=5e-4",
+                 "gen.max_new_tokens=20", "train.eval_every=0", "train.max_steps=20", "engine.backend=deepspeed",
+                 f"engine.zero_stage={stage}", "engine.critic_zero_stage=2")
+    assert res.returncode == 0, res.stderr[-3000:]
+    summary = json.loads(res.stdout.strip().splitlines()[-1])
+    assert summary["eval/reward_end"] > summary["eval/reward_start"] + 0.1, summary  # measured 0.625 -> 0.80
+    AutoModelForCausalLM.from_pretrained(out / "final")
+
+
+def test_lora_ppo_with_reward_model_under_zero3(tmp_path, ppo_world, ds_reward_model):
+    from transformers import AutoModelForSequenceClassification
+
+    out = tmp_path / "ppo"
+    res = launch("ppo", f"actor={ppo_world / 'sft' / 'final'}", f"reward={ds_reward_model / 'final'}",
+                 f"data.prompts={ppo_world / 'prompts.jsonl'}", f"data.eval_prompts={ppo_world / 'eval.jsonl'}",
+                 f"output_dir={out}", "train.batch_size=16", "train.micro_batch_size=8", "train.lr=5e-3",
+                 "gen.max_new_tokens=20", "train.eval_every=0", "train.max_steps=15", "lora.rank=8",
+                 "engine.backend=deepspeed", "engine.zero_stage=3")
+    assert res.returncode == 0, res.stderr[-3000:]
+    summary = json.loads(res.stdout.strip().splitlines()[-1])
+    assert summary["eval/reward_end"] > summary["eval/reward_start"] + 1.0, summary  # measured -2.0 -> 3.2
+    actor = AutoModelForCausalLM.from_pretrained(out / "final")
+    assert not any("lora" in k for k in actor.state_dict())
+    AutoModelForSequenceClassification.from_pretrained(out / "final-critic")

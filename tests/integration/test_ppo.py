@@ -26,26 +26,8 @@ TINY_RUN = ["train.batch_size=16", "train.micro_batch_size=8", "train.lr=5e-4", 
 
 
 @pytest.fixture(scope="module")
-def world(tiny_model_dir, tmp_path_factory) -> Path:
-    """An SFT actor (trained in-process, ~5 s), prompts, held-out prompts, pretraining text, a reward file."""
-    from rlhfkit.config.fields import load_config
-    from rlhfkit.config.schema import SFTConfig
-    from rlhfkit.stages.sft import run_sft
-
-    root = tmp_path_factory.mktemp("ppo_world")
-    write_jsonl(root / "sft.jsonl", [{"prompt": f"say {n}", "response": " ".join([n] * k)}
-                                     for n in NAMES for k in range(1, 5)])
-    write_jsonl(root / "prompts.jsonl", [{"prompt": f"say {n}"} for n in NAMES[:16]] * 2)
-    write_jsonl(root / "eval.jsonl", [{"prompt": f"say {n}"} for n in NAMES[16:]] * 8)
-    (root / "ptx.txt").write_text("\n\n".join(f"User: say {n}\n\nAssistant: {n} {n}" for n in NAMES))
-    (root / "rewards.py").write_text("def four_words(prompts, responses):\n"
-                                     "    return [1 - abs(len(r.split()) - 4) / 4 for r in responses]\n")
-    cfg = load_config(SFTConfig, None, [f"model={tiny_model_dir}", f"output_dir={root / 'sft'}",
-                                        f"data.train={root / 'sft.jsonl'}", "data.eval_fraction=0",
-                                        "train.max_steps=800", "train.batch_size=16", "train.micro_batch_size=16",
-                                        "train.lr=3e-3", "train.eval_every=0", "log.tensorboard=false"])
-    run_sft(cfg)
-    return root
+def world(ppo_world) -> Path:
+    return ppo_world
 
 
 def ppo(world: Path, out: str, *overrides: str) -> tuple[dict, str]:

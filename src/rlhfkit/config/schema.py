@@ -24,6 +24,23 @@ class DataConfig:
                           choices=("response", "all"))
     split: str = option("train", "split to read from a save_to_disk DatasetDict or a hub dataset")
     max_rows: int = option(-1, "use at most this many training rows (-1: all)")
+    preset: Optional[str] = option(None, "seed-dataset preset for a local path, e.g. Dahoas/rm-static (README: "
+                                         "Seed datasets): sets format and eval split; implied when data.train is "
+                                         "a preset's name")
+    local_dir: Optional[str] = option(None, "folder of local dataset copies: hub name owner/name is read from "
+                                            "<local_dir>/owner/name (folder) or <local_dir>/owner/name.jsonl when "
+                                            "present; default: $RLHFKIT_DATA_DIR")
+    split_fractions: list = option([], "DeepSpeed-Chat's data_split: relative shares of every source's rows for "
+                                       "the steps, e.g. [2, 4, 4]; this step reads share data.split_index "
+                                       "(fixed shuffle, same in every step); [] = all rows")
+    split_index: int = option(0, "which share of data.split_fractions this step reads (0-based; pipeline: 0 sft, "
+                                 "1 rm, 2 ppo)")
+    on_long_prompt: str = option("drop", "a row whose prompt alone fills max_length: drop it (counted in the log) "
+                                         "or error (names file:line)", choices=("drop", "error"))
+    cache: bool = option(True, "cache tokenised rows under data.cache_dir; a re-run with the same data, tokenizer "
+                               "and data options skips reading and tokenising")
+    cache_dir: Optional[str] = option(None, "tokenised-data cache folder; default: $RLHFKIT_CACHE_DIR, else "
+                                            "~/.cache/rlhfkit")
 
 
 @dataclass
@@ -82,6 +99,18 @@ class EngineConfig:
     offload_params: bool = option(False, "DeepSpeed ZeRO-3: keep parameters on CPU")
     precision: str = option("fp32", "training precision", choices=("fp32", "bf16", "fp16"))
     deepspeed_config: Optional[str] = option(None, "a DeepSpeed JSON merged over the generated config")
+    critic_zero_stage: Optional[int] = option(None, "ppo: the critic's ZeRO stage (default: zero_stage, which the "
+                                                    "actor uses; frozen models follow the actor)")
+    offload_reference_model: bool = option(False, "ppo: keep the frozen reference and reward models on CPU "
+                                                  "between uses (saves accelerator memory, costs transfers)")
+    gather_for_generation: bool = option(True, "ZeRO-3: gather the actor's parameters once per rollout "
+                                               "instead of once per generated token (faster, more memory)")
+
+    def validate(self, prefix: str = "") -> None:
+        if self.critic_zero_stage not in (None, 0, 1, 2, 3):
+            raise ConfigError(f"config key '{prefix}critic_zero_stage': expected 0, 1, 2 or 3")
+        if self.offload_params and self.zero_stage != 3:
+            raise ConfigError(f"config key '{prefix}offload_params': parameter offload needs zero_stage 3")
 
 
 @dataclass

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import warnings
 import os
 import shutil
 import socket
@@ -31,6 +32,9 @@ from rlhfkit.config.schema import EngineConfig, TrainConfig
 from rlhfkit.engine.local import LocalEngine, _fsync_dir, latest_checkpoint, lr_lambda, param_groups, rng_state, \
     set_rng_state
 from rlhfkit.models.lora import clone_for_export
+
+# DeepSpeed still calls the torch.distributed collectives that torch 2.13 renamed; one warning per call
+warnings.filterwarnings("ignore", category=FutureWarning, module="torch.distributed")
 
 
 def _free_port() -> int:
@@ -163,7 +167,7 @@ class DeepSpeedEngine(LocalEngine):
         model.requires_grad_(False)
         model.eval()
         if stage != 3:
-            return model.to(self.device)
+            return model.to("cpu" if self.cfg.offload_reference_model else self.device)
         engine, *_ = deepspeed.initialize(model=model, config=self.eval_config(stage))
         engine.eval()
         return engine
@@ -178,9 +182,14 @@ class DeepSpeedEngine(LocalEngine):
         Without this, ZeRO-3 all-gathers every layer for every generated token (DeepSpeedExamples #718,
         TRL #1051); gathering once is ~10x faster at the cost of holding the full model during rollout.
         """
-        if not self._is_zero3(module):
+        if not self._is_zero3(module) or not self.cfg.gather_for_generation:
             return contextlib.nullcontext()
         return deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=None)
+
+    def generation_kwargs(self, module: torch.nn.Module) -> dict:
+        # under ZeRO-3 every forward is a collective: a rank whose rows all ended must keep stepping until
+        # every rank is done, or the others wait for it forever
+        return {"synced_gpus": True} if self._is_zero3(module) and self.world_size > 1 else {}
 
     # -- collectives -----------------------------------------------------------------------------------
     def reduce_mean(self, metrics: dict) -> dict:

@@ -144,6 +144,7 @@ class LocalEngine:
     name = "local"
 
     def __init__(self, cfg=None):
+        self.cfg = cfg
         self.rank, self.world_size = 0, 1
         self.is_main = True
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -156,7 +157,8 @@ class LocalEngine:
         return Trainable(model, train, total_steps, lr)
 
     def prepare_frozen(self, model: torch.nn.Module, stage: int | None = None) -> torch.nn.Module:
-        model.to(self.device)
+        offload = self.cfg is not None and self.cfg.offload_reference_model
+        model.to("cpu" if offload else self.device)
         model.eval()
         model.requires_grad_(False)
         return model
@@ -164,6 +166,27 @@ class LocalEngine:
     def gathered(self, module: torch.nn.Module):
         """Context giving full parameters for generation (a no-op without ZeRO-3)."""
         return contextlib.nullcontext()
+
+    def generation_kwargs(self, module: torch.nn.Module) -> dict:
+        """Extra generate() arguments the backend needs (ZeRO-3 ranks must keep stepping together)."""
+        return {}
+
+    def on_device(self, module):
+        """Context holding a frozen model on the compute device; with `offload_reference_model` it goes back
+        to CPU afterwards, so four models need not share accelerator memory at once."""
+        offload = self.cfg is not None and self.cfg.offload_reference_model and self.device.type != "cpu"
+        if module is None or not offload or hasattr(module, "ds_id") or _is_ds_engine(module):
+            return contextlib.nullcontext()
+
+        @contextlib.contextmanager
+        def moved():
+            module.to(self.device)
+            try:
+                yield
+            finally:
+                module.to("cpu")
+
+        return moved()
 
     def reduce_mean(self, metrics: dict) -> dict:
         return metrics
@@ -207,6 +230,10 @@ class LocalEngine:
             if tokenizer is not None:
                 tokenizer.save_pretrained(tmp)
         return target
+
+
+def _is_ds_engine(module) -> bool:
+    return type(module).__name__ in ("DeepSpeedEngine", "InferenceEngine")
 
 
 def latest_checkpoint(folder: Path) -> Path:

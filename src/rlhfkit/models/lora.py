@@ -42,8 +42,15 @@ def apply_lora(model, cfg: LoraConfig, task: str = "causal_lm"):
     return get_peft_model(model, peft_cfg)
 
 
+def unwrap_engine(model):
+    """The model inside a DeepSpeed engine wrapper (which forwards calls but hides isinstance checks)."""
+    if "DeepSpeed" in type(model).__name__ and isinstance(getattr(model, "module", None), torch.nn.Module):
+        return model.module
+    return model
+
+
 def is_lora(model) -> bool:
-    return isinstance(model, PeftModel)
+    return isinstance(unwrap_engine(model), PeftModel)
 
 
 def merged(model):
@@ -55,13 +62,16 @@ def merged(model):
 
 def adapter_disabled(model):
     """Context in which a LoRA model computes with its base weights: the frozen reference, no second copy."""
+    model = unwrap_engine(model)
     if isinstance(model, PeftModel):
         return model.disable_adapter()
     return contextlib.nullcontext()
 
 
 def base_model(model) -> torch.nn.Module:
-    """The underlying transformers model (config, generation_config live there)."""
+    """The underlying transformers model (config, generation_config live there), also from inside a
+    DeepSpeed engine wrapper (whose own `.config` is DeepSpeed's dict)."""
+    model = unwrap_engine(model)
     if isinstance(model, PeftModel):
         return model.get_base_model()
     return model

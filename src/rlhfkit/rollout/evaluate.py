@@ -48,8 +48,10 @@ def evaluate_policy(actor, reference, reward, tokenizer, rows: list[dict], cfg: 
         torch.manual_seed(seed)
         batch = generate_all(actor, engine, tokenizer, rows, cfg, greedy=cfg.eval_greedy)
     finished = ended_with_eos(batch, eos_ids)
-    scores = reward(batch, finished).float().cpu()
-    kl = sequence_kl(actor, reference, batch.to(engine.device), cfg.temperature, micro)
+    with engine.on_device(getattr(reward, "model", None)):
+        scores = reward(batch, finished).float().cpu()
+    with engine.on_device(reference):
+        kl = sequence_kl(actor, reference, batch.to(engine.device), cfg.temperature, micro)
     metrics = {"eval/reward": scores.mean().item(), "eval/reward_std": scores.std().item() if len(scores) > 1 else 0.0,
                "eval/kl": kl.mean().item(), "eval/response_length": batch.response_lengths.float().mean().item(),
                "eval/finished": finished.float().mean().item()}

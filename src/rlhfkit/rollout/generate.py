@@ -54,7 +54,8 @@ def generate_rollout(model, engine, tokenizer, rows: list[dict], cfg: GenConfig,
         with engine.gathered(model):
             out = model.generate(input_ids=prompt_ids, attention_mask=prompt_mask, do_sample=not greedy,
                                  max_new_tokens=cfg.max_new_tokens, min_new_tokens=cfg.min_new_tokens,
-                                 eos_token_id=eos_ids, pad_token_id=pad_id, use_cache=True, **sampling)
+                                 eos_token_id=eos_ids, pad_token_id=pad_id, use_cache=True, **sampling,
+                                 **engine.generation_kwargs(model))
     finally:
         model.train(was_training)
     response_ids = out[:, prompt_ids.size(1):]

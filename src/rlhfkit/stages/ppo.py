@@ -120,12 +120,14 @@ def run_ppo(cfg: PPOConfig, resume: bool = False, force: bool = False) -> dict:
 
         # 2. score: the frozen reward model / function on prompt + response
         finished = ended_with_eos(rollout, eos_ids)
-        raw_scores = reward(rollout, finished).float().to(engine.device)
+        with engine.on_device(getattr(reward, "model", None)):
+            raw_scores = reward(rollout, finished).float().to(engine.device)
         scores = adjust_scores(raw_scores, finished, cfg.ppo, reward.stats)
 
         # 3. old log-probs (actor), reference log-probs and values (critic): one no-grad forward each
-        rollout = add_model_outputs(rollout.to(engine.device), actor.module, critic.module, reference,
-                                    cfg.gen.temperature, micro)
+        with engine.on_device(reference):
+            rollout = add_model_outputs(rollout.to(engine.device), actor.module, critic.module, reference,
+                                        cfg.gen.temperature, micro)
 
         # 4. per-token rewards (score on the last valid token, -beta * KL everywhere) and GAE advantages
         rollout, advantage_metrics = add_advantages(rollout, scores, kl_ctl.value, cfg.ppo)

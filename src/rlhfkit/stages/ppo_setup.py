@@ -92,5 +92,5 @@ def load_ppo_models(cfg: PPOConfig, tokenizer, engine, total_updates: int) -> PP
         notes.append(f"reference: {name}")
 
     actor = engine.prepare(actor, cfg.train, total_updates)
-    critic = engine.prepare(critic, cfg.train, total_updates, lr=cfg.ppo.critic_lr)
+    critic = engine.prepare(critic, cfg.train, total_updates, lr=cfg.ppo.critic_lr, stage=cfg.engine.critic_zero_stage)
     return PPOModels(actor, critic, reference, reward, notes)
