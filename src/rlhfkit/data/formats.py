@@ -67,10 +67,11 @@ class _Fields:
 
     def number(self, name: str) -> float:
         """A number; text such as "1" (CSV cells) is accepted."""
+        value = self.get(name)  # outside the try: its DataError (a ValueError) for a missing field must pass
         try:
-            return float(self.get(name))
+            return float(value)
         except (TypeError, ValueError):
-            raise self.error(name, f"expected a number, got {self.data[name]!r:.40}") from None
+            raise self.error(name, f"expected a number, got {value!r:.40}") from None
 
     def text(self, name: str, value=None, allow_empty: bool = False) -> str:
         value = self.get(name) if value is None else value

@@ -1,21 +1,38 @@
 """From a `data:` config section to tokenised train/eval sets for one stage.
 
-read rows (any source, optionally several mixed by weight) -> canonical examples (format detected) ->
-train/eval split (seeded) -> tokenised with the shared template. Every problem surfaces as a DataError
-before any training starts.
+1. resolve each source: a path, a hub name, or a seed-dataset preset with its local copy (presets.py);
+2. read it and keep this step's share of its rows (`data.split_fractions`, DeepSpeed-Chat's data_split);
+3. convert the rows to canonical examples in the source's format (the preset's, or detected);
+4. hold out eval rows per source (the dataset's own test split, else `data.eval_fraction`), then weight the rest
+   (mixing: weight w keeps round(w * n) examples, w < 1 subsamples, w > 1 repeats, seeded);
+5. tokenise with the shared template, dropping (or refusing, `data.on_long_prompt=error`) prompts that fill
+   `data.max_length`.
+A cache (cache.py) skips 2-5 when nothing they depend on changed. Every problem surfaces as a DataError before any
+training starts, and a step left with no training rows says what removed them.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import os
 import random
+import sys
 from dataclasses import dataclass, field
 
 from rlhfkit.config.schema import DataConfig
-from rlhfkit.data.errors import DataError
+from rlhfkit.data import cache
+from rlhfkit.data.errors import DataError, where
 from rlhfkit.data.formats import to_preference_examples, to_prompt_examples, to_sft_examples
-from rlhfkit.data.readers import read_rows
-from rlhfkit.data.templates import Template
+from rlhfkit.data.presets import Source, check_step, read_source, resolve_source
+from rlhfkit.data.readers import has_split
+from rlhfkit.data.templates import Template, encode_prompt
 from rlhfkit.data.tokenize import tokenize_preferences, tokenize_prompts, tokenize_sft
+
+# The partition of data.split_fractions is shuffled with this fixed seed, not train.seed: every step must cut the
+# same partition, whatever seed its own section sets, or the steps' shares would overlap.
+PARTITION_SEED = 0
+# options that do not change the rows: left out of the cache key (a source's location is keyed by its identity)
+_NOT_KEYED = ("cache", "cache_dir", "local_dir")
 
 
 @dataclass
@@ -45,67 +62,210 @@ def _sources(spec) -> list[tuple[str, float]]:
     raise DataError(f"config key 'data.train': expected a path or a list of {{path, weight}}, got {spec!r}")
 
 
-def read_mixed(spec, convert, split: str, seed: int) -> list:
-    """Read every source, convert its rows, and mix: weight w keeps round(w * n) examples of a source
-    (w < 1 subsamples, w > 1 repeats), drawn with a seeded generator so mixing is reproducible."""
-    rng = random.Random(seed)
-    mixed = []
-    for path, weight in _sources(spec):
-        examples = convert(read_rows(path, split=split))
-        if weight == 1.0:
-            mixed.extend(examples)
-            continue
-        want = max(1, round(weight * len(examples)))
-        whole, rest = divmod(want, len(examples))
-        mixed.extend(examples * whole + rng.sample(examples, rest))
-    return mixed
+def partition(n: int, fractions: list, index: int) -> list[int]:
+    """Ascending indices of share `index` when n rows are cut by the relative `fractions` (e.g. [2, 4, 4]).
+
+    DeepSpeed-Chat's data_split: SFT, the reward model and PPO each train on their own rows, so the RM is not
+    fitted on responses to prompts SFT imitated and PPO rolls out on prompts neither has seen."""
+    order = list(range(n))
+    random.Random(PARTITION_SEED).shuffle(order)
+    total = sum(fractions)
+    bounds = [round(n * sum(fractions[:i]) / total) for i in range(len(fractions) + 1)]
+    return sorted(order[bounds[index]:bounds[index + 1]])
 
 
-def _split(examples: list, cfg: DataConfig, convert, seed: int) -> tuple[list, list]:
-    rng = random.Random(seed)
-    if cfg.eval:
-        evals = convert(read_rows(cfg.eval, split=cfg.split))
-        train = list(examples)
-    else:
-        order = list(range(len(examples)))
-        rng.shuffle(order)
-        n_eval = int(round(cfg.eval_fraction * len(examples))) if cfg.eval_fraction > 0 else 0
-        if n_eval >= len(examples):
-            raise DataError(f"config key 'data.eval_fraction': {cfg.eval_fraction} leaves no training rows")
-        evals = [examples[i] for i in order[:n_eval]]
-        train = [examples[i] for i in sorted(order[n_eval:])]
-    if cfg.max_rows > 0:
-        train = train[: cfg.max_rows]
-    return train, evals[: cfg.eval_max_rows]
+def _check_split_options(cfg: DataConfig) -> None:
+    shares = cfg.split_fractions
+    if not shares:
+        return
+    if not all(isinstance(x, (int, float)) and not isinstance(x, bool) and x >= 0 for x in shares) or not sum(shares):
+        raise DataError(f"config key 'data.split_fractions': expected relative shares >= 0 such as [2, 4, 4], "
+                        f"got {shares!r}")
+    if not 0 <= cfg.split_index < len(shares):
+        raise DataError(f"config key 'data.split_index': {cfg.split_index} is not a share of data.split_fractions "
+                        f"{shares} (0 to {len(shares) - 1})")
+    if shares[cfg.split_index] == 0:
+        raise DataError(f"config key 'data.split_index': share {cfg.split_index} of data.split_fractions {shares} "
+                        f"is 0, so this step would read no rows")
 
 
-# stage -> (rows -> canonical examples, canonical examples -> tokenised rows)
-STAGES = {
-    "sft": (to_sft_examples, lambda ex, tok, tpl, cfg: tokenize_sft(ex, tok, tpl, cfg.max_length, cfg.loss_on)),
-    "rm": (to_preference_examples, lambda ex, tok, tpl, cfg: tokenize_preferences(ex, tok, tpl, cfg.max_length)),
-    "prompts": (to_prompt_examples, lambda ex, tok, tpl, cfg: tokenize_prompts(ex, tok, tpl, cfg.max_length)),
+def _read_share(src: Source, split: str, cfg: DataConfig) -> list:
+    """The rows of one split of a source, cut to this step's share."""
+    rows = read_source(src, split)
+    if cfg.split_fractions:
+        keep = partition(len(rows), cfg.split_fractions, cfg.split_index)
+        if not keep:
+            raise DataError(f"data '{src.name}': share {cfg.split_index} of data.split_fractions "
+                            f"{cfg.split_fractions} gets none of its {len(rows)} rows")
+        rows = [rows[i] for i in keep]
+    return rows
+
+
+# stage -> rows -> canonical examples; skipped rows are counted in `stats`
+CONVERTERS = {
+    "sft": to_sft_examples,
+    "rm": to_preference_examples,
+    "prompts": lambda rows, fields, format, stats: to_prompt_examples(rows, fields, format),
 }
 
 
-def load_stage_data(stage: str, cfg: DataConfig, tokenizer, seed: int, train_spec=None) -> StageData:
-    """Tokenised train and eval rows for `stage` ("sft", "rm" or "prompts"), with counts in `.info`."""
-    to_examples, tokenize = STAGES[stage]
-    stats: dict = {}
+def _convert(stage: str, rows: list, src: Source, cfg: DataConfig, stats: dict) -> list:
+    """A preset fixes the format (so detection cannot pick wrongly); an explicit data.format still wins."""
+    preset = src.preset
+    fmt = cfg.format if cfg.format != "auto" else (preset.format if preset else "auto")
+    fields = {**(preset.fields if preset else {}), **(cfg.fields or {})}
+    stats["rows_read"] = stats.get("rows_read", 0) + len(rows)
+    return CONVERTERS[stage](rows, fields or None, fmt, stats)
 
-    def convert(rows):
-        if stage == "rm":
-            return to_preference_examples(rows, fields=cfg.fields or None, format=cfg.format, stats=stats)
-        return to_examples(rows, fields=cfg.fields or None, format=cfg.format)
 
-    examples = read_mixed(train_spec if train_spec is not None else cfg.train, convert, cfg.split, seed)
-    train_ex, eval_ex = _split(examples, cfg, convert, seed)
-    template = Template.for_tokenizer(tokenizer, cfg.template)
-    train, train_stats = tokenize(train_ex, tokenizer, template, cfg)
-    evals, eval_stats = tokenize(eval_ex, tokenizer, template, cfg)
+def _own_eval_split(src: Source, cfg: DataConfig) -> str | None:
+    """The source's own eval split (its preset's test split, when the copy has one and train is not it)."""
+    split = src.preset.eval_split if src.preset else None
+    if cfg.eval or not split or split == cfg.split or not has_split(src.location, split):
+        return None
+    return split
+
+
+def _hold_out(examples: list, fraction: float, seed: int) -> tuple[list, list]:
+    """(train, eval): a seeded `fraction` of the examples for eval; train keeps the file order."""
+    order = list(range(len(examples)))
+    random.Random(seed).shuffle(order)
+    n_eval = int(round(fraction * len(examples))) if fraction > 0 else 0
+    if examples and n_eval >= len(examples):
+        raise DataError(f"config key 'data.eval_fraction': {fraction} leaves no training rows")
+    return [examples[i] for i in sorted(order[n_eval:])], [examples[i] for i in order[:n_eval]]
+
+
+def weighted(examples: list, weight: float, rng: random.Random) -> list:
+    """round(weight * n) examples: whole copies, then a seeded sample without replacement for the rest."""
+    if weight == 1.0 or not examples:
+        return list(examples)
+    want = max(1, round(weight * len(examples)))
+    whole, rest = divmod(want, len(examples))
+    return examples * whole + rng.sample(examples, rest)
+
+
+def resolve_sources(cfg: DataConfig, train_spec=None) -> tuple[list[Source], Source | None]:
+    """The step's training sources and its explicit eval source (None: held out per source)."""
+    spec = cfg.train if train_spec is None else train_spec
+    sources = [resolve_source(name, weight, cfg.preset, cfg.local_dir) for name, weight in _sources(spec)]
+    evals = resolve_source(cfg.eval, 1.0, cfg.preset, cfg.local_dir) if cfg.eval else None
+    return sources, evals
+
+
+def read_examples(stage: str, cfg: DataConfig, seed: int, sources: list[Source], eval_source: Source | None):
+    """Steps 2-4: (train examples, eval examples, {"train": stats, "eval": stats})."""
+    _check_split_options(cfg)
+    stats: dict = {"train": {}, "eval": {}}
+    rng = random.Random(seed)
+    train, evals = [], []
+    for i, src in enumerate(sources):
+        if src.preset:
+            check_step(src.preset, stage, src.name)
+        examples = _convert(stage, _read_share(src, cfg.split, cfg), src, cfg, stats["train"])
+        own = _own_eval_split(src, cfg)
+        if own:
+            evals += _convert(stage, _read_share(src, own, cfg), src, cfg, stats["eval"])
+        elif eval_source is None:
+            examples, held = _hold_out(examples, cfg.eval_fraction, seed + i)  # seed + 0: as before mixing
+            evals += held
+            stats["train"]["held_out"] = stats["train"].get("held_out", 0) + len(held)
+        train += weighted(examples, src.weight, rng)  # held-out rows are never repeated into train
+    if eval_source is not None:
+        own = eval_source.preset.eval_split if eval_source.preset else None
+        split = own if own and has_split(eval_source.location, own) else cfg.split
+        evals = _convert(stage, _read_share(eval_source, split, cfg), eval_source, cfg, stats["eval"])
+    if cfg.max_rows > 0:
+        train = train[:cfg.max_rows]
+    return train, evals[:cfg.eval_max_rows], stats
+
+
+# stage -> (canonical examples, tokenizer, template, cfg) -> (tokenised rows, {"truncated", "dropped"})
+TOKENIZERS = {
+    "sft": lambda ex, tok, tpl, cfg: tokenize_sft(ex, tok, tpl, cfg.max_length, cfg.loss_on),
+    "rm": lambda ex, tok, tpl, cfg: tokenize_preferences(ex, tok, tpl, cfg.max_length),
+    "prompts": lambda ex, tok, tpl, cfg: tokenize_prompts(ex, tok, tpl, cfg.max_length),
+}
+STAGES = TOKENIZERS  # the stage names load_stage_data accepts
+# converter stats -> what a user reads in the "no training rows left" error
+_SKIP_REASONS = (("identical", "chosen identical to rejected"), ("dropped_ties", "ties (equal scores)"),
+                 ("no_shared_prompt", "chosen and rejected with different prompts"))
+
+
+def _first_long_prompt(examples: list, tokenizer, template: Template, cfg: DataConfig) -> DataError | None:
+    for ex in examples:
+        n = len(encode_prompt(tokenizer, template.prompt(ex.prompt)))
+        if n >= cfg.max_length:
+            return DataError(f"{where(ex.source, ex.line)}: the prompt is {n} tokens once rendered, not shorter than "
+                             f"data.max_length={cfg.max_length} (data.on_long_prompt=error: raise data.max_length, "
+                             f"or set data.on_long_prompt=drop to skip and count such rows)")
+    return None
+
+
+def _nothing_left(stage: str, spec, stats: dict, dropped: int, cfg: DataConfig) -> DataError:
+    names = spec if isinstance(spec, str) else ", ".join(name for name, _ in _sources(spec))
+    reasons = [f"{stats[key]} skipped: {text}" for key, text in _SKIP_REASONS if stats.get(key)]
+    if dropped:
+        why = "prompt too long, or both sides equal once truncated" if stage == "rm" else "prompt too long"
+        reasons.append(f"{dropped} dropped by data.max_length={cfg.max_length} ({why})")
+    held = f" ({stats['held_out']} held out for evaluation)" if stats.get("held_out") else ""
+    return DataError(f"data '{names}': no training rows left after filtering: {stats.get('rows_read', 0)} rows "
+                     f"read{held}" + (f"; {'; '.join(reasons)}" if reasons else ""))
+
+
+def _tokenize(stage: str, train_ex: list, eval_ex: list, stats: dict, tokenizer, template: Template,
+              cfg: DataConfig, spec) -> StageData:
+    """Step 5, and the checks that need token counts."""
+    train, train_tok = TOKENIZERS[stage](train_ex, tokenizer, template, cfg)
+    evals, eval_tok = TOKENIZERS[stage](eval_ex, tokenizer, template, cfg)
+    if cfg.on_long_prompt == "error" and stage != "prompts" and (train_tok["dropped"] or eval_tok["dropped"]):
+        error = _first_long_prompt(train_ex + eval_ex, tokenizer, template, cfg)
+        if error:  # else every drop was an rm pair whose sides became equal once truncated
+            raise error
     if not train:
-        raise DataError(f"data '{cfg.train}': no training rows left after filtering "
-                        f"({train_stats['dropped']} dropped: prompt longer than data.max_length={cfg.max_length})")
+        raise _nothing_left(stage, spec, stats["train"], train_tok["dropped"], cfg)
+    counts = {key: stats["train"].get(key, 0) + stats["eval"].get(key, 0)
+              for key in {*stats["train"], *stats["eval"]}}
     info = {"template": template.name, "train_rows": len(train), "eval_rows": len(evals),
-            "truncated": train_stats["truncated"] + eval_stats["truncated"],
-            "dropped": train_stats["dropped"] + eval_stats["dropped"], **stats}
+            "truncated": train_tok["truncated"] + eval_tok["truncated"],
+            "dropped": train_tok["dropped"] + eval_tok["dropped"], **counts}
     return StageData(train, evals, info)
+
+
+def _cache_entry(stage, cfg, seed, spec, sources, eval_source, tokenizer, template):
+    """(path, key) of this data's cache entry, or (None, reason) when it cannot be keyed safely."""
+    identities = [cache.source_identity(src.location) for src in sources + ([eval_source] if eval_source else [])]
+    if any(identity is None for identity in identities):
+        return None, "off (a hub dataset's revision is unknown)"
+    options = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in _NOT_KEYED}
+    key = cache.make_key({"stage": stage, "seed": seed, "data": options, "train_spec": spec,
+                          "sources": identities, "tokenizer": cache.tokenizer_fingerprint(tokenizer),
+                          "template": template.name})
+    return cache.entry_path(cache.default_cache_dir(cfg.cache_dir), stage, key), key
+
+
+def _note(text: str) -> None:
+    if os.environ.get("RANK", "0") == "0":
+        print(f"data: {text}", file=sys.stderr)
+
+
+def load_stage_data(stage: str, cfg: DataConfig, tokenizer, seed: int, train_spec=None) -> StageData:
+    """Tokenised train and eval rows for `stage` ("sft", "rm" or "prompts"), with counts in `.info`
+    (`info["cache"]`: "hit", "miss" or "off ...")."""
+    spec = cfg.train if train_spec is None else train_spec
+    template = Template.for_tokenizer(tokenizer, cfg.template)
+    sources, eval_source = resolve_sources(cfg, train_spec)
+    path, key = _cache_entry(stage, cfg, seed, spec, sources, eval_source, tokenizer, template) if cfg.cache \
+        else (None, "off")
+    if path is not None:
+        cached = cache.load(path, key)
+        if cached is not None:
+            _note(f"cache hit: {len(cached['train'])} train / {len(cached['eval'])} eval rows from {path}")
+            return StageData(cached["train"], cached["eval"], {**cached["info"], "cache": "hit"})
+    train_ex, eval_ex, stats = read_examples(stage, cfg, seed, sources, eval_source)
+    data = _tokenize(stage, train_ex, eval_ex, stats, tokenizer, template, cfg, spec)
+    if path is not None and os.environ.get("RANK", "0") == "0":  # one writer; other ranks computed the same
+        if cache.save(path, key, data.train, data.eval, data.info):
+            _note(f"tokenised rows cached at {path}")
+    data.info["cache"] = "miss" if path is not None else key
+    return data

@@ -1,8 +1,9 @@
 """Read any supported data source into a list of rows, each remembering where it came from.
 
 Sources: a local file (`.jsonl`, `.json`, `.parquet`, `.csv`, `.txt`, each optionally `.gz`), a folder written by
-`datasets.save_to_disk`, a folder of data files named after their split (`train.jsonl`, `data/train-0000.parquet`),
-or a Hugging Face hub id (`owner/name`) when online. Every row keeps its file and 1-based line so that the format
+`datasets.save_to_disk`, a folder of data files named after their split (`train.jsonl`, `data/train-0000.parquet`)
+or inside a folder named after it (a lone unsplit file is the train split), or a Hugging Face hub id (`owner/name`)
+when online (presets.py looks for a local copy of a hub id first). Every row keeps its file and 1-based line so that the format
 converters (formats.py) can name `path:line` and the field in their errors. Text files are parsed with the stdlib so
 a bad line is reported with its real line number; `datasets` is imported only when a source needs it (it is slow to
 import and not needed for plain files).
@@ -50,7 +51,7 @@ def read_rows(source: str, split: str = "train") -> list[Row]:
         rows = _read_file(path, source)
     elif path.is_dir():
         rows = _read_folder(path, source, split)
-    elif _looks_like_hub_id(source):
+    elif looks_like_hub_id(source):
         rows = _read_hub(source, split)
     else:
         raise DataError(f"{source}: no such file or folder")
@@ -186,6 +187,8 @@ _FILE_READERS: dict[str, Callable[[bytes, str], list[Row]]] = {
     ".parquet": _read_parquet,
     ".txt": _read_text,
 }
+# The data file extensions read_rows understands (each also gzipped: `.jsonl.gz`).
+FILE_TYPES = tuple(sorted(_FILE_READERS))
 
 
 # ---------------------------------------------------------------- folders
@@ -208,11 +211,56 @@ def _load_from_disk(path: Path):
     return datasets.load_from_disk(str(path))
 
 
-def _read_split_files(path: Path, source: str, split: str) -> list[Row]:
-    """The files named after the split (`train.jsonl`), or its shards as in a hub snapshot
-    (`data/train-00000-of-00002.parquet`), concatenated in name order."""
+def _split_files(path: Path, split: str) -> tuple[list[Path], list[Path]]:
+    """(the data files of `split` under `path`, every data file there).
+
+    A file belongs to the split when its name starts with it (`train.jsonl`, `data/train-00000-of-00002.parquet`
+    as in a hub snapshot, `askacademia/train.json` as in stanfordnlp/SHP) or when a folder on its path is named
+    after it (`default/train/0000.parquet`, the hub's parquet conversion). A folder holding a single data file
+    whose name names no split (`comparisons.jsonl`) serves it as the train split: hub repos of one-split datasets
+    often look like that."""
     candidates = [file for file in sorted(path.rglob("*")) if file.is_file() and _data_suffix(file.name)]
-    chosen = [file for file in candidates if re.match(rf"{re.escape(split)}([.-]|$)", file.name.lower())]
+    split = split.lower()
+
+    def belongs(file: Path) -> bool:
+        folders = [part.lower() for part in file.relative_to(path).parts[:-1]]
+        return bool(re.match(rf"{re.escape(split)}([.-]|$)", file.name.lower())) or split in folders
+
+    chosen = [file for file in candidates if belongs(file)]
+    if not chosen and split == "train" and len(candidates) == 1 and not _names_a_split(candidates[0].name):
+        chosen = candidates
+    return chosen, candidates
+
+
+def _names_a_split(name: str) -> bool:
+    return bool(re.match(r"(train|test|validation|valid|dev|eval)([.-]|$)", name.lower()))
+
+
+def has_split(source: str, split: str) -> bool:
+    """Whether `source` (a folder, or a hub id when online) holds a split named `split`; a plain file has none.
+    Used to find a dataset's own test split before falling back to holding out a fraction of train."""
+    path = Path(source)
+    if path.is_file():
+        return False
+    if path.is_dir():
+        if (path / "dataset_dict.json").is_file():
+            return split in json.loads((path / "dataset_dict.json").read_text()).get("splits", [])
+        if (path / "state.json").is_file():  # a single save_to_disk Dataset: one split only
+            return False
+        return bool(_split_files(path, split)[0])
+    if not looks_like_hub_id(source) or hub_offline():
+        return False
+    try:
+        import datasets
+
+        return split in datasets.get_dataset_split_names(source)
+    except Exception:  # unreachable or unknown: behave as if the split were absent, reading will tell
+        return False
+
+
+def _read_split_files(path: Path, source: str, split: str) -> list[Row]:
+    """The data files of the split (see _split_files), concatenated in name order."""
+    chosen, candidates = _split_files(path, split)
     if not chosen:
         found = ", ".join(str(file.relative_to(path)) for file in candidates[:10]) or "none"
         raise DataError(f"{source}: no data file for split '{split}' (data files found: {found})")
@@ -230,17 +278,18 @@ def _data_suffix(name: str) -> bool:
 # ---------------------------------------------------------------- hub
 
 
-def _looks_like_hub_id(source: str) -> bool:
+def looks_like_hub_id(source: str) -> bool:
     return bool(_HUB_ID.match(source)) and not _data_suffix(source)
 
 
+class OfflineError(DataError):
+    """A hub dataset could not be fetched because there is no network; callers may look for a local copy."""
+
+
 def _read_hub(name: str, split: str) -> list[Row]:
-    offline_error = DataError(f"cannot fetch dataset '{name}' (offline): {OFFLINE_HINT}")
+    offline_error = OfflineError(f"cannot fetch dataset '{name}' (offline): {OFFLINE_HINT}")
     # Checked before importing `datasets` so an offline run fails at once, without network timeouts.
-    if any(
-        os.environ.get(var, "").lower() in {"1", "true", "yes", "on"}
-        for var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")
-    ):
+    if hub_offline():
         raise offline_error
     import datasets
 
@@ -251,6 +300,14 @@ def _read_hub(name: str, split: str) -> list[Row]:
             raise offline_error from None
         raise DataError(f"cannot load dataset '{name}' split '{split}' from the hub: {_one_line(exc)}") from None
     return _from_dataset(dataset, name)
+
+
+def hub_offline() -> bool:
+    """True when the environment forbids hub access (HF_HUB_OFFLINE / HF_DATASETS_OFFLINE)."""
+    return any(
+        os.environ.get(var, "").lower() in {"1", "true", "yes", "on"}
+        for var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")
+    )
 
 
 def _is_connection_error(exc: BaseException | None) -> bool:

@@ -16,6 +16,9 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceC
 from rlhfkit.config.schema import LoadConfig
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "auto": "auto"}
+# A folder holding none of these has no tokenizer (fast, sentencepiece, BPE vocab, or a config naming one).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "spiece.model",
+                   "vocab.txt")
 
 
 class ModelError(ValueError):
@@ -50,20 +53,27 @@ def load_tokenizer(name: str, opts: LoadConfig | None = None, padding_side: str 
     opts = opts or LoadConfig()
     source = opts.tokenizer or name
     kwargs = _source_kwargs(source, opts)
+    folder = Path(source).expanduser()
+    if kwargs.get("local_files_only") and not any((folder / f).is_file() for f in TOKENIZER_FILES):
+        # transformers' own error here is a confusing "Couldn't instantiate the backend tokenizer"
+        raise ModelError(f"model folder '{source}' has no tokenizer (none of {', '.join(TOKENIZER_FILES)}): "
+                         f"copy the tokenizer files of its base model there, or set load.tokenizer to a folder "
+                         f"that has them")
     try:
         tok = AutoTokenizer.from_pretrained(source, **kwargs)
     except (OSError, ValueError, TypeError) as exc:
         raise ModelError(f"no usable tokenizer in '{source}': {str(exc).splitlines()[0]} "
                          f"(set load.tokenizer to a folder that has one)") from None
+    # EOS first: without it responses could never end, and no pad fallback exists either
+    if tok.eos_token_id is None:
+        missing = "no EOS token" + (" and no pad token" if tok.pad_token is None else "")
+        raise ModelError(f"tokenizer in '{source}' has {missing}: responses could never end; set eos_token in its "
+                         f"tokenizer_config.json")
     if tok.pad_token is None:
         if opts.pad_token is not None:
             tok.add_special_tokens({"pad_token": opts.pad_token})
-        elif tok.eos_token is not None:
-            tok.pad_token = tok.eos_token
         else:
-            raise ModelError(f"tokenizer in '{source}' has neither a pad nor an EOS token: set load.pad_token")
-    if tok.eos_token_id is None:
-        raise ModelError(f"tokenizer in '{source}' has no EOS token; responses could never end")
+            tok.pad_token = tok.eos_token
     tok.padding_side = padding_side
     return tok
 
@@ -107,7 +117,9 @@ def load_scalar_model(name: str, opts: LoadConfig | None = None, tokenizer=None)
         raise ModelError(f"cannot read a model config in '{name}': {str(exc).splitlines()[0]}") from None
     if getattr(config, "architectures", None) and any("SequenceClassification" in a for a in config.architectures):
         if config.num_labels != 1:
-            raise ModelError(f"'{name}' has a {config.num_labels}-output head; a reward model needs exactly 1")
+            raise ModelError(f"'{name}' has a {config.num_labels}-output score head (num_labels={config.num_labels} "
+                             f"in its config.json); a reward model or critic needs exactly 1: train one with "
+                             f"`rlhfkit rm`")
     config.num_labels = 1
     if config.pad_token_id is None and tokenizer is not None:
         config.pad_token_id = tokenizer.pad_token_id

@@ -33,7 +33,7 @@ def prepare_output_dir(cfg, resume: bool, force: bool, is_main: bool = True) -> 
     finished = (out / "final").exists()
     if finished and not (force or resume):
         raise RunError(f"output_dir '{out}' already holds a finished run (final/ exists): pass --force to "
-                       f"overwrite it or choose another output_dir")
+                       f"overwrite it, --resume to continue from its checkpoints, or choose another output_dir")
     if resume and not (out / "checkpoints" / "latest").is_file():
         raise RunError(f"--resume: no checkpoint in '{out / 'checkpoints'}' to resume from")
     if is_main:
@@ -104,13 +104,18 @@ class MetricsLogger:
             self.bar.write(text, file=sys.stderr)
 
     def close(self) -> None:
+        """Idempotent: loops close in a `finally`, also when a signal stopped them."""
         self.bar.close()
         if self.file:
             self.file.close()
+            self.file = None
         if self.tb:
             self.tb.close()
+            self.tb = None
         if self.wandb:
             self.wandb.finish()
+            self.wandb = None
+        self.enabled = False
 
 
 def epoch_order(n: int, seed: int, epoch: int) -> list[int]:

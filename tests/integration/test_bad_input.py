@@ -1,0 +1,292 @@
+"""The bad-input table: every case exits with code 2 and ONE line naming the file, line and field (or the key, or
+the folder), before any training starts, leaving no output folder behind (or an existing one untouched).
+
+The cases run `rlhfkit.cli.main` in-process, exactly what the `rlhfkit` entry point calls (one import of torch
+for the whole table keeps it fast); three of them also run through a real `python -m rlhfkit` subprocess.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+
+from rlhfkit.cli import main as cli_main
+from rlhfkit.config import DataConfig
+from rlhfkit.data.errors import DataError
+from rlhfkit.data.loader import load_stage_data
+from rlhfkit.models import load_tokenizer
+
+from conftest import NAMES, run_cli, sft_rows, write_jsonl
+
+
+@pytest.fixture(scope="module")
+def world(tiny_model_dir, tmp_path_factory) -> dict:
+    """Model folders with one defect each, next to the good tiny model."""
+    from transformers import AutoConfig, AutoModelForSequenceClassification
+
+    from rlhfkit.demo.tiny import build_tiny_llama, build_tokenizer, save_model_folder
+
+    root = tmp_path_factory.mktemp("bad-models")
+    tok = load_tokenizer(str(tiny_model_dir))
+    no_tok = root / "no-tokenizer"
+    no_tok.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        shutil.copy(tiny_model_dir / name, no_tok / name)
+    for folder, cleared in (("no-pad", ("pad_token",)), ("no-pad-no-eos", ("pad_token", "eos_token"))):
+        shutil.copytree(tiny_model_dir, root / folder)
+        bare = load_tokenizer(str(tiny_model_dir))
+        for attribute in cleared:
+            setattr(bare, attribute, None)
+        bare.save_pretrained(root / folder)
+    config = AutoConfig.from_pretrained(tiny_model_dir, num_labels=2)
+    two = AutoModelForSequenceClassification.from_config(config)
+    save_model_folder(two, tok, root / "two-label-rm")
+    other = build_tokenizer([f"Human: tell {n}\nBot: {n}" for n in NAMES] * 3, vocab_size=300)
+    save_model_folder(build_tiny_llama(len(other)), other, root / "other-vocab")
+    reward = root / "reward.py"
+    reward.write_text("def score(prompts, responses):\n    return [0.0] * len(prompts)\n")
+    return {"model": tiny_model_dir, "root": root, "reward": f"{reward}:score"}
+
+
+def pairs(n: int = 8) -> list[dict]:
+    return [{"prompt": f"say {name}", "chosen": f"{name} {name}", "rejected": "no"} for name in NAMES[:n]]
+
+
+# A case: (tmp_path, world) -> (verb, command-line arguments, the expected error after "rlhfkit VERB: error: ").
+# Common arguments (model, output_dir, a one-step plan, the cache folder) are added unless the case sets them.
+
+
+def malformed_json(tmp, w):
+    path = tmp / "train.jsonl"
+    path.write_text(json.dumps(sft_rows()[0]) + '\n\n{"prompt": "say apple", "response": }\n')
+    return "sft", [f"data.train={path}"], f"{path}:3: invalid JSON: Expecting value (column 37)"
+
+
+def missing_field(tmp, w):
+    path = write_jsonl(tmp / "train.jsonl", [sft_rows()[0], {"prompt": "say river"}])
+    return "sft", [f"data.train={path}"], f"{path}:2: field 'response': missing (row has keys: prompt)"
+
+
+def whitespace_response(tmp, w):
+    path = write_jsonl(tmp / "train.jsonl", [sft_rows()[0], {"prompt": "say river", "response": " \n\t "}])
+    return "sft", [f"data.train={path}"], f"{path}:2: field 'response': empty"
+
+
+def all_pairs_identical(tmp, w):
+    path = write_jsonl(tmp / "pairs.jsonl", [{"prompt": f"say {n}", "chosen": n, "rejected": n} for n in NAMES[:6]])
+    return "rm", [f"data.train={path}"], (f"data '{path}': no training rows left after filtering: 6 rows read; "
+                                           f"6 skipped: chosen identical to rejected")
+
+
+def long_prompt_error(tmp, w):
+    path = write_jsonl(tmp / "train.jsonl", sft_rows())
+    return "sft", [f"data.train={path}", "data.max_length=5", "data.on_long_prompt=error"], (
+        f"{path}:1: the prompt is 10 tokens once rendered, not shorter than data.max_length=5 "
+        f"(data.on_long_prompt=error: raise data.max_length, or set data.on_long_prompt=drop to skip and count "
+        f"such rows)")
+
+
+def every_prompt_too_long(tmp, w):
+    path = write_jsonl(tmp / "train.jsonl", sft_rows())
+    return "sft", [f"data.train={path}", "data.max_length=5"], (
+        f"data '{path}': no training rows left after filtering: 80 rows read (4 held out for evaluation); 76 "
+        f"dropped by data.max_length=5 (prompt too long)")
+
+
+def text_rows_for_rm(tmp, w):
+    path = write_jsonl(tmp / "text.jsonl", [{"text": "Once upon a time"}] * 4)
+    return "rm", [f"data.train={path}"], (
+        f"{path}:1: cannot detect a preference format from keys (text); known formats: webgpt, shp, chat_pairs, "
+        f"prompt_chosen_rejected, hh_dialogue; plain {{text}} rows are pretraining text, not prompt/response data; "
+        f"map columns with fields, e.g. fields={{'prompt': 'question', 'chosen': 'better', 'rejected': 'worse'}}")
+
+
+def sft_rows_for_rm(tmp, w):
+    path = write_jsonl(tmp / "sft.jsonl", sft_rows())
+    return "rm", [f"data.train={path}"], (
+        f"{path}:1: cannot detect a preference format from keys (prompt, response); known formats: webgpt, shp, "
+        f"chat_pairs, prompt_chosen_rejected, hh_dialogue; map columns with fields, e.g. fields={{'prompt': "
+        f"'question', 'chosen': 'better', 'rejected': 'worse'}}")
+
+
+def empty_file(tmp, w):
+    path = tmp / "train.jsonl"
+    path.write_text("\n  \n")
+    return "sft", [f"data.train={path}"], f"{path}: no rows"
+
+
+def non_utf8_file(tmp, w):
+    path = tmp / "latin1.jsonl"
+    path.write_bytes(b'{"prompt": "say apple", "response": "ok"}\n{"prompt": "caf\xe9", "response": "ok"}\n')
+    return "sft", [f"data.train={path}"], f"{path}:2: not UTF-8 text (byte b'\\xe9'); re-save the file as UTF-8"
+
+
+def preset_without_local_copy(tmp, w):
+    empty = tmp / "datasets"
+    return "sft", ["data.train=Dahoas/rm-static", f"data.local_dir={empty}"], (
+        f"dataset 'Dahoas/rm-static' is not available offline and has no local copy in {empty}: put it at "
+        f"{empty}/Dahoas/rm-static/ (a save_to_disk folder, or its split files: train.jsonl, test.jsonl, or the "
+        f"hub's data/*.parquet) or at {empty}/Dahoas/rm-static.jsonl (one file: the train split)")
+
+
+def split_index_out_of_range(tmp, w):
+    path = write_jsonl(tmp / "pairs.jsonl", pairs())
+    return "rm", [f"data.train={path}", "data.split_fractions=[2,4,4]", "data.split_index=3"], (
+        "config key 'data.split_index': 3 is not a share of data.split_fractions [2, 4, 4] (0 to 2)")
+
+
+def model_folder_missing(tmp, w):
+    path = write_jsonl(tmp / "train.jsonl", sft_rows())
+    return "sft", [f"data.train={path}", f"model={tmp / 'nope'}"], f"model folder '{tmp / 'nope'}' does not exist"
+
+
+def folder_without_tokenizer(tmp, w):
+    path, folder = write_jsonl(tmp / "train.jsonl", sft_rows()), w["root"] / "no-tokenizer"
+    return "sft", [f"data.train={path}", f"model={folder}"], (
+        f"model folder '{folder}' has no tokenizer (none of tokenizer.json, tokenizer_config.json, tokenizer.model, "
+        f"vocab.json, spiece.model, vocab.txt): copy the tokenizer files of its base model there, or set "
+        f"load.tokenizer to a folder that has them")
+
+
+def tokenizer_without_pad_or_eos(tmp, w):
+    path, folder = write_jsonl(tmp / "train.jsonl", sft_rows()), w["root"] / "no-pad-no-eos"
+    return "sft", [f"data.train={path}", f"model={folder}"], (
+        f"tokenizer in '{folder}' has no EOS token and no pad token: responses could never end; set eos_token in "
+        f"its tokenizer_config.json")
+
+
+def two_label_head_for_rm(tmp, w):
+    path, folder = write_jsonl(tmp / "pairs.jsonl", pairs()), w["root"] / "two-label-rm"
+    return "rm", [f"data.train={path}", f"model={folder}"], (
+        f"'{folder}' has a 2-output score head (num_labels=2 in its config.json); a reward model or critic needs "
+        f"exactly 1: train one with `rlhfkit rm`")
+
+
+def ppo_args(tmp, w, **keys) -> list[str]:
+    prompts = write_jsonl(tmp / "prompts.jsonl", [{"prompt": f"say {n}"} for n in NAMES])
+    keys = {"actor": w["model"], "reward": w["reward"], "data.prompts": prompts, **keys}
+    return [f"{k}={v}" for k, v in keys.items()]
+
+
+def two_label_head_as_ppo_reward(tmp, w):
+    folder = w["root"] / "two-label-rm"
+    return "ppo", ppo_args(tmp, w, reward=folder), (
+        f"'{folder}' has a 2-output score head (num_labels=2 in its config.json); a reward model or critic needs "
+        f"exactly 1: train one with `rlhfkit rm`")
+
+
+def critic_with_another_vocabulary(tmp, w):
+    folder = w["root"] / "other-vocab"
+    return "ppo", ppo_args(tmp, w, critic=folder), (
+        f"critic '{folder}' has a different tokenizer from the actor's; the critic reads the actor's token ids, so "
+        f"it must share its vocabulary")
+
+
+def yaml_unknown_key(tmp, w):
+    path = tmp / "sft.yaml"
+    path.write_text(f"model: {w['model']}\ndata: {{train: x.jsonl}}\ntrain: {{lr: 1.0e-4, lrr: 1}}\n")
+    return "sft", ["--config", str(path), "model=", "data.train="], (
+        "unknown config key 'train.lrr' (known keys here: batch_size, betas, epochs, eval_every, keep_checkpoints, "
+        "log_every, lr, max_grad_norm, max_steps, micro_batch_size, min_lr_ratio, save_every, scheduler, seed, "
+        "warmup_steps, weight_decay)")
+
+
+def yaml_wrong_type(tmp, w):
+    path = tmp / "sft.yaml"
+    path.write_text(f"model: {w['model']}\ndata: {{train: x.jsonl, max_length: long}}\n")
+    return "sft", ["--config", str(path), "model=", "data.train="], (
+        "config key 'data.max_length': expected int, got 'long'")
+
+
+def finished_run(tmp, w):
+    path = write_jsonl(tmp / "train.jsonl", sft_rows())
+    (tmp / "out" / "final").mkdir(parents=True)
+    (tmp / "out" / "final" / "model.safetensors").write_bytes(b"weights of a finished run")
+    (tmp / "out" / "metrics.jsonl").write_text('{"step": 1, "stage": "sft", "loss": 1.0}\n')
+    return "sft", [f"data.train={path}"], (
+        f"output_dir '{tmp / 'out'}' already holds a finished run (final/ exists): pass --force to overwrite it, "
+        f"--resume to continue from its checkpoints, or choose another output_dir")
+
+
+def resume_without_checkpoint(tmp, w):
+    path = write_jsonl(tmp / "train.jsonl", sft_rows())
+    return "sft", [f"data.train={path}", "--resume"], (
+        f"--resume: no checkpoint in '{tmp / 'out' / 'checkpoints'}' to resume from")
+
+
+CASES = {fn.__name__: fn for fn in (
+    malformed_json, missing_field, whitespace_response, all_pairs_identical, long_prompt_error,
+    every_prompt_too_long, text_rows_for_rm, sft_rows_for_rm, empty_file, non_utf8_file, preset_without_local_copy,
+    split_index_out_of_range, model_folder_missing, folder_without_tokenizer, tokenizer_without_pad_or_eos,
+    two_label_head_for_rm, two_label_head_as_ppo_reward, critic_with_another_vocabulary, yaml_unknown_key,
+    yaml_wrong_type, finished_run, resume_without_checkpoint)}
+
+
+def command(tmp: Path, w: dict, case) -> tuple[str, list[str], str]:
+    verb, args, expected = case(tmp, w)
+    common = {"model": w["model"], "output_dir": tmp / "out", "train.batch_size": 4, "train.micro_batch_size": 4,
+              "train.max_steps": 1, "log.tensorboard": "false", "data.cache_dir": tmp / "cache"}
+    if verb == "ppo":  # ppo has no `model` (actor instead) and reads prompts without the data cache options
+        common = {k: v for k, v in common.items() if k not in ("model", "data.cache_dir")}
+    given = {a.split("=", 1)[0] for a in args if "=" in a}
+    extra = [f"{k}={v}" for k, v in common.items() if k not in given]
+    args = [a for a in args if not a.endswith("=")]  # "key=" only marks a common key the case leaves out
+    return verb, extra + args, expected
+
+
+def tree(folder: Path) -> dict:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()} \
+        if folder.exists() else {}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_bad_input_fails_early_with_one_clear_line(tmp_path, world, capsys, name):
+    verb, args, expected = command(tmp_path, world, CASES[name])
+    before = tree(tmp_path / "out")
+    code = cli_main([verb, *args])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert err.strip().splitlines()[-1] == f"rlhfkit {verb}: error: {expected}"
+    assert f"{verb}: " not in err.replace(f"rlhfkit {verb}: error: ", "")  # no stage log line: training never began
+    assert tree(tmp_path / "out") == before  # absent, or the finished run untouched
+    assert (tmp_path / "out").exists() == bool(before)
+
+
+@pytest.mark.parametrize("name", ["malformed_json", "finished_run", "yaml_unknown_key"])
+def test_the_real_entry_point_agrees(tmp_path, world, name):
+    verb, args, expected = command(tmp_path, world, CASES[name])
+    before = tree(tmp_path / "out")
+    res = run_cli(verb, *args)
+    assert res.returncode == 2 and res.stderr.strip().splitlines()[-1] == f"rlhfkit {verb}: error: {expected}"
+    assert tree(tmp_path / "out") == before
+
+
+# ---------------------------------------------------------------- what is NOT an error, documented in README
+
+
+def test_a_tokenizer_without_pad_token_pads_with_eos_and_trains(tmp_path, world):
+    folder = world["root"] / "no-pad"
+    tok = load_tokenizer(str(folder))
+    assert tok.pad_token == tok.eos_token == "</s>"
+    path = write_jsonl(tmp_path / "train.jsonl", sft_rows())
+    code = cli_main(["sft", f"model={folder}", f"data.train={path}", f"output_dir={tmp_path / 'out'}",
+                     "train.batch_size=4", "train.micro_batch_size=4", "train.max_steps=1", "train.eval_every=0",
+                     "log.tensorboard=false", f"data.cache_dir={tmp_path / 'cache'}"])
+    assert code == 0 and (tmp_path / "out" / "final" / "model.safetensors").is_file()
+
+
+def test_some_identical_pairs_and_long_prompts_are_skipped_and_counted(tmp_path, world):
+    tok = load_tokenizer(str(world["model"]))
+    rows = pairs(6) + [{"prompt": "say apple", "chosen": "same", "rejected": "same"},
+                       {"prompt": "say " + "apple " * 40, "chosen": "a", "rejected": "b"}]
+    cfg = DataConfig(train=str(write_jsonl(tmp_path / "pairs.jsonl", rows)), eval_fraction=0.0, max_length=32,
+                     cache=False)
+    info = load_stage_data("rm", cfg, tok, seed=0).info
+    assert (info["train_rows"], info["identical"], info["dropped"], info["rows_read"]) == (6, 1, 1, 8)
+    with pytest.raises(DataError, match=re.escape(f"{cfg.train}:8: the prompt is")):
+        load_stage_data("rm", dataclasses.replace(cfg, on_long_prompt="error"), tok, seed=0)
