@@ -94,12 +94,17 @@ def main(argv: list[str] | None = None) -> int:
     if args.verb in ("demo", "chat"):
         return _load(f"rlhfkit.{'demo.cli' if args.verb == 'demo' else 'chat'}:main")(args)
     cfg_path, runner_path, _ = TRAIN_VERBS[args.verb]
+    from rlhfkit.stages.guard import RunStopped
+
     try:
         cfg = load_config(_load(cfg_path), args.config, args.overrides)
         result = _load(runner_path)(cfg, resume=args.resume, force=args.force)
     except _errors() as exc:
         print(f"rlhfkit {args.verb}: error: {exc}", file=sys.stderr)
         return 2
+    except RunStopped as exc:  # SIGTERM / SIGINT: a checkpoint was saved
+        print(f"rlhfkit {args.verb}: {exc}", file=sys.stderr)
+        return exc.exit_code
     except KeyboardInterrupt:
         print(f"rlhfkit {args.verb}: interrupted", file=sys.stderr)
         return 130

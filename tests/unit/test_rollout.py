@@ -5,6 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from rlhfkit.engine import LocalEngine
+
 from rlhfkit.config.ppo_schema import GenConfig, PPOSection
 from rlhfkit.data.templates import Template, encode_prompt, encode_response
 from rlhfkit.models import ModelError, load_causal_lm, load_scalar_model, load_tokenizer
@@ -14,13 +16,7 @@ from rlhfkit.rollout import (RolloutBatch, add_advantages, add_model_outputs, ad
 from rlhfkit.rollout.experience import response_logprobs
 
 
-class CPU:
-    device, rank, world_size = torch.device("cpu"), 0, 1
-
-    def gathered(self, module):
-        import contextlib
-
-        return contextlib.nullcontext()
+CPU = LocalEngine  # the real single-process engine
 
 
 @pytest.fixture(scope="module")

@@ -73,14 +73,33 @@ class DeepSpeedTrainable:
         self.engine = engine
         self.module = engine  # calling it runs the wrapped model's forward (ZeRO-3 fetches parameters)
         self.max_grad_norm = max_grad_norm
+        self.good, self.bad = 0, 0  # micro-batches back-propagated / dropped since the last step
 
     def backward(self, loss: torch.Tensor) -> None:
+        # ranks agree whether any of them saw a non-finite loss: all skip that backward together, since
+        # ZeRO's gradient reduction inside backward is a collective
+        flag = torch.tensor([0.0 if torch.isfinite(loss.detach()).all() else 1.0], device=loss.device)
+        dist.all_reduce(flag)
+        if flag.item() > 0:
+            self.bad += 1
+            return
+        self.good += 1
         self.engine.backward(loss, scale_wrt_gas=False)  # the loop already normalised the loss
 
     def step(self) -> dict:
+        """The optimizer step over the micro-batches back-propagated since the last one. Unlike the local
+        engine, a step keeps its finite micro-batches when others were dropped (ZeRO has already reduced their
+        gradients into its partitions); a step with none left is skipped."""
+        good, bad = self.good, self.bad
+        self.good = self.bad = 0
+        if good == 0 and bad > 0:
+            return {"grad_norm": float("nan"), "skipped": 1.0}
         self.engine.step()
         norm = self.engine.get_global_grad_norm()
-        return {"grad_norm": float(norm)} if norm is not None else {}
+        stats = {"grad_norm": float(norm)} if norm is not None else {}
+        if bad:
+            stats["dropped_micro_batches"] = float(bad)
+        return stats
 
     @property
     def lr(self) -> float:

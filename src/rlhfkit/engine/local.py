@@ -56,14 +56,26 @@ class Trainable:
         self.optimizer = torch.optim.AdamW(param_groups(module, cfg.weight_decay), lr=cfg.lr if lr is None else lr,
                                            betas=tuple(cfg.betas))
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(cfg, total_steps))
+        self.bad = False  # a non-finite loss was seen since the last step
 
     def backward(self, loss: torch.Tensor) -> None:
-        """`loss` must already be scaled for accumulation (the loop divides by the whole batch's size)."""
+        """`loss` must already be scaled for accumulation (the loop divides by the whole batch's size).
+
+        A non-finite loss is not back-propagated; the whole step is then skipped (see `step`)."""
+        if not torch.isfinite(loss.detach()).all():
+            self.bad = True
+            return
         loss.backward()
 
     def step(self) -> dict:
+        """Clip, update, advance the schedule. A step with a non-finite loss or gradient changes nothing
+        (no update, no schedule step, gradients dropped) and reports `skipped`."""
         params = [p for g in self.optimizer.param_groups for p in g["params"]]
         norm = torch.nn.utils.clip_grad_norm_(params, self.max_grad_norm if self.max_grad_norm > 0 else float("inf"))
+        if self.bad or not torch.isfinite(norm):
+            self.bad = False
+            self.optimizer.zero_grad(set_to_none=True)
+            return {"grad_norm": float("nan"), "skipped": 1.0}
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)

@@ -22,6 +22,7 @@ from rlhfkit.rollout.evaluate import evaluate_policy, generate_all
 from rlhfkit.rollout.experience import add_advantages, add_model_outputs, adjust_scores, ended_with_eos
 from rlhfkit.rollout.generate import eos_token_ids
 from rlhfkit.stages.common import MetricsLogger, batches, prepare_output_dir, set_seed
+from rlhfkit.stages.guard import RunGuard, resume_state
 from rlhfkit.stages.ppo_setup import load_ppo_models
 from rlhfkit.stages.ppo_update import PtxText, ppo_update
 
@@ -67,7 +68,7 @@ def export_models(engine, actor, critic, ema, tokenizer, out) -> None:
 
 def restore(engine, out, actor, critic, kl_ctl, ema) -> int:
     """Models, optimizers, schedules, RNG, KL coefficient and EMA from checkpoints/latest; returns the step."""
-    state = engine.load_checkpoint(out / "checkpoints", {"actor": actor, "critic": critic})
+    state = resume_state(engine, out, {"actor": actor, "critic": critic})
     kl_ctl.load_state_dict(state["kl_ctl"])
     if ema is not None and state.get("ema") is not None:
         ema.load_state_dict(state["ema"])
@@ -108,55 +109,65 @@ def run_ppo(cfg: PPOConfig, resume: bool = False, force: bool = False) -> dict:
         log.log(0, first_eval, show=SHOW)
     last_eval = dict(first_eval)
 
-    for it, epoch, idx in batches(len(data.train), cfg.train.batch_size, seed, start):
-        if it >= iters:
-            break
-        tick = time.perf_counter()
-        rows = [data.train[i] for i in idx[engine.rank * per_rank:(engine.rank + 1) * per_rank]]
+    guard = RunGuard(engine, out, "ppo")
 
-        # 1. generate: sample one response per prompt (KV cache, left padding, stop at EOS)
-        rollout = generate_all(actor.module, engine, tokenizer, rows, cfg.gen)
-        gen_seconds = time.perf_counter() - tick
+    def checkpoint_state() -> dict:
+        return {"kl_ctl": kl_ctl.state_dict(), "ema": ema.state_dict() if ema else None}
 
-        # 2. score: the frozen reward model / function on prompt + response
-        finished = ended_with_eos(rollout, eos_ids)
-        with engine.on_device(getattr(reward, "model", None)):
-            raw_scores = reward(rollout, finished).float().to(engine.device)
-        scores = adjust_scores(raw_scores, finished, cfg.ppo, reward.stats)
+    try:
+        for it, epoch, idx in batches(len(data.train), cfg.train.batch_size, seed, start):
+            if it >= iters:
+                break
+            tick = time.perf_counter()
+            rows = [data.train[i] for i in idx[engine.rank * per_rank:(engine.rank + 1) * per_rank]]
 
-        # 3. old log-probs (actor), reference log-probs and values (critic): one no-grad forward each
-        with engine.on_device(reference):
-            rollout = add_model_outputs(rollout.to(engine.device), actor.module, critic.module, reference,
-                                        cfg.gen.temperature, micro)
+            # 1. generate: sample one response per prompt (KV cache, left padding, stop at EOS)
+            rollout = generate_all(actor.module, engine, tokenizer, rows, cfg.gen)
+            gen_seconds = time.perf_counter() - tick
 
-        # 4. per-token rewards (score on the last valid token, -beta * KL everywhere) and GAE advantages
-        rollout, advantage_metrics = add_advantages(rollout, scores, kl_ctl.value, cfg.ppo)
+            # 2. score: the frozen reward model / function on prompt + response
+            finished = ended_with_eos(rollout, eos_ids)
+            with engine.on_device(getattr(reward, "model", None)):
+                raw_scores = reward(rollout, finished).float().to(engine.device)
+            scores = adjust_scores(raw_scores, finished, cfg.ppo, reward.stats)
 
-        # 5. optimise: PPO epochs x mini-batches; the actor waits while the critic warms up
-        update_actor = it >= cfg.ppo.critic_warmup_iters
-        lrs = {"lr": actor.lr, "critic_lr": critic.lr}
-        train_metrics = ppo_update(rollout, actor, critic, cfg, engine, it, update_actor, ptx, ema, pad_id)
+            # 3. old log-probs (actor), reference log-probs and values (critic): one no-grad forward each
+            with engine.on_device(reference):
+                rollout = add_model_outputs(rollout.to(engine.device), actor.module, critic.module, reference,
+                                            cfg.gen.temperature, micro)
 
-        done = it + 1
-        metrics = {**rollout_metrics(rollout, raw_scores, scores, finished, kl_ctl.value), **advantage_metrics}
-        metrics = {**engine.reduce_mean(metrics), **train_metrics, **lrs, "epoch": epoch,
-                   "time/generate": gen_seconds, "time/iteration": time.perf_counter() - tick}
-        # Ziegler et al. 2019: the coefficient follows the measured KL per sequence, batch_size samples at a time
-        kl_ctl.update(metrics["kl"], cfg.train.batch_size)
-        if cfg.ppo.sample_every > 0 and (done % cfg.ppo.sample_every == 0 or done == 1):
-            write_samples(out, log, done, rollout, raw_scores, cfg.ppo.num_samples)
-        if data.eval and ((cfg.train.eval_every > 0 and done % cfg.train.eval_every == 0) or done == iters):
-            last_eval = evaluate()
-            metrics.update(last_eval)
-        if done % cfg.train.log_every == 0 or done == iters or "eval/reward" in metrics:
-            log.log(done, metrics, show=SHOW)
-        log.advance()
-        if cfg.train.save_every > 0 and done % cfg.train.save_every == 0 and done < iters:
-            engine.save_checkpoint(out / "checkpoints", done, {"actor": actor, "critic": critic},
-                                   {"kl_ctl": kl_ctl.state_dict(), "ema": ema.state_dict() if ema else None},
-                                   cfg.train.keep_checkpoints)
+            # 4. per-token rewards (score on the last valid token, -beta * KL everywhere) and GAE advantages
+            rollout, advantage_metrics = add_advantages(rollout, scores, kl_ctl.value, cfg.ppo)
 
-    log.close()
+            # 5. optimise: PPO epochs x mini-batches; the actor waits while the critic warms up
+            update_actor = it >= cfg.ppo.critic_warmup_iters
+            lrs = {"lr": actor.lr, "critic_lr": critic.lr}
+            train_metrics = ppo_update(rollout, actor, critic, cfg, engine, it, update_actor, ptx, ema, pad_id)
+            skipped = train_metrics.get("skipped_actor_steps", 0.0) + train_metrics.get("skipped_critic_steps", 0.0)
+            guard.check_step(it + 1, {"skipped": skipped > 0}, log)
+
+            done = it + 1
+            metrics = {**rollout_metrics(rollout, raw_scores, scores, finished, kl_ctl.value), **advantage_metrics}
+            metrics = {**engine.reduce_mean(metrics), **train_metrics, **lrs, "epoch": epoch,
+                       "time/generate": gen_seconds, "time/iteration": time.perf_counter() - tick}
+            # Ziegler et al. 2019: the coefficient follows the measured KL per sequence, batch_size samples at a time
+            kl_ctl.update(metrics["kl"], cfg.train.batch_size)
+            if cfg.ppo.sample_every > 0 and (done % cfg.ppo.sample_every == 0 or done == 1):
+                write_samples(out, log, done, rollout, raw_scores, cfg.ppo.num_samples)
+            if data.eval and ((cfg.train.eval_every > 0 and done % cfg.train.eval_every == 0) or done == iters):
+                last_eval = evaluate()
+                metrics.update(last_eval)
+            if done % cfg.train.log_every == 0 or done == iters or "eval/reward" in metrics:
+                log.log(done, metrics, show=SHOW)
+            log.advance()
+            if cfg.train.save_every > 0 and done % cfg.train.save_every == 0 and done < iters:
+                guard.save(done, {"actor": actor, "critic": critic}, checkpoint_state(), cfg.train.keep_checkpoints)
+            if guard.stop_requested() and done < iters:
+                guard.stop(done, {"actor": actor, "critic": critic}, checkpoint_state(), cfg.train.keep_checkpoints)
+    finally:
+        guard.close()
+        log.close()
+
     export_models(engine, actor, critic, ema, tokenizer, out)
     result = {"output_dir": str(out), "iterations": iters, **data.info}
     if first_eval:

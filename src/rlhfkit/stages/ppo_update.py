@@ -116,10 +116,14 @@ def ppo_update(batch: RolloutBatch, actor, critic, cfg: PPOConfig, engine, itera
                 if ptx is not None:
                     draw = ptx.draw(cfg.ptx.batch_size // world, (iteration * 1000 + steps) * world + engine.rank)
                     stats["ptx_loss"] = ptx_backward(actor, draw, cfg.ptx.coef, micro, pad_id, engine)
-                stats["actor_grad_norm"] = actor.step()["grad_norm"]
-                if ema is not None:
+                actor_step = actor.step()
+                stats["actor_grad_norm"] = actor_step["grad_norm"]
+                stats["skipped_actor_steps"] = actor_step.get("skipped", 0.0)
+                if ema is not None and not actor_step.get("skipped"):
                     ema.update(actor.module)
-            stats["critic_grad_norm"] = critic.step()["grad_norm"]
+            critic_step = critic.step()
+            stats["critic_grad_norm"] = critic_step["grad_norm"]
+            stats["skipped_critic_steps"] = critic_step.get("skipped", 0.0)
             for k, v in stats.items():
                 sums[k] += v
             steps += 1

@@ -21,6 +21,7 @@ from rlhfkit.models import load_scalar_model, load_tokenizer
 from rlhfkit.models.forward import sequence_scores
 from rlhfkit.models.lora import apply_lora, base_model
 from rlhfkit.stages.common import MetricsLogger, batches, plan_steps, prepare_output_dir, set_seed
+from rlhfkit.stages.guard import RunGuard, resume_state
 
 # Keys written into final/config.json next to the weights; PPO and `rlhfkit score` read them back.
 MEAN_KEY, STD_KEY = "rlhfkit_reward_mean", "rlhfkit_reward_std"
@@ -104,8 +105,7 @@ def run_rm(cfg: RMConfig, resume: bool = False, force: bool = False) -> dict:
 
     # 2. the optimizer (and the state of a resumed run)
     rm = engine.prepare(model, cfg.train, total)
-    state = engine.load_checkpoint(out / "checkpoints", {"model": rm}) if resume else {"step": 0}
-    start = state["step"]
+    start = resume_state(engine, out, {"model": rm})["step"] if resume else 0
 
     log = MetricsLogger(out, "rm", total, cfg.log, engine.is_main, initial=start)
     log.write(f"{describe(data.info)}; {total} steps of {cfg.train.batch_size} pairs (accumulation {accum})")
@@ -116,32 +116,39 @@ def run_rm(cfg: RMConfig, resume: bool = False, force: bool = False) -> dict:
         log.log(0, evaluate_rm(rm.module, data.eval, pad_id, micro_size, device, engine, margin))
 
     # 3. the loop: each step sees batch_size pairs over all ranks, in micro-batches
-    for step, epoch, idx in batches(len(data.train), cfg.train.batch_size, cfg.train.seed, start):
-        if step >= total:
-            break
-        rows = [data.train[i] for i in idx[engine.rank * per_rank:(engine.rank + 1) * per_rank]]
-        sums = dict.fromkeys(SUM_KEYS, 0.0)
-        for m in range(accum):
-            micro = rows[m * micro_size:(m + 1) * micro_size]
-            chosen, rejected = pair_scores(rm.module, micro, pad_id, device)
-            # mean over the micro-batch * its size / pairs in the whole batch: micro 1 x accum 4 == micro 4 x
-            # accum 1; the world size undoes the engine's averaging of gradients over ranks
-            loss = pairwise_loss(chosen, rejected, margin) * len(micro)
-            rm.backward(loss * engine.world_size / cfg.train.batch_size)
-            for key, value in pair_sums(chosen, rejected, margin).items():
-                sums[key] += value
-        lr = rm.lr
-        stats = rm.step()
-        done = step + 1
-        metrics = {**pair_means(sums, cfg.train.batch_size, engine), "lr": lr, "epoch": epoch, **stats}
-        if ((eval_every > 0 and done % eval_every == 0) or done == total) and data.eval:
-            final_eval = evaluate_rm(rm.module, data.eval, pad_id, micro_size, device, engine, margin)
-            metrics.update(final_eval)
-        if done % cfg.train.log_every == 0 or done == total or "eval/loss" in metrics:
-            log.log(done, metrics, show=("loss", "accuracy", "eval/accuracy"))
-        log.advance()
-        if cfg.train.save_every > 0 and done % cfg.train.save_every == 0 and done < total:
-            engine.save_checkpoint(out / "checkpoints", done, {"model": rm}, {}, cfg.train.keep_checkpoints)
+    guard = RunGuard(engine, out, "rm")
+    try:
+        for step, epoch, idx in batches(len(data.train), cfg.train.batch_size, cfg.train.seed, start):
+            if step >= total:
+                break
+            rows = [data.train[i] for i in idx[engine.rank * per_rank:(engine.rank + 1) * per_rank]]
+            sums = dict.fromkeys(SUM_KEYS, 0.0)
+            for m in range(accum):
+                micro = rows[m * micro_size:(m + 1) * micro_size]
+                chosen, rejected = pair_scores(rm.module, micro, pad_id, device)
+                # mean over the micro-batch * its size / pairs in the whole batch: micro 1 x accum 4 == micro 4 x
+                # accum 1; the world size undoes the engine's averaging of gradients over ranks
+                loss = pairwise_loss(chosen, rejected, margin) * len(micro)
+                rm.backward(loss * engine.world_size / cfg.train.batch_size)
+                for key, value in pair_sums(chosen, rejected, margin).items():
+                    sums[key] += value
+            lr = rm.lr
+            stats = rm.step()
+            done = step + 1
+            guard.check_step(done, stats, log)
+            metrics = {**pair_means(sums, cfg.train.batch_size, engine), "lr": lr, "epoch": epoch, **stats}
+            if ((eval_every > 0 and done % eval_every == 0) or done == total) and data.eval:
+                final_eval = evaluate_rm(rm.module, data.eval, pad_id, micro_size, device, engine, margin)
+                metrics.update(final_eval)
+            if done % cfg.train.log_every == 0 or done == total or "eval/loss" in metrics:
+                log.log(done, metrics, show=("loss", "accuracy", "eval/accuracy"))
+            log.advance()
+            if cfg.train.save_every > 0 and done % cfg.train.save_every == 0 and done < total:
+                guard.save(done, {"model": rm}, {}, cfg.train.keep_checkpoints)
+            if guard.stop_requested() and done < total:
+                guard.stop(done, {"model": rm}, {}, cfg.train.keep_checkpoints)
+    finally:
+        guard.close()
 
     # 4. reward statistics and how inputs were rendered, stored in config.json for PPO and `rlhfkit score`
     if not final_eval and data.eval:  # resumed from a run that had already finished its steps

@@ -15,6 +15,7 @@ from rlhfkit.models import load_causal_lm, load_tokenizer
 from rlhfkit.models.forward import causal_logits
 from rlhfkit.models.lora import apply_lora
 from rlhfkit.stages.common import MetricsLogger, batches, plan_steps, prepare_output_dir, set_seed
+from rlhfkit.stages.guard import RunGuard, resume_state
 
 
 def lm_forward(model, batch: dict, device) -> tuple[torch.Tensor, int]:
@@ -43,6 +44,19 @@ def count_labels(rows: list) -> int:
     return sum(sum(1 for t in r["labels"][1:] if t != -100) for r in rows)
 
 
+def train_step(actor, rows: list, accum: int, micro: int, pad_id: int, engine) -> dict:
+    """One optimizer step over `rows` (this rank's share of the batch) in `accum` micro-batches."""
+    # normalise by the tokens of the whole batch, so micro 1 x accum 4 == micro 4 x accum 1
+    n_tokens = max(1, engine.reduce_sum(count_labels(rows)))
+    loss_sum = 0.0
+    for m in range(accum):
+        nll, _ = lm_forward(actor.module, collate_sft(rows[m * micro:(m + 1) * micro], pad_id), engine.device)
+        actor.backward(nll * engine.world_size / n_tokens)  # ranks' gradients are averaged
+        loss_sum += nll.item()
+    lr = actor.lr
+    return {"loss": engine.reduce_sum(loss_sum) / n_tokens, "lr": lr, **actor.step()}
+
+
 def run_sft(cfg: SFTConfig, resume: bool = False, force: bool = False) -> dict:
     engine = make_engine(cfg.engine)
     set_seed(cfg.train.seed)
@@ -57,46 +71,41 @@ def run_sft(cfg: SFTConfig, resume: bool = False, force: bool = False) -> dict:
 
     # 2. the optimizer (and the state of a resumed run)
     actor = engine.prepare(model, cfg.train, total)
-    state = engine.load_checkpoint(out / "checkpoints", {"model": actor}) if resume else {"step": 0}
-    start = state["step"]
+    start = resume_state(engine, out, {"model": actor})["step"] if resume else 0
 
     log = MetricsLogger(out, "sft", total, cfg.log, engine.is_main, initial=start)
     log.write(f"sft: {data.info['train_rows']} train / {data.info['eval_rows']} eval rows, template "
               f"{data.info['template']}, {data.info['truncated']} truncated, {data.info['dropped']} dropped; "
               f"{total} steps of {cfg.train.batch_size} (accumulation {accum})")
-    pad_id, device = tokenizer.pad_token_id, engine.device
-    eval_every = cfg.train.eval_every
+    pad_id, device, micro = tokenizer.pad_token_id, engine.device, cfg.train.micro_batch_size
+    eval_every, keep = cfg.train.eval_every, cfg.train.keep_checkpoints
     if start == 0 and data.eval:  # the starting point, so curves show what training changed
-        log.log(0, evaluate_lm(actor.module, data.eval, pad_id, cfg.train.micro_batch_size, device))
+        log.log(0, evaluate_lm(actor.module, data.eval, pad_id, micro, device))
+    guard = RunGuard(engine, out, "sft")
 
     # 3. the loop: each step sees batch_size rows over all ranks, in micro-batches
-    for step, epoch, idx in batches(len(data.train), cfg.train.batch_size, cfg.train.seed, start):
-        if step >= total:
-            break
-        mine = idx[engine.rank * per_rank:(engine.rank + 1) * per_rank]
-        rows = [data.train[i] for i in mine]
-        # normalise by the tokens of the whole batch, so micro 1 x accum 4 == micro 4 x accum 1
-        n_tokens = max(1, engine.reduce_sum(count_labels(rows)))
-        loss_sum = 0.0
-        for m in range(accum):
-            micro = rows[m * cfg.train.micro_batch_size:(m + 1) * cfg.train.micro_batch_size]
-            nll, _ = lm_forward(actor.module, collate_sft(micro, pad_id), device)
-            actor.backward(nll * engine.world_size / n_tokens)  # ranks' gradients are averaged
-            loss_sum += nll.item()
-        lr = actor.lr
-        stats = actor.step()
-        done = step + 1
-        metrics = {"loss": engine.reduce_sum(loss_sum) / n_tokens, "lr": lr, "epoch": epoch, **stats}
-        if (eval_every > 0 and done % eval_every == 0) or done == total:
-            if data.eval:
-                metrics.update(evaluate_lm(actor.module, data.eval, pad_id, cfg.train.micro_batch_size, device))
-        if done % cfg.train.log_every == 0 or done == total or "eval/loss" in metrics:
-            log.log(done, metrics, show=("loss", "eval/loss", "lr"))
-        log.advance()
-        if cfg.train.save_every > 0 and done % cfg.train.save_every == 0 and done < total:
-            engine.save_checkpoint(out / "checkpoints", done, {"model": actor}, {}, cfg.train.keep_checkpoints)
+    try:
+        for step, epoch, idx in batches(len(data.train), cfg.train.batch_size, cfg.train.seed, start):
+            if step >= total:
+                break
+            rows = [data.train[i] for i in idx[engine.rank * per_rank:(engine.rank + 1) * per_rank]]
+            metrics = train_step(actor, rows, accum, micro, pad_id, engine)
+            done = step + 1
+            guard.check_step(done, metrics, log)
+            metrics["epoch"] = epoch
+            if ((eval_every > 0 and done % eval_every == 0) or done == total) and data.eval:
+                metrics.update(evaluate_lm(actor.module, data.eval, pad_id, micro, device))
+            if done % cfg.train.log_every == 0 or done == total or "eval/loss" in metrics:
+                log.log(done, metrics, show=("loss", "eval/loss", "lr"))
+            log.advance()
+            if cfg.train.save_every > 0 and done % cfg.train.save_every == 0 and done < total:
+                guard.save(done, {"model": actor}, {}, keep)
+            if guard.stop_requested() and done < total:
+                guard.stop(done, {"model": actor}, {}, keep)
+    finally:
+        guard.close()
+        log.close()
 
     # 4. export a plain transformers folder (LoRA merged, ZeRO-3 gathered)
-    log.close()
     engine.export_hf(actor.module, tokenizer, out / "final")
     return {"output_dir": str(out), "steps": total, **data.info}

@@ -1,0 +1,130 @@
+"""Keeping long runs safe: clean stops on SIGTERM/SIGINT, skipped non-finite steps, checkpoint write errors.
+
+Long RLHF runs die (preemption, OOM, full disks) and the anchors' users lose days to it (ANCHORS.md, pain
+10). Every loop wraps its steps in a `RunGuard`:
+- SIGTERM / SIGINT only set a flag; the loop finishes the current step, saves a checkpoint and raises
+  `RunStopped`, whose message says how to resume. All ranks agree on the stop (one all-reduce per step).
+- A step whose loss or gradient is not finite is skipped by the engine (no optimizer update) and counted;
+  `max_bad_steps` consecutive ones stop the run with a clear error, the last good checkpoint untouched.
+- A checkpoint that cannot be written (disk full, read-only) is a clear error; the previous checkpoint
+  stays loadable because checkpoints are written to a temporary folder and renamed only when complete.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import signal
+import sys
+import threading
+from pathlib import Path
+
+from rlhfkit.stages.common import RunError
+
+MAX_BAD_STEPS = 5
+
+
+class RunStopped(RuntimeError):
+    """A run stopped on request after saving a checkpoint; the message says how to resume."""
+
+    def __init__(self, message: str, signum: int):
+        super().__init__(message)
+        self.exit_code = 128 + signum
+
+
+def resume_command(stage: str) -> str:
+    args = [a for a in sys.argv[1:] if a not in ("--resume", "--force")]
+    if args and args[0] == stage:
+        return f"rlhfkit {' '.join(args)} --resume"
+    return f"rlhfkit {stage} ... --resume (the same command with --resume)"
+
+
+class RunGuard:
+    def __init__(self, engine, out: Path, stage: str, max_bad_steps: int = MAX_BAD_STEPS):
+        self.engine, self.out, self.stage, self.max_bad = engine, out, stage, max_bad_steps
+        self.signum = 0
+        self.bad_in_a_row = 0
+        self.skipped = 0
+        self._previous = {}
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                self._previous[sig] = signal.signal(sig, self._on_signal)
+
+    def _on_signal(self, signum, _frame) -> None:
+        if self.signum:  # a second Ctrl-C: the user wants out now
+            raise KeyboardInterrupt
+        self.signum = signum
+
+    def close(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous = {}
+
+    def stop_requested(self) -> bool:
+        """True on every rank when any rank got a signal (ranks must save and stop together)."""
+        return self.engine.reduce_sum(1.0 if self.signum else 0.0) > 0
+
+    def check_step(self, step: int, stats: dict, log) -> None:
+        """Count skipped (non-finite) steps; raise after `max_bad` in a row."""
+        if not stats.get("skipped"):
+            self.bad_in_a_row = 0
+            return
+        self.bad_in_a_row += 1
+        self.skipped += 1
+        log.write(f"{self.stage}: step {step}: non-finite loss or gradient, update skipped "
+                  f"({self.bad_in_a_row} in a row, {self.skipped} in all)")
+        if self.bad_in_a_row >= self.max_bad:
+            latest = self.out / "checkpoints" / "latest"
+            where = f"the last good checkpoint is {latest.read_text().strip()}" if latest.is_file() else \
+                "no checkpoint was written yet"
+            raise RunError(f"{self.stage}: {self.bad_in_a_row} consecutive steps with a non-finite loss or gradient "
+                           f"(last at step {step}); stopping: {where}. Lower train.lr or check the data")
+
+    def save(self, step: int, trainables: dict, state: dict, keep: int) -> None:
+        """engine.save_checkpoint with write errors turned into one clear error."""
+        try:
+            self.engine.save_checkpoint(self.out / "checkpoints", step, trainables, state, keep)
+        except OSError as exc:
+            latest = self.out / "checkpoints" / "latest"
+            kept = f"the previous checkpoint ({latest.read_text().strip()}) is intact" if latest.is_file() else \
+                "no earlier checkpoint exists"
+            raise RunError(f"{self.stage}: cannot write the checkpoint of step {step} in '{self.out / 'checkpoints'}': "
+                           f"{exc.strerror or exc}; {kept}") from None
+
+    def stop(self, step: int, trainables: dict, state: dict, keep: int) -> None:
+        """Save and raise RunStopped (called when stop_requested())."""
+        self.save(step, trainables, state, keep)
+        name = signal.Signals(self.signum).name if self.signum else "a signal on another rank"
+        raise RunStopped(f"{self.stage}: stopped by {name} after step {step}; checkpoint saved in "
+                         f"'{self.out / 'checkpoints'}'. Resume with: {resume_command(self.stage)}",
+                         self.signum or signal.SIGTERM)
+
+
+def resume_state(engine, out: Path, trainables: dict) -> dict:
+    """Load checkpoints/latest into `trainables` (and RNG states); drop metric rows logged after it."""
+    state = engine.load_checkpoint(out / "checkpoints", trainables)
+    if engine.is_main:
+        truncate_metrics(out, state["step"])
+    return state
+
+
+def truncate_metrics(out: Path, step: int) -> None:
+    """On resume, drop metric rows logged after the checkpoint: the resumed run logs those steps again."""
+    path = out / "metrics.jsonl"
+    if not path.is_file():
+        return
+    kept = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            continue  # a line cut by the kill
+        if isinstance(row.get("step"), int) and row["step"] <= step:
+            kept.append(line)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(k + "\n" for k in kept), encoding="utf-8")
+    tmp.replace(path)
+
+
+def finite(value) -> bool:
+    return isinstance(value, (int, float)) and math.isfinite(value)

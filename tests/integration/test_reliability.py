@@ -1,0 +1,216 @@
+"""Reliability: kill -9 and --resume, SIGTERM, a kill during a save, non-finite steps, unwritable checkpoints."""
+
+import errno
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from rlhfkit.config import SFTConfig, load_config
+from rlhfkit.stages.common import RunError
+
+from conftest import ROOT, read_metrics, run_cli, sft_rows, write_jsonl
+
+
+def comparable(rows, after):
+    """Metric rows after a step, without wall-clock timings."""
+    return [{k: v for k, v in r.items() if not k.startswith("time/")} for r in rows if r["step"] > after]
+
+
+def start(args, cwd=None):
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    return subprocess.Popen([sys.executable, "-m", "rlhfkit", *args], cwd=cwd, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def wait_for_step(proc, metrics, step, timeout=240):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise AssertionError(f"run ended before step {step}: {proc.stderr.read()[-2000:]}")
+        if metrics.is_file():
+            steps = [json.loads(line)["step"] for line in metrics.read_text().splitlines()
+                     if line.strip().endswith("}")]
+            if steps and max(steps) >= step:
+                return
+        time.sleep(0.02)
+    raise AssertionError(f"step {step} not reached in {timeout} s")
+
+
+@pytest.fixture(scope="module")
+def stage_args(tmp_path_factory, tiny_model_dir, ppo_world):
+    root = tmp_path_factory.mktemp("rel")
+    sft_data = write_jsonl(root / "sft.jsonl", sft_rows())
+    pairs = [{"prompt": r["prompt"], "chosen": r["response"], "rejected": r["response"].split()[0]}
+             for r in sft_rows()]
+    rm_data = write_jsonl(root / "pairs.jsonl", pairs)
+    common = ["train.save_every=2", "train.keep_checkpoints=2", "log.tensorboard=false"]
+    return {
+        "sft": [f"model={tiny_model_dir}", f"data.train={sft_data}", "train.max_steps=24", "train.batch_size=8",
+                "train.lr=5e-3", "train.eval_every=6", *common],
+        "rm": [f"model={tiny_model_dir}", f"data.train={rm_data}", "train.max_steps=24", "train.batch_size=8",
+               "train.lr=5e-3", "train.eval_every=6", *common],
+        "ppo": [f"actor={ppo_world / 'sft' / 'final'}", f"reward={ppo_world / 'rewards.py'}:four_words",
+                f"data.prompts={ppo_world / 'prompts.jsonl'}", "train.max_steps=16", "train.batch_size=8",
+                "train.micro_batch_size=4", "train.lr=5e-4", "gen.max_new_tokens=12", "train.eval_every=0",
+                "ppo.adaptive_kl=true", "ema.enabled=true", *common],
+    }
+
+
+@pytest.mark.parametrize("stage", ["sft", "rm", "ppo"])
+def test_kill_9_then_resume_reproduces_the_uninterrupted_run(tmp_path, stage_args, stage):
+    args = stage_args[stage]
+    ref = tmp_path / "ref"
+    assert run_cli(stage, *args, f"output_dir={ref}").returncode == 0
+    reference = read_metrics(ref / "metrics.jsonl")
+
+    out = tmp_path / "killed"
+    kill_at = random.Random(stage).randint(5, 12)
+    proc = start([stage, *args, f"output_dir={out}"])
+    wait_for_step(proc, out / "metrics.jsonl", kill_at)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert not (out / "final").exists()
+    saved = int((out / "checkpoints" / "latest").read_text().split("-")[1])
+    assert saved >= 2
+
+    res = run_cli(stage, *args, f"output_dir={out}", "--resume")
+    assert res.returncode == 0, res.stderr[-3000:]
+    resumed = read_metrics(out / "metrics.jsonl")
+    assert [r["step"] for r in resumed] == [r["step"] for r in reference]  # no step lost or logged twice
+    got, want = comparable(resumed, saved), comparable(reference, saved)
+    assert len(got) == len(want) > 0
+    for a, b in zip(got, want):
+        assert a.keys() == b.keys()
+        for key in a:
+            if isinstance(a[key], float):
+                assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-5), (key, a["step"])
+            else:
+                assert a[key] == b[key], (key, a["step"])
+
+
+def test_sigterm_saves_a_checkpoint_and_says_how_to_resume(tmp_path, stage_args):
+    args = [a for a in stage_args["sft"] if not a.startswith("train.save_every")] + ["train.save_every=0"]
+    out = tmp_path / "run"
+    proc = start(["sft", *args, f"output_dir={out}"])
+    wait_for_step(proc, out / "metrics.jsonl", 4)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signal.SIGTERM, err[-2000:]
+    message = err.strip().splitlines()[-1]
+    assert "stopped by SIGTERM after step" in message and "--resume" in message
+    stopped = int(message.split("after step ")[1].split(";")[0])
+    assert (out / "checkpoints" / "latest").read_text() == f"step-{stopped:08d}"
+    res = run_cli("sft", *args, f"output_dir={out}", "--resume")
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert [r["step"] for r in read_metrics(out / "metrics.jsonl")][-1] == 24
+
+
+def _config(tmp_path, stage_args, *extra):
+    return load_config(SFTConfig, None, [*stage_args["sft"], f"output_dir={tmp_path / 'run'}", "log.progress=false",
+                                         *extra])
+
+
+def test_crash_during_a_save_leaves_the_previous_checkpoint_loadable(tmp_path, stage_args, monkeypatch):
+    import rlhfkit.engine.local as local
+    from rlhfkit.stages import sft
+
+    real_save = local.save_model
+    calls = {"n": 0}
+
+    def dies_on_third_save(model, filename, *a, **k):
+        calls["n"] += 1
+        if calls["n"] == 3:  # half a file, then the process "dies"
+            open(filename, "wb").write(b"partial")
+            raise SystemExit("killed during save")
+        return real_save(model, filename, *a, **k)
+
+    monkeypatch.setattr(local, "save_model", dies_on_third_save)
+    with pytest.raises(SystemExit):
+        sft.run_sft(_config(tmp_path, stage_args))
+    ckpt = tmp_path / "run" / "checkpoints"
+    assert (ckpt / "latest").read_text() == "step-00000004"
+    monkeypatch.setattr(local, "save_model", real_save)
+    res = run_cli("sft", *stage_args["sft"], f"output_dir={tmp_path / 'run'}", "--resume")
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert not list(ckpt.glob("*.tmp"))  # the half-written folder was cleaned up by a later save
+
+
+def test_unwritable_checkpoint_fails_cleanly_and_keeps_the_previous_one(tmp_path, stage_args, monkeypatch):
+    import rlhfkit.engine.local as local
+    from rlhfkit.stages import sft
+
+    real_save = local.save_model
+    calls = {"n": 0}
+
+    def disk_full_on_second_save(model, filename, *a, **k):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), filename)
+        return real_save(model, filename, *a, **k)
+
+    monkeypatch.setattr(local, "save_model", disk_full_on_second_save)
+    with pytest.raises(RunError, match=r"cannot write the checkpoint of step 4 .*No space left on device; the "
+                                       r"previous checkpoint \(step-00000002\) is intact"):
+        sft.run_sft(_config(tmp_path, stage_args))
+    ckpt = tmp_path / "run" / "checkpoints"
+    assert (ckpt / "latest").read_text() == "step-00000002"
+    assert not (ckpt / "step-00000004").exists() and not (tmp_path / "run" / "final").exists()
+
+
+def test_non_finite_loss_is_skipped_and_counted_then_stops_the_run(tmp_path, stage_args, monkeypatch):
+    from rlhfkit.stages import sft
+
+    real_forward = sft.lm_forward
+    calls = {"n": 0}
+    bad_calls = {3}  # the third training forward: step 3, with one micro-batch per step
+
+    def poisoned(model, batch, device):
+        nll, n = real_forward(model, batch, device)
+        if not model.training:  # eval forwards are not counted
+            return nll, n
+        calls["n"] += 1
+        if calls["n"] in bad_calls:
+            nll = nll * float("nan")
+        return nll, n
+
+    monkeypatch.setattr(sft, "lm_forward", poisoned)
+    # micro = batch: one training forward per step; eval forwards run with model.eval()
+    cfg = _config(tmp_path, stage_args, "train.micro_batch_size=8", "train.eval_every=0", "train.save_every=0")
+    sft.run_sft(cfg)
+    rows = read_metrics(tmp_path / "run" / "metrics.jsonl")
+    skipped = [r["step"] for r in rows if r.get("skipped")]
+    assert skipped == [3]
+    assert all(r["loss"] == r["loss"] for r in rows if "loss" in r and r["step"] != 3)  # finite elsewhere
+
+    bad_calls.update(range(1, 100))  # every step from now on: five in a row stop the run
+    calls["n"] = 0
+    with pytest.raises(RunError, match="5 consecutive steps with a non-finite loss"):
+        sft.run_sft(_config(tmp_path, stage_args, "train.micro_batch_size=8", "output_dir=" + str(tmp_path / "r2")))
+    assert not (tmp_path / "r2" / "final").exists()
+
+
+def test_skipped_step_leaves_weights_untouched(tiny_model_dir):
+    from rlhfkit.config import TrainConfig
+    from rlhfkit.engine import LocalEngine
+    from rlhfkit.models import load_causal_lm
+
+    model = load_causal_lm(str(tiny_model_dir))
+    trainable = LocalEngine().prepare(model, TrainConfig(lr=1e-2), total_steps=10)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    ids = torch.tensor([[1, 5, 6, 7]])
+    good = model(input_ids=ids, labels=ids).loss
+    trainable.backward(good)
+    trainable.backward(good * float("inf"))
+    stats = trainable.step()
+    assert stats["skipped"] == 1.0 and trainable.lr == pytest.approx(1e-2)  # no update, no schedule step
+    for key, value in model.state_dict().items():
+        assert torch.equal(value, before[key])
+    trainable.backward(model(input_ids=ids, labels=ids).loss)
+    assert "skipped" not in trainable.step()  # the next good step updates normally
