@@ -154,20 +154,10 @@ class RewardOptions:
 
 
 @dataclass
-class RMConfig:
+class RMConfig(SFTConfig):
+    """The SFT sections (same meaning) plus `rm`; validation is inherited."""
+
     model: Optional[str] = option(None, "the backbone: a causal LM folder or hub id (usually the SFT output's "
                                         "final/); a fresh scalar head is added, seeded by train.seed")
     output_dir: str = option("runs/rm", "where final/, checkpoints/, metrics.jsonl and config.yaml go")
-    data: DataConfig = option(DataConfig(), "data")
-    train: TrainConfig = option(TrainConfig(), "optimisation")
-    load: LoadConfig = option(LoadConfig(), "model loading")
-    lora: LoraConfig = option(LoraConfig(), "LoRA")
-    engine: EngineConfig = option(EngineConfig(), "backend")
-    log: LogConfig = option(LogConfig(), "logging")
     rm: RewardOptions = option(RewardOptions(), "reward model")
-
-    def validate(self, prefix: str = "") -> None:
-        if not self.model:
-            raise ConfigError(f"config key '{prefix}model': required (a model folder or hub id)")
-        if self.data.train is None:
-            raise ConfigError(f"config key '{prefix}data.train': required (a data file, folder or hub name)")

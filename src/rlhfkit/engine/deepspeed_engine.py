@@ -29,8 +29,8 @@ import torch.distributed as dist
 from deepspeed.accelerator import get_accelerator
 
 from rlhfkit.config.schema import EngineConfig, TrainConfig
-from rlhfkit.engine.local import LocalEngine, _fsync_dir, latest_checkpoint, lr_lambda, param_groups, rng_state, \
-    set_rng_state
+from rlhfkit.engine.local import LocalEngine, _fsync_dir, latest_checkpoint, lr_lambda, param_groups, \
+    publish_checkpoint, rng_state, set_rng_state
 from rlhfkit.models.lora import clone_for_export
 
 # DeepSpeed still calls the torch.distributed collectives that torch 2.13 renamed; one warning per call
@@ -251,12 +251,7 @@ class DeepSpeedEngine(LocalEngine):
             shutil.rmtree(target, ignore_errors=True)
             os.replace(tmp, target)
             _fsync_dir(folder)
-            pointer = folder / "latest.tmp"
-            pointer.write_text(target.name)
-            os.replace(pointer, folder / "latest")
-            old = sorted(p for p in folder.glob("step-*") if p.is_dir() and not p.name.endswith(".tmp"))
-            for stale in old[:-keep] if keep > 0 else []:
-                shutil.rmtree(stale, ignore_errors=True)
+            publish_checkpoint(folder, target, keep)
         self.barrier()
         return target
 

@@ -216,12 +216,7 @@ class LocalEngine:
             for name, trainable in trainables.items():
                 trainable.save(tmp, name)
             torch.save({"step": step, "rng": rng_state(), **state}, tmp / "state.pt")
-        pointer = folder / "latest.tmp"
-        pointer.write_text(target.name)
-        os.replace(pointer, folder / "latest")
-        old = sorted(p for p in folder.glob("step-*") if p.is_dir() and not p.name.endswith(".tmp"))
-        for stale in old[:-keep] if keep > 0 else []:
-            shutil.rmtree(stale, ignore_errors=True)
+        publish_checkpoint(folder, target, keep)
         return target
 
     def load_checkpoint(self, folder: Path, trainables: dict) -> dict:
@@ -246,6 +241,17 @@ class LocalEngine:
 
 def _is_ds_engine(module) -> bool:
     return type(module).__name__ in ("DeepSpeedEngine", "InferenceEngine")
+
+
+def publish_checkpoint(folder: Path, target: Path, keep: int) -> None:
+    """Point `latest` at a complete checkpoint (atomically, after it was written), then drop all but the
+    last `keep` ones: a crash at any moment leaves `latest` naming a loadable checkpoint."""
+    pointer = folder / "latest.tmp"
+    pointer.write_text(target.name)
+    os.replace(pointer, folder / "latest")
+    old = sorted(p for p in folder.glob("step-*") if p.is_dir() and not p.name.endswith(".tmp"))
+    for stale in old[:-keep] if keep > 0 else []:
+        shutil.rmtree(stale, ignore_errors=True)
 
 
 def latest_checkpoint(folder: Path) -> Path:
