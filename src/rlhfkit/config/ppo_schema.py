@@ -29,12 +29,23 @@ class PPODataConfig:
                            choices=("auto", "chat", "plain"))
     split: str = option("train", "split to read from a save_to_disk DatasetDict or a hub dataset")
     max_rows: int = option(-1, "use at most this many training prompts (-1: all)")
+    preset: Optional[str] = option(None, "seed-dataset preset for a local prompt path, e.g. Dahoas/rm-static")
+    local_dir: Optional[str] = option(None, "folder of local dataset copies (owner/name inside); default: "
+                                            "$RLHFKIT_DATA_DIR")
+    split_fractions: list = option([], "DeepSpeed-Chat's data_split shares, e.g. [2, 4, 4]; ppo reads share "
+                                       "data.split_index")
+    split_index: int = option(2, "which share of data.split_fractions the prompts come from (pipeline: 2)")
+    cache: bool = option(True, "cache tokenised prompts under data.cache_dir")
+    cache_dir: Optional[str] = option(None, "tokenised-data cache folder; default: $RLHFKIT_CACHE_DIR, else "
+                                            "~/.cache/rlhfkit")
 
     def as_prompt_data(self) -> DataConfig:
         """The DataConfig that `load_stage_data("prompts", ...)` reads (max_length = the prompt budget)."""
         return DataConfig(train=self.prompts, eval=self.eval_prompts, eval_fraction=self.eval_fraction,
                           eval_max_rows=self.eval_max_rows, max_length=self.max_prompt_length, format=self.format,
-                          fields=self.fields, template=self.template, split=self.split, max_rows=self.max_rows)
+                          fields=self.fields, template=self.template, split=self.split, max_rows=self.max_rows,
+                          preset=self.preset, local_dir=self.local_dir, split_fractions=self.split_fractions,
+                          split_index=self.split_index, cache=self.cache, cache_dir=self.cache_dir)
 
 
 @dataclass
