@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 
 METRICS_FILE = "metrics.jsonl"
-STAGE_ORDER = {"sft": 0, "rm": 1, "ppo": 2}
+STAGE_ORDER = {"pretrain": -1, "sft": 0, "rm": 1, "ppo": 2}  # pretrain: the demo's base model
 
 
 @dataclass

@@ -1,0 +1,191 @@
+"""`rlhfkit chat MODEL_DIR`: talk to any stage's output (SFT or PPO final/, or any HF causal LM).
+
+Turns are rendered with the same `Template` as training (the tokenizer's chat template, else rlhfkit's plain
+`User: ...\n\nAssistant:` one), so a model is asked exactly as it was taught. The conversation is kept and re-sent
+each turn; when it no longer fits the model's context, the oldest turns are dropped. `--compare OTHER_DIR` asks a
+second model the same things (each keeps its own history of its own answers) and prints the answers side by side.
+Only argparse is imported at module level so `rlhfkit --help` stays fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import sys
+import textwrap
+from pathlib import Path
+
+DESCRIPTION = "chat with a model folder (interactive, or one answer with --prompt); --compare shows two side by side"
+EPILOG = """\
+in the interactive chat: /reset forgets the conversation, /quit (or Ctrl-D) leaves
+
+examples:
+  rlhfkit chat runs/demo/ppo/final
+  rlhfkit chat runs/demo/ppo/final --prompt "describe the river" --greedy
+  rlhfkit chat runs/demo/sft/final --compare runs/demo/ppo/final --temperature 0.7
+"""
+DEFAULT_CONTEXT = 2048  # when a config names no context length
+
+
+def add_chat_parser(sub) -> argparse.ArgumentParser:
+    p = sub.add_parser("chat", help=DESCRIPTION, description=DESCRIPTION, epilog=EPILOG,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("model_dir", metavar="MODEL_DIR", help="a causal-LM folder (an sft/ppo run's final/) or hub id")
+    p.add_argument("--prompt", help="print the answer to this one message and exit (no interaction)")
+    p.add_argument("--compare", metavar="OTHER_DIR", help="a second model that answers the same messages")
+    p.add_argument("--system", help="a system message at the start of the conversation")
+    p.add_argument("--temperature", type=float, default=0.7, help="sampling temperature (default 0.7)")
+    p.add_argument("--top-p", type=float, default=0.9, help="nucleus sampling mass (default 0.9)")
+    p.add_argument("--max-new-tokens", type=int, default=128, help="longest answer in tokens (default 128)")
+    p.add_argument("--greedy", action="store_true", help="greedy decoding (deterministic) instead of sampling")
+    p.add_argument("--seed", type=int, default=None, help="seed the sampler (reproducible answers)")
+    p.add_argument("--template", choices=("auto", "chat", "plain"), default="auto",
+                   help="prompt rendering, as data.template in training (default auto)")
+    return p
+
+
+class ChatModel:
+    """A causal LM, its tokenizer and template; `reply(messages)` answers the last user message."""
+
+    def __init__(self, name: str, template_mode: str = "auto"):
+        from rlhfkit.data.templates import Template
+        from rlhfkit.models import ModelError, load_causal_lm, load_tokenizer
+        from rlhfkit.rollout.generate import eos_token_ids
+
+        self.name = name
+        self.tokenizer = load_tokenizer(name, padding_side="left")
+        self._refuse_scalar_head(name, ModelError)
+        self.model = load_causal_lm(name, None, self.tokenizer).eval()
+        try:
+            self.template = Template.for_tokenizer(self.tokenizer, template_mode)
+        except ValueError as exc:
+            raise ModelError(f"--template: {exc}") from None
+        self.eos_ids = eos_token_ids(self.tokenizer, self.model)
+        config = self.model.config
+        self.context = getattr(config, "max_position_embeddings", None) or DEFAULT_CONTEXT
+
+    @staticmethod
+    def _refuse_scalar_head(name: str, error) -> None:
+        from transformers import AutoConfig
+
+        try:
+            archs = getattr(AutoConfig.from_pretrained(name), "architectures", None) or []
+        except (OSError, ValueError):
+            return  # load_causal_lm reports what is wrong with the folder
+        if any("SequenceClassification" in a for a in archs):
+            raise error(f"'{name}' is a reward model or critic (a scalar head), not a chat model: score responses "
+                        f"with `rlhfkit score {name} --data FILE`, or chat with an sft/ppo final/ folder")
+
+    def prompt_ids(self, messages: list[dict], max_new_tokens: int) -> list[int]:
+        """Token ids of the rendered conversation, dropping the oldest turns until the answer fits the context."""
+        from rlhfkit.data.templates import encode_prompt
+
+        system = [m for m in messages[:1] if m["role"] == "system"]
+        turns = messages[len(system):]
+        budget = max(1, self.context - max_new_tokens)
+        while True:
+            ids = encode_prompt(self.tokenizer, self.template.prompt(system + turns))
+            if len(ids) <= budget:
+                return ids
+            if len(turns) <= 1:
+                return ids[-budget:]  # one message longer than the context: keep its end (the question)
+            turns = turns[2:]  # drop the oldest user/assistant exchange
+
+    def reply(self, messages: list[dict], args) -> str:
+        import torch
+
+        ids = torch.tensor([self.prompt_ids(messages, args.max_new_tokens)])
+        sampling = {"do_sample": False} if args.greedy else {"do_sample": True, "temperature": args.temperature,
+                                                              "top_p": args.top_p, "top_k": 0}
+        with torch.no_grad():
+            out = self.model.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
+                                      max_new_tokens=args.max_new_tokens, eos_token_id=self.eos_ids,
+                                      pad_token_id=self.tokenizer.pad_token_id, **sampling)
+        return self.tokenizer.decode(out[0, ids.size(1):], skip_special_tokens=True).strip()
+
+
+def side_by_side(left_title: str, left: str, right_title: str, right: str, width: int) -> str:
+    """Two texts in two wrapped columns under their titles, separated by ' | '."""
+    col = max(10, (width - 3) // 2)
+
+    def lines(title: str, text: str) -> list[str]:
+        body = [w for para in (text or "(empty)").splitlines() for w in (textwrap.wrap(para, col) or [""])]
+        return textwrap.wrap(title, col) + ["-" * min(col, max(len(title), 3))] + body
+
+    a, b = lines(left_title, left), lines(right_title, right)
+    a += [""] * (len(b) - len(a))
+    b += [""] * (len(a) - len(b))
+    return "\n".join(f"{x:<{col}} | {y}".rstrip() for x, y in zip(a, b))
+
+
+class Conversation:
+    """One history per model: each model sees its own earlier answers, as in a real chat with it."""
+
+    def __init__(self, models: list[ChatModel], system: str | None):
+        self.models, self.system = models, system
+        self.reset()
+
+    def reset(self) -> None:
+        start = [{"role": "system", "content": self.system}] if self.system else []
+        self.histories = [list(start) for _ in self.models]
+
+    def ask(self, text: str, args) -> list[str]:
+        answers = []
+        for model, history in zip(self.models, self.histories):
+            history.append({"role": "user", "content": text})
+            answer = model.reply(history, args)
+            history.append({"role": "assistant", "content": answer})
+            answers.append(answer)
+        return answers
+
+
+def show(models: list[ChatModel], answers: list[str], out) -> None:
+    if len(answers) == 1:
+        print(answers[0], file=out)
+        return
+    width = shutil.get_terminal_size((120, 20)).columns
+    print(side_by_side(models[0].name, answers[0], models[1].name, answers[1], width), file=out)
+
+
+def interact(conv: Conversation, args, read=input, out=sys.stdout) -> None:
+    """The read-answer loop: /reset, /quit, Ctrl-D; an empty line is ignored."""
+    print("chat: /reset forgets the conversation, /quit leaves", file=out)
+    while True:
+        try:
+            text = read("you> ").strip()
+        except (EOFError, KeyboardInterrupt):
+            print(file=out)
+            return
+        if not text:
+            continue
+        if text in ("/quit", "/exit"):
+            return
+        if text == "/reset":
+            conv.reset()
+            print("(conversation reset)", file=out)
+            continue
+        show(conv.models, conv.ask(text, args), out)
+
+
+def main(args) -> int:
+    from rlhfkit.cli import _errors
+
+    if args.max_new_tokens < 1 or args.temperature <= 0 or not 0 < args.top_p <= 1:
+        print("rlhfkit chat: error: need --max-new-tokens >= 1, --temperature > 0, 0 < --top-p <= 1", file=sys.stderr)
+        return 2
+    try:
+        import torch
+
+        if args.seed is not None:
+            torch.manual_seed(args.seed)
+        names = [args.model_dir] + ([args.compare] if args.compare else [])
+        models = [ChatModel(str(Path(n)) if Path(n).exists() else n, args.template) for n in names]
+        conv = Conversation(models, args.system)
+        if args.prompt is not None:
+            show(models, conv.ask(args.prompt, args), sys.stdout)
+        else:
+            interact(conv, args)
+    except _errors() as exc:
+        print(f"rlhfkit chat: error: {exc}", file=sys.stderr)
+        return 2
+    return 0

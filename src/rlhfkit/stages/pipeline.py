@@ -1,0 +1,148 @@
+"""`rlhfkit pipeline`: SFT -> RM -> PPO from one config, each step the same `run_*` a single-step command calls.
+
+1. build and check every step's config before anything trains (a shared `dataset` reaches each step as its
+data source with data.split_fractions = data_split and its own data.split_index), 2. run the steps in order,
+skipping a complete one (its final/ exists) unless --force, each logging into output_dir/STEP/ (metrics.jsonl,
+log.txt, result.json), 3. write and print the summary.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+from rlhfkit.config.pipeline_schema import PipelineConfig, step_config
+
+RUNNERS = {"sft": "rlhfkit.stages.sft:run_sft", "rm": "rlhfkit.stages.reward:run_rm",
+           "ppo": "rlhfkit.stages.ppo:run_ppo"}
+# metrics worth a line in the summary: (step, metrics.jsonl key)
+HEADLINES = (("sft", "eval/loss"), ("rm", "eval/accuracy"), ("ppo", "eval/reward"), ("ppo", "eval/kl"))
+
+
+def _is_main() -> bool:
+    """Rank 0 under torchrun/deepspeed (the engines are created inside each step, so read the launcher's env)."""
+    return int(os.environ.get("RANK", "0")) == 0
+
+
+def _say(text: str) -> None:
+    if _is_main():
+        print(text, file=sys.stderr)
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    """Written under a temporary name and renamed: a reader (or a killed run) never leaves half a file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, path)
+
+
+class _Tee:
+    """A text stream writing to the terminal and to a step's log.txt."""
+
+    def __init__(self, *streams):
+        self.streams = streams
+
+    def write(self, text: str) -> int:
+        for stream in self.streams:
+            stream.write(text)
+        return len(text)
+
+    def flush(self) -> None:
+        for stream in self.streams:
+            stream.flush()
+
+    def isatty(self) -> bool:
+        return self.streams[0].isatty()
+
+
+@contextlib.contextmanager
+def step_log(folder: Path):
+    """Copy stderr (the step's progress lines) into folder/log.txt, on the main rank."""
+    if not _is_main():
+        yield
+        return
+    folder.mkdir(parents=True, exist_ok=True)
+    with open(folder / "log.txt", "a", encoding="utf-8") as fh, contextlib.redirect_stderr(_Tee(sys.stderr, fh)):
+        yield
+
+
+def _first_last(folder: Path, key: str) -> tuple | None:
+    from rlhfkit.report.metrics import load_metrics, series
+
+    path = folder / "metrics.jsonl"
+    if not path.is_file():
+        return None
+    _, values = series(load_metrics(path), key)
+    return (float(values[0]), float(values[-1])) if len(values) else None
+
+
+def summary_rows(out: Path, steps: dict) -> list[dict]:
+    """Rows in the report's summary format: one per step (ran / skipped, seconds), one per headline metric."""
+    rows = []
+    for step, info in steps.items():
+        rows.append({"name": f"{step}: {info['status']}", "value": round(info.get("seconds", 0.0), 1),
+                     "target": "seconds", "passed": None})
+    for step, key in HEADLINES:
+        span = _first_last(out / step, key) if step in steps else None
+        if span:
+            rows.append({"name": f"{step} {key} (first -> last)", "value": f"{span[0]:.4g} -> {span[1]:.4g}",
+                         "target": "", "passed": None})
+    return rows
+
+
+def print_table(title: str, rows: list[dict], stream=None) -> None:
+    stream = stream or sys.stdout
+    width = max(len(r["name"]) for r in rows)
+    print(f"\n{title}", file=stream)
+    for r in rows:
+        mark = {True: "PASS", False: "FAIL"}.get(r.get("passed"), "")
+        value = f"{r['value']:.4g}" if isinstance(r["value"], float) else str(r["value"])
+        target = f"  ({r['target']})" if r.get("target") else ""
+        print(f"  {r['name']:<{width}}  {value:>16}{target}  {mark}".rstrip(), file=stream)
+
+
+def _load(path: str):
+    import importlib
+
+    module, name = path.split(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def run_pipeline(cfg: PipelineConfig, resume: bool = False, force: bool = False) -> dict:
+    out = Path(cfg.output_dir)
+    # 1. every step's config first: a bad key fails before anything trains (each step checks its data itself)
+    configs = {step: step_config(cfg, step) for step in cfg.steps}
+    steps: dict = {}
+
+    # 2. the steps, in order; each is exactly `rlhfkit STEP --config <its config>`
+    for step in cfg.steps:
+        folder = out / step
+        if (folder / "final").exists() and not force:
+            previous = folder / "result.json"
+            result = json.loads(previous.read_text()) if previous.is_file() else {}
+            steps[step] = {"status": "skipped (complete)", "result": result}
+            _say(f"pipeline: {step}: {folder / 'final'} exists, skipped (--force reruns it)")
+            continue
+        _say(f"pipeline: {step}: running into {folder}")
+        tick = time.perf_counter()
+        with step_log(folder):
+            again = resume and (folder / "checkpoints" / "latest").is_file()
+            result = _load(RUNNERS[step])(configs[step], resume=again, force=force)
+        seconds = time.perf_counter() - tick
+        if _is_main():
+            _write_atomic(folder / "result.json", json.dumps(result, indent=2, default=str))
+        steps[step] = {"status": "ran", "seconds": seconds, "result": result}
+
+    # 3. summary.json in the report's format (`rlhfkit report OUTPUT_DIR` renders it) and a table on stdout
+    rows = summary_rows(out, steps)
+    summary = {"title": f"rlhfkit pipeline — {out.name}", "rows": rows, "steps": steps}
+    if _is_main():
+        _write_atomic(out / "summary.json", json.dumps(summary, indent=2, default=str))
+        print_table(summary["title"], rows)
+    return {"output_dir": str(out), **{step: info["status"] for step, info in steps.items()},
+            "final": {step: str(out / step / "final") for step in steps}}

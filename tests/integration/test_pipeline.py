@@ -1,0 +1,93 @@
+"""`rlhfkit pipeline` on tiny models: one dataset split 2:4:4, outputs chained, complete steps skipped, --force."""
+
+import json
+
+import yaml
+
+from conftest import NAMES, read_metrics, run_cli, write_jsonl
+
+
+def preference_rows() -> list[dict]:
+    """The echo world as pairs: the right answer to "say X" beats another name's."""
+    return [{"prompt": f"say {n}", "chosen": f"{n} {n} {n}", "rejected": f"{NAMES[(i + k) % len(NAMES)]}"}
+            for k in range(1, 4) for i, n in enumerate(NAMES)] * 2  # 120 rows
+
+
+def write_config(tmp_path, tiny_model_dir, **extra) -> tuple:
+    data = write_jsonl(tmp_path / "pairs.jsonl", preference_rows())
+    out = tmp_path / "run"
+    cfg = {
+        "model": str(tiny_model_dir), "output_dir": str(out), "dataset": str(data), "data_split": [2, 4, 4],
+        "train": {"batch_size": 8, "micro_batch_size": 8, "lr": 5.0e-3, "save_every": 0, "eval_every": 0},
+        "log": {"tensorboard": False, "progress": False},
+        "sft": {"train": {"max_steps": 3}},
+        "rm": {"train": {"max_steps": 3}, "rm": {"norm_samples": 16}},
+        "ppo": {"train": {"max_steps": 2, "batch_size": 4, "micro_batch_size": 4},
+                "gen": {"max_new_tokens": 6}, "data": {"eval_max_rows": 4}},
+        **extra,
+    }
+    path = tmp_path / "pipeline.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path, out
+
+
+def test_pipeline_chains_splits_logs_and_summarises(tmp_path, tiny_model_dir):
+    path, out = write_config(tmp_path, tiny_model_dir)
+    res = run_cli("pipeline", "--config", str(path), "rm.train.lr=1e-3")
+    assert res.returncode == 0, res.stderr
+    result = json.loads(res.stdout.strip().splitlines()[-1])
+    assert result["sft"] == result["rm"] == result["ppo"] == "ran"
+
+    # one dataset cut 2:4:4: each step reads its own share (the loader's data.split_fractions / split_index)
+    results = {s: json.loads((out / s / "result.json").read_text()) for s in ("sft", "rm", "ppo")}
+    assert {s: r["rows_read"] for s, r in results.items()} == {"sft": 24, "rm": 48, "ppo": 48}
+
+    # outputs chained: SFT final -> RM start and PPO actor (reference by default); RM final -> PPO reward
+    sft_cfg, rm_cfg, ppo_cfg = (yaml.safe_load((out / s / "config.yaml").read_text()) for s in ("sft", "rm", "ppo"))
+    assert sft_cfg["model"] == str(tiny_model_dir) and rm_cfg["model"] == str(out / "sft" / "final")
+    assert ppo_cfg["actor"] == str(out / "sft" / "final") and ppo_cfg["reward"] == str(out / "rm" / "final")
+    data = str(tmp_path / "pairs.jsonl")
+    assert [(c["data"]["split_fractions"], c["data"]["split_index"]) for c in (sft_cfg, rm_cfg, ppo_cfg)] == \
+        [([2, 4, 4], 0), ([2, 4, 4], 1), ([2, 4, 4], 2)]
+    assert sft_cfg["data"]["train"] == rm_cfg["data"]["train"] == ppo_cfg["data"]["prompts"] == data
+    # shared keys reach every step, a section's own keys and the command line win
+    assert sft_cfg["train"]["lr"] == ppo_cfg["train"]["lr"] == 5.0e-3 and rm_cfg["train"]["lr"] == 1e-3
+    assert ppo_cfg["train"]["batch_size"] == 4 and sft_cfg["train"]["batch_size"] == 8
+    assert "critic: " + str(out / "rm" / "final") in (out / "ppo" / "log.txt").read_text()  # PPO's default critic
+
+    # each step logs into its own folder; the summary is written in the report's format and printed
+    for step, stage in (("sft", "sft"), ("rm", "rm"), ("ppo", "ppo")):
+        assert (out / step / "final").is_dir() and (out / step / "log.txt").stat().st_size > 0
+        assert {m["stage"] for m in read_metrics(out / step / "metrics.jsonl")} == {stage}
+        assert results[step]["output_dir"] == str(out / step)
+    summary = json.loads((out / "summary.json").read_text())
+    assert [r["name"] for r in summary["rows"][:3]] == ["sft: ran", "rm: ran", "ppo: ran"]
+    assert "rm eval/accuracy (first -> last)" in res.stdout and (out / "ppo" / "final-critic").is_dir()
+    assert run_cli("report", str(out)).returncode == 0 and (out / "report.html").is_file()
+
+
+def test_complete_steps_are_skipped_and_force_reruns(tmp_path, tiny_model_dir):
+    path, out = write_config(tmp_path, tiny_model_dir, steps=["sft", "rm"])
+    assert run_cli("pipeline", "--config", str(path)).returncode == 0
+    stamp = (out / "sft" / "final" / "model.safetensors").stat().st_mtime_ns
+
+    again = run_cli("pipeline", "--config", str(path))
+    assert again.returncode == 0, again.stderr
+    assert json.loads(again.stdout.strip().splitlines()[-1])["sft"] == "skipped (complete)"
+    assert "sft: " in again.stderr and "exists, skipped" in again.stderr
+    assert (out / "sft" / "final" / "model.safetensors").stat().st_mtime_ns == stamp
+    assert json.loads((out / "summary.json").read_text())["rows"][0]["name"] == "sft: skipped (complete)"
+
+    forced = run_cli("pipeline", "--config", str(path), "steps=[sft]", "--force")
+    assert forced.returncode == 0, forced.stderr
+    assert json.loads(forced.stdout.strip().splitlines()[-1])["sft"] == "ran"
+    assert (out / "sft" / "final" / "model.safetensors").stat().st_mtime_ns != stamp
+
+
+def test_a_wrong_key_in_a_later_section_fails_before_anything_runs(tmp_path, tiny_model_dir):
+    path, out = write_config(tmp_path, tiny_model_dir)
+    res = run_cli("pipeline", "--config", str(path), "ppo.ppo.kl_coeff=0.1")
+    assert res.returncode == 2 and "ppo.ppo.kl_coeff" in res.stderr
+    assert not (out / "sft").exists()
+    res = run_cli("pipeline", "--config", str(path), "data_split=[1, 1]")
+    assert res.returncode == 2 and "data_split" in res.stderr

@@ -1,0 +1,104 @@
+"""`rlhfkit chat`: answers through the training template, history, /reset, /quit, --compare, context trimming."""
+
+import argparse
+import io
+
+import pytest
+from transformers import AutoModelForSequenceClassification
+
+from rlhfkit.chat import ChatModel, Conversation, interact, side_by_side
+from rlhfkit.config import SFTConfig, load_config
+from rlhfkit.stages.sft import run_sft
+
+from conftest import run_cli, sft_rows, write_jsonl
+
+GREEDY = argparse.Namespace(max_new_tokens=12, greedy=True, temperature=0.7, top_p=0.9)
+
+
+@pytest.fixture(scope="module")
+def echo_model(tmp_path_factory, tiny_model_dir):
+    """The tiny model after a short SFT on "say X" -> "X X X" (plain template), in-process."""
+    tmp = tmp_path_factory.mktemp("chat")
+    data = write_jsonl(tmp / "train.jsonl", sft_rows())
+    cfg = load_config(SFTConfig, None, [f"model={tiny_model_dir}", f"data.train={data}", f"output_dir={tmp / 'sft'}",
+                                        "train.max_steps=300", "train.batch_size=8", "train.micro_batch_size=8",
+                                        "train.lr=1e-2", "data.eval_fraction=0", "train.save_every=0",
+                                        "log.tensorboard=false", "log.progress=false"])
+    run_sft(cfg)
+    return tmp / "sft" / "final"
+
+
+def test_prompt_prints_the_answer_learned_through_the_template(echo_model):
+    res = run_cli("chat", str(echo_model), "--prompt", "say river", "--greedy", "--max-new-tokens", "12")
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.strip() == "river river river"
+
+
+def test_compare_shows_both_answers_side_by_side(echo_model, tiny_model_dir):
+    res = run_cli("chat", str(echo_model), "--compare", str(tiny_model_dir), "--prompt", "say stone", "--greedy",
+                  "--max-new-tokens", "12")
+    assert res.returncode == 0, res.stderr
+    lines = res.stdout.splitlines()
+    assert str(echo_model)[-20:] in lines[0] or "final" in lines[0]
+    assert all(" | " in line or line.endswith(" |") for line in lines if line.strip())
+    left = " ".join(line.split(" | ")[0] for line in lines[2:])
+    assert "stone stone stone" in left  # the trained model's column; the right one is the untrained model
+
+
+def test_sampling_flags_and_bad_values(echo_model):
+    res = run_cli("chat", str(echo_model), "--prompt", "say honey", "--temperature", "0.3", "--top-p", "0.5",
+                  "--seed", "1", "--max-new-tokens", "8")
+    assert res.returncode == 0 and res.stdout.strip(), res.stderr
+    res = run_cli("chat", str(echo_model), "--prompt", "hi", "--temperature", "0")
+    assert res.returncode == 2 and "--temperature" in res.stderr
+
+
+def test_a_reward_model_folder_is_refused_with_a_hint(tmp_path, tiny_model_dir):
+    rm = AutoModelForSequenceClassification.from_pretrained(tiny_model_dir, num_labels=1)
+    rm.save_pretrained(tmp_path / "rm")
+    (tmp_path / "rm" / "tokenizer.json").write_bytes((tiny_model_dir / "tokenizer.json").read_bytes())
+    (tmp_path / "rm" / "tokenizer_config.json").write_bytes((tiny_model_dir / "tokenizer_config.json").read_bytes())
+    res = run_cli("chat", str(tmp_path / "rm"), "--prompt", "hi")
+    assert res.returncode == 2 and "reward model" in res.stderr and "rlhfkit score" in res.stderr
+
+
+def test_interactive_keeps_history_resets_and_quits(echo_model):
+    model = ChatModel(str(echo_model))
+    seen, reply = [], model.reply
+    model.reply = lambda messages, args: seen.append([m["content"] for m in messages]) or reply(messages, args)
+    conv = Conversation([model], system=None)
+    typed = iter(["say river", "", "say stone", "/reset", "say apple", "/quit", "never read"])
+    out = io.StringIO()
+    interact(conv, GREEDY, read=lambda _prompt: next(typed), out=out)
+    assert next(typed) == "never read"  # /quit left the loop
+    text = out.getvalue()
+    assert "river river river" in text and "apple apple apple" in text and "(conversation reset)" in text
+    # turn 2 is asked with turn 1 in the history; after /reset the history starts again (the empty line is skipped)
+    assert seen[0] == ["say river"]
+    assert seen[1][:3] == ["say river", "river river river", "say stone"] and len(seen[1]) == 3
+    assert seen[2] == ["say apple"] and len(seen) == 3
+    assert conv.histories[0] == [{"role": "user", "content": "say apple"},
+                                 {"role": "assistant", "content": "apple apple apple"}]
+
+
+def test_history_is_rendered_and_trimmed_to_the_context(echo_model):
+    model = ChatModel(str(echo_model))
+    history = [{"role": "system", "content": "be brief"}]
+    for name in ("river", "stone", "cloud", "green"):
+        history += [{"role": "user", "content": f"say {name}"}, {"role": "assistant", "content": f"{name} " * 3}]
+    history.append({"role": "user", "content": "say tiger"})
+    full = model.prompt_ids(history, max_new_tokens=8)
+    text = model.tokenizer.decode(full)
+    assert text.count("User:") == 5 and text.startswith("<s>System: be brief") and text.endswith("Assistant:")
+    model.context = len(full) - 10 + 8  # room for all but the oldest exchange or so
+    trimmed = model.tokenizer.decode(model.prompt_ids(history, max_new_tokens=8))
+    assert "System: be brief" in trimmed and "say river" not in trimmed and "say tiger" in trimmed
+    assert trimmed.endswith("Assistant:")
+
+
+def test_side_by_side_wraps_both_columns():
+    text = side_by_side("sft", "short", "ppo", "a much longer answer that needs wrapping", width=43)
+    lines = text.splitlines()
+    assert lines[0].startswith("sft") and "| ppo" in lines[0]
+    assert lines[2].startswith("short") and all(len(line) <= 43 for line in lines)
+    assert " ".join(line.split(" | ")[1] for line in lines[2:]) == "a much longer answer that needs wrapping"
