@@ -113,6 +113,8 @@ def test_configs_demo_yaml_is_what_the_demo_runs():
     ("sft", "rlhfkit.config.schema:SFTConfig"), ("rm", "rlhfkit.config.schema:RMConfig"),
     ("ppo", "rlhfkit.config.ppo_schema:PPOConfig"), ("pipeline", "rlhfkit.config.pipeline_schema:PipelineConfig"),
     ("pipeline-llama", "rlhfkit.config.pipeline_schema:PipelineConfig"),
+    ("ppo-opt-1.3b-1gpu", "rlhfkit.config.ppo_schema:PPOConfig"),
+    ("ppo-7b-zero3-8gpu", "rlhfkit.config.ppo_schema:PPOConfig"),
     ("demo", "rlhfkit.config.pipeline_schema:PipelineConfig"),
 ])
 def test_example_configs_are_valid(name, schema):
