@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+from dataclasses import replace
 
 import pytest
 import torch
@@ -14,9 +15,10 @@ from rlhfkit.engine import LocalEngine
 from rlhfkit.models import load_causal_lm, load_scalar_model, load_tokenizer
 from rlhfkit.models.ema import EMA
 from rlhfkit.rollout import add_advantages, add_model_outputs, generate_all
+from rlhfkit.rollout.experience import add_rewards
 from rlhfkit.rollout.experience import response_logprobs
 from rlhfkit.stages.ppo_setup import load_ppo_models
-from rlhfkit.stages.ppo_update import PtxText, ppo_update
+from rlhfkit.stages.ppo_update import PtxText, critic_update_with_values, ppo_update, single_step
 
 
 def prompt_rows(tok, prompts: list[str]) -> list[dict]:
@@ -91,6 +93,34 @@ def test_micro_batch_times_accumulation_invariance(tmp_path, rollout, sections):
         assert m1[key] == pytest.approx(m4[key], abs=1e-5)
     if "ptx" in sections:
         assert m1["ptx_loss"] == pytest.approx(m4["ptx_loss"], rel=1e-5)
+
+
+def test_critic_update_with_values_equals_values_then_update(rollout):
+    """One optimizer step per rollout: one critic forward per micro-batch gives the values, advantages and the
+    critic's step that a values pass followed by ppo_update's critic step give."""
+    tok, actor, critic, batch = rollout
+    cfg = ppo_config(train={"micro_batch_size": 2})
+    engine = LocalEngine()
+    assert single_step(cfg)
+    separate_critic, fused_critic = (engine.prepare(copy.deepcopy(critic), cfg.train, 10) for _ in range(2))
+    for group in separate_critic.optimizer.param_groups + fused_critic.optimizer.param_groups:
+        group["eps"] = 1.0  # as in one_update: parameters after one Adam step then compare the gradients
+    frozen_actor = engine.prepare(copy.deepcopy(actor), cfg.train, 10)
+
+    with_values = replace(batch, values=add_model_outputs(batch, actor, separate_critic.module, actor, 0.8, 2).values)
+    separate, separate_adv = add_advantages(with_values, batch.scores, 0.1, cfg.ppo)
+    separate_metrics = ppo_update(separate, frozen_actor, separate_critic, cfg, engine, 0, update_actor=False)
+    fused, fused_adv, fused_metrics = critic_update_with_values(add_rewards(batch, batch.scores, 0.1, cfg.ppo),
+                                                                fused_critic, cfg, engine)
+
+    for key in ("values", "advantages", "returns"):
+        torch.testing.assert_close(getattr(fused, key), getattr(separate, key), atol=1e-5, rtol=1e-5)
+    for a, b in zip(fused_critic.module.parameters(), separate_critic.module.parameters()):
+        torch.testing.assert_close(a, b, atol=2e-6, rtol=1e-5)
+    assert max((a - b).abs().max().item() for a, b in zip(fused_critic.module.parameters(), critic.parameters())) > 0
+    for key in ("value_loss", "critic_grad_norm"):
+        assert fused_metrics[key] == pytest.approx(separate_metrics[key], rel=1e-4)
+    assert fused_adv == pytest.approx(separate_adv, rel=1e-4, abs=1e-6)
 
 
 def test_lora_reference_is_the_actor_with_its_adapter_disabled(tmp_path, tiny_model_dir, rollout):

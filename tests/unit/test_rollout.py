@@ -111,6 +111,22 @@ def test_logprobs_and_values_ignore_padding_and_post_eos_tokens(tiny, tiny_model
         torch.testing.assert_close(full.old_logprobs[i, :n], expected, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("top_k, top_p", [(0, 1.0), (5, 0.8)])
+def test_sampled_logprobs_are_the_old_logprobs_of_a_full_forward(tiny, top_k, top_p):
+    """The log-probs recorded while sampling (KV cache, left padding) equal a forward over prompt + response,
+    taken over the full softmax(z / T) even when top-k/top-p decide what is drawn."""
+    tok, model = tiny
+    rows = prompt_rows(tok, ["say apple", "say a very long river stone cloud green", "say honey"])
+    torch.manual_seed(0)
+    batch = generate_rollout(model, CPU(), tok, rows, GenConfig(max_new_tokens=6, temperature=0.7, top_k=top_k,
+                                                                top_p=top_p))
+    forward = add_model_outputs(batch, model, None, model, temperature=0.7, micro_batch_size=2)
+    sampled = add_model_outputs(batch, model, None, model, temperature=0.7, micro_batch_size=2,
+                                old_from_sampling=True)
+    assert sampled.values is None and (sampled.old_logprobs[batch.response_mask == 0] == 0).all()
+    torch.testing.assert_close(sampled.old_logprobs, forward.old_logprobs, atol=1e-5, rtol=1e-5)
+
+
 def test_reward_on_last_valid_token_with_left_padded_prompts():
     batch = make_batch([[1, 5], [1, 5, 6]], [[7, 2, 0, 0], [8, 9, 4, 6]], [[1, 1, 0, 0], [1, 1, 1, 1]])
     batch.old_logprobs = torch.tensor([[-1.0, -1.0, 99.0, 99.0], [-1.0, -2.0, -1.0, -1.0]])

@@ -22,10 +22,22 @@ def position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
     return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
 
 
-def causal_logits(model, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-    """(B, T, V) next-token logits of a causal LM, for any padding side."""
-    return model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids(attention_mask),
-                 use_cache=False).logits
+def causal_logits(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, keep: int = 0) -> torch.Tensor:
+    """(B, T, V) next-token logits of a causal LM, for any padding side.
+
+    With `keep` > 0 only the last `keep` positions, (B, keep, V): the LM head skips the others
+    (transformers' `logits_to_keep`), which saves its matmul and a (B, T, V) tensor, forward and backward.
+    """
+    kwargs = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids(attention_mask),
+                  use_cache=False)
+    if keep <= 0 or keep >= input_ids.size(1):
+        return model(**kwargs).logits
+    try:
+        return model(**kwargs, logits_to_keep=keep).logits
+    except TypeError as exc:  # a model class without logits_to_keep: full logits, then the last `keep`
+        if "logits_to_keep" not in str(exc):
+            raise
+        return model(**kwargs).logits[:, -keep:]
 
 
 def _head(model) -> torch.nn.Module:
@@ -57,8 +69,20 @@ def token_scores(model, input_ids: torch.Tensor, attention_mask: torch.Tensor) -
     return captured["out"].squeeze(-1).float()
 
 
+def trim_padding(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Drop the leading and trailing columns that are padding in every row: the same results (positions come
+    from the mask) for less compute when the rows are shorter than the tensor."""
+    real = attention_mask.bool().any(0)
+    if not real.any():
+        return input_ids, attention_mask
+    columns = real.nonzero()
+    first, last = int(columns[0]), int(columns[-1]) + 1
+    return input_ids[:, first:last], attention_mask[:, first:last]
+
+
 def sequence_scores(model, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
     """(B,) reward-model score read at each row's last real token (left or right padding)."""
+    input_ids, attention_mask = trim_padding(input_ids, attention_mask)
     scores = token_scores(model, input_ids, attention_mask)
     idx = last_valid_index(attention_mask)
     return scores.gather(1, idx[:, None]).squeeze(1)

@@ -25,6 +25,8 @@ class RolloutBatch:
     prompt_texts: list  # B rendered prompts (what the actor saw)
     response_texts: list  # B decoded responses (special tokens skipped)
     messages: list = field(default_factory=list)  # B prompt message lists, to re-render for another tokenizer
+    sample_logprobs: Optional[torch.Tensor] = None  # (B, R) log pi(token) recorded while sampling, at the
+    #                                                 sampling temperature; 0 after EOS
     # ---- experience (rollout/experience.py); None until filled
     old_logprobs: Optional[torch.Tensor] = None  # (B, R) log pi_old(token) under the sampling temperature
     ref_logprobs: Optional[torch.Tensor] = None  # (B, R) log pi_ref(token), same temperature

@@ -6,6 +6,7 @@ last valid response token and -beta * KL(pi || pi_ref) on every token (Ziegler e
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import replace
 
 import torch
@@ -22,10 +23,12 @@ def response_logits(model, batch: RolloutBatch, temperature: float = 1.0) -> tor
 
     The behaviour policy that sampled the tokens is softmax(z / T), so pi_old, pi and pi_ref are all taken
     at the same T (as TRL and OpenRLHF do); otherwise the ratio and the KL compare different distributions.
+    Only the last R + 1 positions go through the LM head: the prompt's logits are never needed.
     """
-    logits = causal_logits(model, batch.input_ids, batch.attention_mask)
-    # column P - 1 + j predicts response token j
-    logits = logits[:, batch.prompt_width - 1:-1]
+    width = batch.response_ids.size(1)
+    logits = causal_logits(model, batch.input_ids, batch.attention_mask, keep=width + 1)
+    # position P - 1 + j predicts response token j: the kept positions P - 1 .. P + R - 1, less the last
+    logits = logits[:, -(width + 1):-1]
     return logits / temperature if temperature != 1.0 else logits
 
 
@@ -39,30 +42,66 @@ def response_values(critic, batch: RolloutBatch) -> torch.Tensor:
     return token_scores(critic, batch.input_ids, batch.attention_mask)[:, batch.prompt_width - 1:-1]
 
 
-@torch.no_grad()
-def add_model_outputs(batch: RolloutBatch, actor, critic, reference, temperature: float,
-                      micro_batch_size: int) -> RolloutBatch:
-    """Old log-probs (actor), reference log-probs and values: one forward each, in micro-batches.
+def length_sorted_chunks(batch: RolloutBatch, size: int, rows: torch.Tensor | None = None) -> list[torch.Tensor]:
+    """`rows` (default: all) in groups of `size`, by increasing valid length (prompt + response).
 
-    `reference=None` means the actor with its LoRA adapter disabled is the reference (no second copy).
+    Rows of similar length share a micro-batch, so `RolloutBatch.select` trims nearly all of its padding:
+    a left-padded batch is as wide as its longest prompt plus its longest response, and padding costs as
+    much compute as real tokens. Any grouping gives the same per-row results (positions come from the mask).
     """
-    old, ref, values = [], [], []
-    for start in range(0, batch.size, micro_batch_size):
-        rows = list(range(start, min(start + micro_batch_size, batch.size)))
-        part = batch.select(rows, trim=False)
-        old.append(response_logprobs(actor, part, temperature))
-        if reference is None:
-            with adapter_disabled(actor):
-                ref.append(response_logprobs(actor, part, temperature))
-        else:
-            ref.append(response_logprobs(reference, part, temperature))
-        values.append(response_values(critic, part))
-    mask = batch.response_mask.bool()
-    zero = torch.zeros_like(batch.response_mask)
-    # masked positions hold 0, so nothing after EOS can leak into a sum or a later comparison
-    return replace(batch, old_logprobs=torch.where(mask, torch.cat(old), zero),
-                   ref_logprobs=torch.where(mask, torch.cat(ref), zero),
-                   values=torch.where(mask, torch.cat(values), zero))
+    rows = torch.arange(batch.size) if rows is None else torch.as_tensor(rows, dtype=torch.long)
+    lengths = (batch.prompt_mask.sum(-1) + batch.response_mask.sum(-1)).cpu()[rows]
+    return list(rows[torch.argsort(lengths, stable=True)].split(size))
+
+
+def sort_by_length(batch: RolloutBatch) -> RolloutBatch:
+    """The rows in order of increasing valid length, so that consecutive rows (the micro-batches of the
+    reward model, for one) carry little padding between them."""
+    return batch.select(length_sorted_chunks(batch, batch.size)[0], trim=False)
+
+
+@torch.no_grad()
+def per_token(batch: RolloutBatch, micro_batch_size: int, fn) -> torch.Tensor:
+    """(B, R) `fn(part) -> (b, r)` over length-sorted, trimmed micro-batches, scattered back in row order;
+    0 on masked positions, so nothing after EOS can leak into a sum or a later comparison."""
+    out = torch.zeros_like(batch.response_mask)
+    for rows in length_sorted_chunks(batch, micro_batch_size):
+        part = batch.select(rows)
+        index = rows.to(out.device)
+        out[index, :part.response_ids.size(1)] = fn(part).to(out.dtype)
+    return torch.where(batch.response_mask.bool(), out, torch.zeros_like(out))
+
+
+def reference_logprobs(batch: RolloutBatch, reference, actor, temperature: float, micro: int) -> torch.Tensor:
+    """(B, R) log pi_ref; `reference=None` means the actor with its LoRA adapter disabled (no second copy)."""
+    if reference is None:
+        with adapter_disabled(actor):
+            return per_token(batch, micro, lambda part: response_logprobs(actor, part, temperature))
+    return per_token(batch, micro, lambda part: response_logprobs(reference, part, temperature))
+
+
+def add_model_outputs(batch: RolloutBatch, actor, critic, reference, temperature: float,
+                      micro_batch_size: int, old_from_sampling: bool = False, timer=None) -> RolloutBatch:
+    """Old log-probs (actor), reference log-probs and values: one no-grad forward each, in micro-batches.
+
+    With `old_from_sampling` the log-probs recorded while sampling (`sample_logprobs`, taken at the same
+    temperature) are the old log-probs and the actor runs no forward at all. `reference=None` means the
+    actor with its LoRA adapter disabled is the reference; `critic=None` skips the values. `timer(phase)`,
+    when given, times each forward.
+    """
+    timer = timer or (lambda _phase: contextlib.nullcontext())
+    if old_from_sampling:
+        old = torch.where(batch.response_mask.bool(), batch.sample_logprobs, torch.zeros_like(batch.response_mask))
+    else:
+        with timer("old_logprobs"):
+            old = per_token(batch, micro_batch_size, lambda part: response_logprobs(actor, part, temperature))
+    with timer("reference"):
+        ref = reference_logprobs(batch, reference, actor, temperature, micro_batch_size)
+    values = None
+    if critic is not None:  # None: the values come with the critic's update (stages/ppo_update.py)
+        with timer("values"):
+            values = per_token(batch, micro_batch_size, lambda part: response_values(critic, part))
+    return replace(batch, old_logprobs=old, ref_logprobs=ref, values=values)
 
 
 def ended_with_eos(batch: RolloutBatch, eos_ids: list[int]) -> torch.Tensor:
@@ -84,19 +123,30 @@ def adjust_scores(raw: torch.Tensor, finished: torch.Tensor, cfg: PPOSection, st
     return scores
 
 
-def add_advantages(batch: RolloutBatch, scores: torch.Tensor, kl_coef: float, cfg: PPOSection):
-    """Per-token rewards, GAE advantages and returns. Returns (batch, metrics before whitening)."""
+def add_rewards(batch: RolloutBatch, scores: torch.Tensor, kl_coef: float, cfg: PPOSection) -> RolloutBatch:
+    """Per-token KL and rewards (the score on the last valid token, -kl_coef * KL on every token)."""
     mask = batch.response_mask
     kl = torch.where(mask.bool(), kl_penalty(batch.old_logprobs, batch.ref_logprobs, cfg.kl_estimator),
                      torch.zeros_like(mask))
-    rewards = shape_rewards(scores, kl, mask, kl_coef, cfg.score_clip)
-    advantages, returns = compute_gae(rewards, batch.values, mask, cfg.gamma, cfg.lam)
+    return replace(batch, scores=scores, kl=kl, rewards=shape_rewards(scores, kl, mask, kl_coef, cfg.score_clip))
+
+
+def finish_advantages(batch: RolloutBatch, advantages: torch.Tensor, returns: torch.Tensor, cfg: PPOSection):
+    """Store GAE advantages (whitened when configured) and returns. Returns (batch, metrics before whitening)."""
+    mask = batch.response_mask
     metrics = {
-        "kl": (kl * mask).sum(-1).mean().item(),  # nats per sequence, what the KL controller targets
+        "kl": (batch.kl * mask).sum(-1).mean().item(),  # nats per sequence, what the KL controller targets
         "return/mean": masked_mean(returns, mask).item(),
         "value/mean": masked_mean(batch.values, mask).item(),
         "advantage/mean": masked_mean(advantages, mask).item(),
     }
     if cfg.whiten_advantages:
         advantages = masked_whiten(advantages, mask)
-    return replace(batch, scores=scores, kl=kl, rewards=rewards, advantages=advantages, returns=returns), metrics
+    return replace(batch, advantages=advantages, returns=returns), metrics
+
+
+def add_advantages(batch: RolloutBatch, scores: torch.Tensor, kl_coef: float, cfg: PPOSection):
+    """Per-token rewards, GAE advantages and returns. Returns (batch, metrics before whitening)."""
+    batch = add_rewards(batch, scores, kl_coef, cfg)
+    advantages, returns = compute_gae(batch.rewards, batch.values, batch.response_mask, cfg.gamma, cfg.lam)
+    return finish_advantages(batch, advantages, returns, cfg)

@@ -1,8 +1,9 @@
 """Step 3: PPO (InstructGPT, Ouyang et al. 2022; Ziegler et al. 2019). Read top to bottom: load, the loop, export.
 
-Each iteration: 1 generate responses to a batch of prompts, 2 score them with the frozen reward, 3 take the
-actor's (old), reference's log-probs and critic's values, 4 shape per-token rewards (score - beta * KL) and
-GAE advantages, 5 optimise actor (clipped surrogate, + PPO-ptx) and critic (clipped value loss).
+Each iteration: 1 generate responses to a batch of prompts (recording the actor's old log-probs), 2 score them
+with the frozen reward, 3 take the reference's log-probs and critic's values, 4 shape per-token rewards
+(score - beta * KL) and GAE advantages, 5 optimise actor (clipped surrogate, + PPO-ptx) and critic (clipped
+value loss).
 """
 
 from __future__ import annotations
@@ -19,12 +20,14 @@ from rlhfkit.engine import make_engine
 from rlhfkit.models import load_tokenizer
 from rlhfkit.models.ema import EMA
 from rlhfkit.rollout.evaluate import evaluate_policy, generate_all
-from rlhfkit.rollout.experience import add_advantages, add_model_outputs, adjust_scores, ended_with_eos
+from rlhfkit.rollout.experience import (add_advantages, add_model_outputs, add_rewards, adjust_scores,
+                                        ended_with_eos, sort_by_length)
 from rlhfkit.rollout.generate import eos_token_ids
 from rlhfkit.stages.common import MetricsLogger, batches, prepare_output_dir, set_seed
 from rlhfkit.stages.guard import RunGuard, resume_state
 from rlhfkit.stages.ppo_setup import load_ppo_models
-from rlhfkit.stages.ppo_update import PtxText, ppo_update
+from rlhfkit.stages.ppo_timing import PhaseTimer
+from rlhfkit.stages.ppo_update import PtxText, critic_update_with_values, ppo_update, single_step
 
 SHOW = ("reward/mean", "kl", "eval/reward")
 
@@ -118,38 +121,51 @@ def run_ppo(cfg: PPOConfig, resume: bool = False, force: bool = False) -> dict:
         for it, epoch, idx in batches(len(data.train), cfg.train.batch_size, seed, start):
             if it >= iters:
                 break
-            tick = time.perf_counter()
+            tick, timer = time.perf_counter(), PhaseTimer(engine.device)
             rows = [data.train[i] for i in idx[engine.rank * per_rank:(engine.rank + 1) * per_rank]]
 
-            # 1. generate: sample one response per prompt (KV cache, left padding, stop at EOS)
-            rollout = generate_all(actor.module, engine, tokenizer, rows, cfg.gen)
-            gen_seconds = time.perf_counter() - tick
+            # 1. generate: sample one response per prompt (KV cache, left padding, stop at EOS), keeping the
+            #    sampled tokens' log-probs: they are the old log-probs, so the actor needs no extra forward
+            with timer("generate"):
+                rollout = generate_all(actor.module, engine, tokenizer, rows, cfg.gen)
+            rollout = sort_by_length(rollout)  # neighbours of similar length: each micro-batch trims its padding
 
             # 2. score: the frozen reward model / function on prompt + response
             finished = ended_with_eos(rollout, eos_ids)
-            with engine.on_device(getattr(reward, "model", None)):
+            with timer("reward"), engine.on_device(getattr(reward, "model", None)):
                 raw_scores = reward(rollout, finished).float().to(engine.device)
             scores = adjust_scores(raw_scores, finished, cfg.ppo, reward.stats)
 
-            # 3. old log-probs (actor), reference log-probs and values (critic): one no-grad forward each
+            # 3. reference log-probs and values (critic): one no-grad forward each (old log-probs: from step 1);
+            #    with one optimizer step per rollout the critic's update computes the values itself (step 4)
+            one_step = single_step(cfg)
             with engine.on_device(reference):
-                rollout = add_model_outputs(rollout.to(engine.device), actor.module, critic.module, reference,
-                                            cfg.gen.temperature, micro)
+                rollout = add_model_outputs(rollout.to(engine.device), actor.module,
+                                            None if one_step else critic.module, reference, cfg.gen.temperature,
+                                            micro, old_from_sampling=True, timer=timer)
 
             # 4. per-token rewards (score on the last valid token, -beta * KL everywhere) and GAE advantages
-            rollout, advantage_metrics = add_advantages(rollout, scores, kl_ctl.value, cfg.ppo)
+            lrs = {"lr": actor.lr, "critic_lr": critic.lr}
+            if one_step:  # values, advantages and the critic's step from one critic forward (same weights)
+                rollout = add_rewards(rollout, scores, kl_ctl.value, cfg.ppo)
+                rollout, advantage_metrics, critic_metrics = critic_update_with_values(rollout, critic, cfg, engine,
+                                                                                       timer)
+            else:
+                rollout, advantage_metrics = add_advantages(rollout, scores, kl_ctl.value, cfg.ppo)
+                critic_metrics = {}
 
             # 5. optimise: PPO epochs x mini-batches; the actor waits while the critic warms up
             update_actor = it >= cfg.ppo.critic_warmup_iters
-            lrs = {"lr": actor.lr, "critic_lr": critic.lr}
-            train_metrics = ppo_update(rollout, actor, critic, cfg, engine, it, update_actor, ptx, ema, pad_id)
+            train_metrics = ppo_update(rollout, actor, critic, cfg, engine, it, update_actor, ptx, ema, pad_id,
+                                       timer, update_critic=not one_step)
+            train_metrics.update(critic_metrics)
             skipped = train_metrics.get("skipped_actor_steps", 0.0) + train_metrics.get("skipped_critic_steps", 0.0)
             guard.check_step(it + 1, {"skipped": skipped > 0}, log)
 
             done = it + 1
             metrics = {**rollout_metrics(rollout, raw_scores, scores, finished, kl_ctl.value), **advantage_metrics}
             metrics = {**engine.reduce_mean(metrics), **train_metrics, **lrs, "epoch": epoch,
-                       "time/generate": gen_seconds, "time/iteration": time.perf_counter() - tick}
+                       **timer.metrics(), "time/iteration": time.perf_counter() - tick}
             # Ziegler et al. 2019: the coefficient follows the measured KL per sequence, batch_size samples at a time
             kl_ctl.update(metrics["kl"], cfg.train.batch_size)
             if cfg.ppo.sample_every > 0 and (done % cfg.ppo.sample_every == 0 or done == 1):

@@ -16,6 +16,7 @@ import torch
 from rlhfkit.config.ppo_schema import PPOConfig
 from rlhfkit.data.templates import Template
 from rlhfkit.models import ModelError, load_causal_lm, load_scalar_model, load_tokenizer
+from rlhfkit.models.cpu_linear import use_fast_cpu_linear
 from rlhfkit.models.lora import apply_lora
 from rlhfkit.models.reward_fn import (FunctionReward, ModelReward, is_function_spec, load_reward_function,
                                      same_tokenization)
@@ -93,4 +94,8 @@ def load_ppo_models(cfg: PPOConfig, tokenizer, engine, total_updates: int) -> PP
 
     actor = engine.prepare(actor, cfg.train, total_updates)
     critic = engine.prepare(critic, cfg.train, total_updates, lr=cfg.ppo.critic_lr, stage=cfg.engine.critic_zero_stage)
+    # on CPUs where oneDNN's float32 GEMM beats MKL's (AMD), ~2x faster linears for all four models
+    models = (actor.module, critic.module, reference, getattr(reward, "model", None))
+    if sum(use_fast_cpu_linear(m, engine.device) for m in models if m is not None):
+        notes.append("CPU linear layers: oneDNN (faster than MKL here)")
     return PPOModels(actor, critic, reference, reward, notes)

@@ -7,18 +7,20 @@ one optimizer step is the same for micro-batch 1 x accumulation k and micro-batc
 from __future__ import annotations
 
 from collections import defaultdict
+from dataclasses import replace
 
 import torch
 
-from rlhfkit.algos import (entropy_from_logits, kl_penalty, lm_loss_sum, masked_mean, policy_loss, token_logprobs,
-                           value_loss)
+from rlhfkit.algos import (compute_gae, entropy_from_logits, kl_penalty, lm_loss_sum, masked_mean, policy_loss,
+                           token_logprobs, value_loss)
 from rlhfkit.config.ppo_schema import PPOConfig, PPOSection
 from rlhfkit.data.errors import DataError
 from rlhfkit.data.readers import read_rows
 from rlhfkit.data.tokenize import collate_sft
 from rlhfkit.models.forward import causal_logits
 from rlhfkit.rollout.batch import RolloutBatch
-from rlhfkit.rollout.experience import response_logits, response_values
+from rlhfkit.rollout.experience import finish_advantages, length_sorted_chunks, response_logits, response_values
+from rlhfkit.stages.ppo_timing import untimed
 
 
 def actor_loss(model, part: RolloutBatch, cfg: PPOSection, temperature: float) -> tuple[torch.Tensor, dict]:
@@ -43,6 +45,49 @@ def critic_loss(model, part: RolloutBatch, cfg: PPOSection) -> tuple[torch.Tenso
     loss, stats = value_loss(values, part.values, part.returns, part.response_mask, cfg.value_clip)
     stats["value_loss"] = loss.item()
     return loss, stats
+
+
+def single_step(cfg: PPOConfig) -> bool:
+    """One optimizer step per rollout: one PPO epoch over one mini-batch (the default)."""
+    return cfg.ppo.epochs == 1 and (cfg.ppo.mini_batch_size or cfg.train.batch_size) == cfg.train.batch_size
+
+
+def critic_update_with_values(batch: RolloutBatch, critic, cfg: PPOConfig, engine, timer=untimed):
+    """The critic's values, the GAE advantages and the critic's optimizer step, from one forward per micro-batch.
+
+    With one optimizer step per rollout (`single_step`), the critic's update forward would run at the very
+    weights that gave the rollout's values, over the same tokens: the same numbers twice. Here each
+    micro-batch's forward (with grad) gives its rows' values; GAE needs only a row's own rewards and values,
+    so its returns and the value loss's gradient follow at once. `batch` carries the rewards
+    (`experience.add_rewards`); the loss is normalised by the batch's valid tokens, as in `ppo_update`.
+
+    Returns (batch with values, advantages and returns; advantage metrics; critic metrics).
+    """
+    mask = batch.response_mask
+    values, advantages, returns = (torch.zeros_like(mask) for _ in range(3))
+    local_tokens = mask.sum().item()
+    n_tokens = max(1.0, engine.reduce_sum(local_tokens))
+    stats = defaultdict(float)
+    with timer("critic_update"):
+        for rows in length_sorted_chunks(batch, cfg.train.micro_batch_size):
+            part = batch.select(rows).to(engine.device)
+            part_mask = part.response_mask
+            new = response_values(critic.module, part)  # (b, r), with grad
+            old = torch.where(part_mask.bool(), new.detach(), torch.zeros_like(new))
+            part_advantages, part_returns = compute_gae(part.rewards, old, part_mask, cfg.ppo.gamma, cfg.ppo.lam)
+            loss, part_stats = value_loss(new, old, part_returns, part_mask, cfg.ppo.value_clip)
+            part_tokens = part_mask.sum().item()
+            critic.backward(loss * part_tokens * engine.world_size / n_tokens)
+            part_stats["value_loss"] = loss.item()
+            for k, v in part_stats.items():
+                stats[k] += v * part_tokens / max(local_tokens, 1.0)
+            index, width = rows.to(mask.device), part_mask.size(1)
+            values[index, :width], advantages[index, :width], returns[index, :width] = old, part_advantages, \
+                part_returns
+        step = critic.step()
+    stats.update(critic_grad_norm=step["grad_norm"], skipped_critic_steps=step.get("skipped", 0.0))
+    batch, advantage_metrics = finish_advantages(replace(batch, values=values), advantages, returns, cfg.ppo)
+    return batch, advantage_metrics, engine.reduce_mean(dict(stats))
 
 
 class PtxText:
@@ -80,10 +125,12 @@ def ptx_backward(actor, rows: list[dict], coef: float, micro: int, pad_id: int, 
 
 
 def ppo_update(batch: RolloutBatch, actor, critic, cfg: PPOConfig, engine, iteration: int,
-               update_actor: bool = True, ptx: PtxText | None = None, ema=None, pad_id: int = 0) -> dict:
+               update_actor: bool = True, ptx: PtxText | None = None, ema=None, pad_id: int = 0,
+               timer=untimed, update_critic: bool = True) -> dict:
     """PPO epochs x mini-batches over `batch`; one optimizer step of each model per mini-batch.
 
-    Returns the metrics averaged over the optimizer steps (and ranks).
+    Returns the metrics averaged over the optimizer steps (and ranks); `timer` splits the time between the
+    actor_update and critic_update phases. `update_critic=False` when `critic_update_with_values` did it.
     """
     world, micro = engine.world_size, cfg.train.micro_batch_size
     mini = (cfg.ppo.mini_batch_size or cfg.train.batch_size) // world
@@ -98,32 +145,40 @@ def ppo_update(batch: RolloutBatch, actor, critic, cfg: PPOConfig, engine, itera
             local_tokens = batch.response_mask[rows].sum().item()
             n_tokens = max(1.0, engine.reduce_sum(local_tokens))
             stats = defaultdict(float)
-            for m in range(0, len(rows), micro):
-                part = batch.select(rows[m:m + micro]).to(engine.device)
+            # micro-batches of rows of similar length carry little padding; the mini-batch's gradient is the
+            # same sum for any grouping of its rows
+            for part_rows in length_sorted_chunks(batch, micro, rows):
+                part = batch.select(part_rows).to(engine.device)
                 part_tokens = part.response_mask.sum().item()
                 scale = part_tokens * world / n_tokens  # this micro-batch's share of the mini-batch's tokens
                 share = part_tokens / max(local_tokens, 1.0)  # for metrics: token-weighted means
                 if update_actor:
-                    loss, actor_stats = actor_loss(actor.module, part, cfg.ppo, temperature)
-                    actor.backward(loss * scale)
+                    with timer("actor_update"):
+                        loss, actor_stats = actor_loss(actor.module, part, cfg.ppo, temperature)
+                        actor.backward(loss * scale)
                     for k, v in actor_stats.items():
                         stats[k] += v * share
-                loss, critic_stats = critic_loss(critic.module, part, cfg.ppo)
-                critic.backward(loss * scale)
-                for k, v in critic_stats.items():
-                    stats[k] += v * share
+                if update_critic:
+                    with timer("critic_update"):
+                        loss, critic_stats = critic_loss(critic.module, part, cfg.ppo)
+                        critic.backward(loss * scale)
+                    for k, v in critic_stats.items():
+                        stats[k] += v * share
             if update_actor:
-                if ptx is not None:
-                    draw = ptx.draw(cfg.ptx.batch_size // world, (iteration * 1000 + steps) * world + engine.rank)
-                    stats["ptx_loss"] = ptx_backward(actor, draw, cfg.ptx.coef, micro, pad_id, engine)
-                actor_step = actor.step()
+                with timer("actor_update"):
+                    if ptx is not None:
+                        draw = ptx.draw(cfg.ptx.batch_size // world, (iteration * 1000 + steps) * world + engine.rank)
+                        stats["ptx_loss"] = ptx_backward(actor, draw, cfg.ptx.coef, micro, pad_id, engine)
+                    actor_step = actor.step()
                 stats["actor_grad_norm"] = actor_step["grad_norm"]
                 stats["skipped_actor_steps"] = actor_step.get("skipped", 0.0)
                 if ema is not None and not actor_step.get("skipped"):
                     ema.update(actor.module)
-            critic_step = critic.step()
-            stats["critic_grad_norm"] = critic_step["grad_norm"]
-            stats["skipped_critic_steps"] = critic_step.get("skipped", 0.0)
+            if update_critic:
+                with timer("critic_update"):
+                    critic_step = critic.step()
+                stats["critic_grad_norm"] = critic_step["grad_norm"]
+                stats["skipped_critic_steps"] = critic_step.get("skipped", 0.0)
             for k, v in stats.items():
                 sums[k] += v
             steps += 1

@@ -1,0 +1,234 @@
+"""What the benchmarks share: the model world they run on, TRL's separate venv, lock-step workers, statistics.
+
+Imported by the parent (rlhfkit's venv) and by the TRL worker (TRL's venv, where rlhfkit is not installed), so
+the top level imports the standard library only; torch, transformers and rlhfkit are imported where used.
+
+Lock-step protocol. Each system runs in its own subprocess and blocks before every iteration until the parent
+writes "go" on its stdin; after the iteration it prints one `@@BENCH {json}` line on stdout. The parent hands
+"go" to the two workers in turn, so at any moment only one of them computes (the 2 shared cores are not split
+between them) and both see the same background load over the run, iteration by iteration.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+TRL_VENV = HERE / ".venv-trl"
+CACHE = HERE / ".cache"  # built models and prompts (git-ignored)
+TRL_VERSION = "1.12.0"  # the last TRL with PPO (trl.experimental.ppo)
+TORCH_VERSION = "2.13.0"  # the same torch as rlhfkit's venv; installed first so pip never picks another
+
+# name -> LlamaConfig sizes; ~5M and ~20M parameters with a 2048-token vocabulary (embeddings tied)
+SIZES = {"5M": {"hidden": 256, "layers": 7, "heads": 4}, "20M": {"hidden": 512, "layers": 7, "heads": 8}}
+VOCAB = 2048
+N_PROMPTS = 64
+MARK = "@@BENCH "
+
+
+# ------------------------------------------------------------------------------------------ TRL's venv
+
+
+def trl_python() -> Path:
+    return TRL_VENV / "bin" / "python"
+
+
+def ensure_trl_venv(log=print) -> Path:
+    """Create benchmarks/.venv-trl with torch (pinned, first) and TRL 1.12.0 when it is missing."""
+    python = trl_python()
+    probe = [str(python), "-c", "import trl, torch; print(trl.__version__, torch.__version__)"]
+    if python.exists():
+        done = subprocess.run(probe, capture_output=True, text=True)
+        if done.returncode == 0 and done.stdout.split()[0] == TRL_VERSION:
+            return python
+    log(f"installing TRL {TRL_VERSION} into {TRL_VENV} (once) ...")
+    if not python.exists():
+        subprocess.run([sys.executable if _has_venv() else "python3", "-m", "venv", str(TRL_VENV)], check=True)
+    pip = [str(python), "-m", "pip", "install", "--quiet", "--disable-pip-version-check"]
+    # torch first and pinned: trl's dependencies would otherwise pull the newest (GPU) wheel
+    subprocess.run(pip + [f"torch=={TORCH_VERSION}"], check=True)
+    subprocess.run(pip + [f"trl=={TRL_VERSION}"], check=True)  # pip picks the transformers TRL accepts
+    done = subprocess.run(probe, capture_output=True, text=True, check=True)
+    log(f"TRL venv ready: trl {done.stdout.strip()}")
+    return python
+
+
+def _has_venv() -> bool:
+    return subprocess.run([sys.executable, "-c", "import venv, ensurepip"], capture_output=True).returncode == 0
+
+
+# ------------------------------------------------------------------------------------------ the world
+
+
+def _lexicon(rng: random.Random, n: int = 3000) -> list[str]:
+    """Pseudo-words of 1-4 syllables: enough distinct pairs for BPE to fill a 2048-token vocabulary."""
+    onsets, vowels, codas = "b c d f g h k l m n p r s t v w z br st tr pl ch sh".split(), "a e i o u ai ou".split(), \
+        ["", "", "n", "r", "s", "l", "t"]
+    return ["".join(rng.choice(onsets) + rng.choice(vowels) + rng.choice(codas) for _ in range(rng.randint(1, 4)))
+            for _ in range(n)]
+
+
+def _sentence(rng: random.Random, words: list[str], n: int) -> str:
+    return " ".join(rng.choice(words) for _ in range(n))
+
+
+def build_world(root: Path = CACHE, log=print) -> Path:
+    """Tokenizer, a ~5M and a ~20M Llama (policy/reference folder) with a scalar-head twin (reward/value
+    folder), and 64 prompts of ~16-48 tokens. Built once by code (seeded) and reused."""
+    done = root / "world.json"
+    if done.is_file():
+        return root
+    from rlhfkit.demo.tiny import build_tiny_llama, build_tokenizer, save_model_folder
+    from transformers import AutoModelForSequenceClassification
+
+    log(f"building the benchmark models in {root} (once) ...")
+    rng = random.Random(0)
+    words = _lexicon(rng)
+    corpus = [_sentence(rng, words, rng.randint(4, 30)) for _ in range(20000)]
+    tok = build_tokenizer(corpus, vocab_size=VOCAB)
+    info = {"vocab": len(tok), "sizes": {}}
+    for name, size in SIZES.items():
+        model = build_tiny_llama(len(tok), hidden=size["hidden"], layers=size["layers"], heads=size["heads"],
+                                 seed=1, max_positions=512)
+        policy = save_model_folder(model, tok, root / name / "policy")
+        scalar = AutoModelForSequenceClassification.from_pretrained(policy, num_labels=1)
+        scalar.config.pad_token_id = tok.pad_token_id
+        save_model_folder(scalar, tok, root / name / "reward")
+        info["sizes"][name] = sum(p.numel() for p in model.parameters())
+    with open(root / "prompts.jsonl", "w") as f:
+        for i in range(N_PROMPTS):
+            f.write(json.dumps({"prompt": "Tell a story about " + _sentence(rng, words, rng.randint(3, 14))}) + "\n")
+    done.write_text(json.dumps(info))
+    return root
+
+
+def prompt_rows(world: Path, n: int) -> Path:
+    """A prompt file with the first n prompts (one iteration's batch: every iteration sees the same set)."""
+    target = world / f"prompts-{n}.jsonl"
+    if not target.is_file():
+        lines = (world / "prompts.jsonl").read_text().splitlines()[:n]
+        target.write_text("\n".join(lines) + "\n")
+    return target
+
+
+def tokenized_prompts(world: Path, n: int) -> Path:
+    """The same n prompts rendered and tokenised by rlhfkit's own data layer, for TRL to use as they are."""
+    target = world / f"prompt-ids-{n}.json"
+    if target.is_file():
+        return target
+    from rlhfkit.config.ppo_schema import PPODataConfig
+    from rlhfkit.data.loader import load_stage_data
+    from rlhfkit.models import load_tokenizer
+
+    tok = load_tokenizer(str(world / "5M" / "policy"), padding_side="left")
+    data_cfg = PPODataConfig(prompts=str(prompt_rows(world, n)), eval_fraction=0.0).as_prompt_data()
+    data = load_stage_data("prompts", data_cfg, tok, seed=0)
+    target.write_text(json.dumps([row["prompt_ids"] for row in data.train]))
+    return target
+
+
+# ------------------------------------------------------------------------------------------ worker side
+
+
+def peak_rss_mb() -> float:
+    """The process's peak resident set (VmHWM), MiB."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+class Lockstep:
+    """Worker side: `wait()` blocks until the parent says go; `report()` prints the iteration's numbers."""
+
+    def __init__(self):
+        self.started = None
+        self.out = os.fdopen(os.dup(1), "w", buffering=1)  # our own handle: libraries may print on stdout
+
+    def wait(self) -> None:
+        line = sys.stdin.readline()
+        if line.strip() != "go":
+            sys.exit(0)  # the parent is done with us
+        self.started = time.perf_counter()
+
+    def report(self, **extra) -> None:
+        seconds = time.perf_counter() - self.started
+        self.out.write(MARK + json.dumps({"seconds": seconds, "peak_mb": peak_rss_mb(), **extra}) + "\n")
+
+
+# ------------------------------------------------------------------------------------------ parent side
+
+
+class Worker:
+    """A worker subprocess driven one iteration at a time."""
+
+    def __init__(self, name: str, cmd: list[str], log_file: Path, env: dict | None = None):
+        self.name = name
+        self.log_file = log_file
+        self.stderr = open(log_file, "w")
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.stderr,
+                                     text=True, env={**os.environ, **(env or {})}, cwd=ROOT)
+
+    def step(self) -> dict:
+        self.proc.stdin.write("go\n")
+        self.proc.stdin.flush()
+        for line in self.proc.stdout:
+            if line.startswith(MARK):
+                return json.loads(line[len(MARK):])
+        self.proc.wait()
+        tail = self.log_file.read_text()[-3000:]
+        raise RuntimeError(f"{self.name} worker exited ({self.proc.returncode}) before reporting:\n{tail}")
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                self.proc.stdin.close()
+                self.proc.wait(timeout=120)
+            except (BrokenPipeError, subprocess.TimeoutExpired):
+                self.proc.kill()
+                self.proc.wait()
+        self.stderr.close()
+
+
+def run_lockstep(workers: list[Worker], warmup: int, iters: int, log=print) -> dict[str, list[dict]]:
+    """Alternate the workers iteration by iteration; returns each one's measured (post-warm-up) reports."""
+    results = {w.name: [] for w in workers}
+    try:
+        for i in range(warmup + iters):
+            order = workers if i % 2 == 0 else workers[::-1]  # neither always goes first
+            for w in order:
+                report = w.step()
+                if i >= warmup:
+                    results[w.name].append(report)
+            if i < warmup:
+                log(f"  iteration {i + 1}: warm-up")
+            else:
+                log(f"  iteration {i + 1}: " + ", ".join(f"{w.name} {results[w.name][-1]['seconds']:.3f}s"
+                                                        for w in workers))
+    finally:
+        for w in workers:
+            w.close()
+    return results
+
+
+def median(values) -> float:
+    values = list(values)
+    return statistics.median(values) if values else float("nan")
+
+
+def summarise(reports: list[dict]) -> dict:
+    """Median seconds per iteration, the peak RSS (max over iterations) and the median of each phase."""
+    phases = {}
+    for r in reports:
+        for k, v in r.get("phases", {}).items():
+            phases.setdefault(k, []).append(v)
+    return {"seconds": median(r["seconds"] for r in reports), "peak_mb": max(r["peak_mb"] for r in reports),
+            "phases": {k: median(v) for k, v in phases.items()}, "n": len(reports)}
