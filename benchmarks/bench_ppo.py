@@ -4,6 +4,7 @@
     python benchmarks/bench_ppo.py --quick    # one config, fewer iterations
     python benchmarks/bench_ppo.py --full     # batch {16, 64} x response {32, 64} for both sizes
     python benchmarks/bench_ppo.py --zero3    # 2 ranks, ZeRO-3: gather-once vs per-token generation (and TRL)
+    --threads N sets torch's threads for both systems (default 1: steadier on a shared machine)
 
 Identical work: the same model folders (a ~5M and a ~20M Llama built locally; the policy folder is actor and
 reference, its scalar-head twin is reward model and critic), the same prompts (the dataset is exactly one
@@ -233,6 +234,7 @@ def zero3(args) -> None:
     world = harness.build_world()
     harness.tokenized_prompts(world, ZERO3_BATCH)
     trl_python = harness.ensure_trl_venv()
+    harness.ensure_trl_deepspeed()
     results = {"gather once": [], "gather per token": []}
     print(f"== ZeRO-3, 2 ranks x 1 thread, 5M model, batch {ZERO3_BATCH}, response {ZERO3_RESPONSE} "
           f"({args.warmup} warm-up + {args.iters} measured iterations per run, {args.rounds} rounds)", flush=True)
@@ -283,6 +285,7 @@ def main() -> None:
     if args.worker:
         (rlhfkit_worker if args.worker == "rlhfkit" else trl_worker)(args)
         return
+    harness.reexec_in_project_venv()
     if args.zero3:
         zero3(args)
         return

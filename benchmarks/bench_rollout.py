@@ -76,6 +76,7 @@ def main() -> None:
     p.add_argument("--iters", type=int, default=7)
     p.add_argument("--threads", type=int, default=1)
     args = p.parse_args()
+    harness.reexec_in_project_venv()
     import torch
 
     torch.set_num_threads(args.threads)

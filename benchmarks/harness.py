@@ -61,8 +61,33 @@ def ensure_trl_venv(log=print) -> Path:
     return python
 
 
+def ensure_trl_deepspeed(log=print) -> None:
+    """DeepSpeed in TRL's venv for the ZeRO-3 comparison: the version rlhfkit's venv has."""
+    from importlib.metadata import version
+
+    python = str(trl_python())
+    if subprocess.run([python, "-c", "import deepspeed"], capture_output=True).returncode == 0:
+        return
+    wanted = version("deepspeed")
+    log(f"installing deepspeed {wanted} into {TRL_VENV} (once) ...")
+    subprocess.run([python, "-m", "pip", "install", "--quiet", "--disable-pip-version-check",
+                    f"deepspeed=={wanted}"], check=True)
+
+
 def _has_venv() -> bool:
     return subprocess.run([sys.executable, "-c", "import venv, ensurepip"], capture_output=True).returncode == 0
+
+
+def reexec_in_project_venv() -> None:
+    """`python benchmarks/...` with an interpreter that lacks rlhfkit: run again with the project's .venv."""
+    try:
+        import rlhfkit  # noqa: F401
+    except ImportError:
+        venv_python = ROOT / ".venv" / "bin" / "python"
+        if not venv_python.exists():
+            raise SystemExit("rlhfkit is not importable and there is no .venv: "
+                             "run ./scripts/bootstrap.sh first") from None
+        os.execv(str(venv_python), [str(venv_python), *sys.argv])
 
 
 # ------------------------------------------------------------------------------------------ the world
