@@ -7,7 +7,7 @@ import copy
 import pytest
 import torch
 
-from rlhfkit.models.cpu_linear import FastCPULinear, _OneDNNLinearFunction, use_fast_cpu_linear
+from rlhfkit.models.cpu_linear import FastCPULinear, _OneDNNLinearFunction, packed_weights, use_fast_cpu_linear
 
 needs_onednn = pytest.mark.skipif(not hasattr(torch.ops.mkldnn, "_linear_pointwise"), reason="no oneDNN")
 
@@ -50,3 +50,31 @@ def test_only_large_float32_cpu_linears_switch():
     assert switched in (0, 1)  # 0 where MKL is as fast as oneDNN on this CPU
     assert [type(m) for m in model] == [FastCPULinear if switched else torch.nn.Linear, torch.nn.Linear,
                                         torch.nn.Linear]
+
+
+@needs_onednn
+def test_packed_weights_give_identical_outputs_and_leave_training_alone():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 96), torch.nn.SiLU(), torch.nn.Linear(96, 64, bias=False))
+    for layer in (model[0], model[2]):
+        layer.__class__ = FastCPULinear
+    x = torch.randn(5, 16, 64)
+    with torch.no_grad():
+        plain = model(x)
+        with packed_weights(model):
+            assert model[0].packed is not None and model[0].packed.layout != torch.strided
+            packed = model(x)
+            one_row = model(x[:1, :1])  # below MIN_ROWS the packed layout serves too
+            # grad mode ignores the packed copy: gradients reach the real parameters
+            with torch.enable_grad():
+                model(x).sum().backward()
+    torch.testing.assert_close(packed, plain, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(one_row, plain[:1, :1], atol=1e-5, rtol=1e-5)
+    assert model[0].weight.grad is not None and model[0].weight.grad.abs().sum() > 0
+    assert model[0].packed is None and model[2].packed is None  # dropped on exit
+
+
+def test_packed_weights_is_a_no_op_for_plain_linears():
+    model = torch.nn.Linear(64, 64)
+    with packed_weights(model):
+        assert not hasattr(model, "packed")

@@ -197,3 +197,25 @@ def test_reward_model_with_another_tokenizer_gets_retokenised_text(tiny, tmp_pat
     assert ids[0, : len(finished_ids)].tolist() == finished_ids and mask[0].sum() == len(finished_ids)
     assert ids[1, : len(truncated_ids)].tolist() == truncated_ids and mask[1].sum() == len(truncated_ids)
     assert reward(batch, torch.tensor([True, False])).shape == (2,)
+
+
+def test_draw_tokens_samples_the_given_distribution_and_never_a_zero_probability_token():
+    from rlhfkit.rollout.generate import draw_tokens
+
+    probs = torch.tensor([0.1, 0.0, 0.6, 0.3, 0.0])
+    torch.manual_seed(0)
+    draws = draw_tokens(probs.expand(200_000, 5))[:, 0]
+    freq = torch.bincount(draws, minlength=5).double() / draws.numel()
+    # 4 standard errors of a 200k-draw frequency (at most 0.0011) around the probabilities
+    torch.testing.assert_close(freq, probs.double(), atol=0.0045, rtol=0)
+    assert freq[1] == 0 and freq[4] == 0
+    # unnormalised rows (what is left after EOS is forbidden) and a uniform draw at the very top of the range
+    rows = torch.tensor([[0.0, 2.0, 0.0, 0.0], [1.0, 0.0, 0.0, 0.0], [0.0, 0.0, 0.5, 0.0]])
+    torch.manual_seed(1)
+    assert draw_tokens(rows)[:, 0].tolist() == [1, 0, 2]
+    original = torch.rand_like
+    try:
+        torch.rand_like = lambda t: torch.full_like(t, 1.0 - 2 ** -53)
+        assert draw_tokens(rows)[:, 0].tolist() == [1, 0, 2]
+    finally:
+        torch.rand_like = original

@@ -105,6 +105,9 @@ class EngineConfig:
                                                   "between uses (saves accelerator memory, costs transfers)")
     gather_for_generation: bool = option(True, "ZeRO-3: gather the actor's parameters once per rollout "
                                                "instead of once per generated token (faster, more memory)")
+    keep_freed_memory: bool = option(True, "CPU runs on Linux: glibc's malloc keeps freed memory for reuse instead "
+                                           "of returning it (no page faults per step, ~5-10% faster; the "
+                                           "resident memory stays at its peak)")
 
     def validate(self, prefix: str = "") -> None:
         if self.critic_zero_stage not in (None, 0, 1, 2, 3):

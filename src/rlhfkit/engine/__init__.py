@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 from rlhfkit.config.schema import EngineConfig
+from rlhfkit.engine.cpu_memory import keep_freed_memory
 from rlhfkit.engine.local import LocalEngine, atomic_folder, latest_checkpoint, write_json
 
 
@@ -18,7 +19,10 @@ ENGINES = {"local": LocalEngine, "deepspeed": _deepspeed_engine}
 
 
 def make_engine(cfg: EngineConfig):
-    return ENGINES[cfg.backend](cfg)
+    engine = ENGINES[cfg.backend](cfg)
+    if engine.device.type == "cpu" and cfg.keep_freed_memory:
+        keep_freed_memory()
+    return engine
 
 
 __all__ = ["ENGINES", "LocalEngine", "atomic_folder", "latest_checkpoint", "make_engine", "write_json"]

@@ -14,6 +14,7 @@ overhead loses.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import platform
 
@@ -56,11 +57,18 @@ class FastCPULinear(torch.nn.Linear):
     """An `nn.Linear` (same parameters, same state dict, same class checks) computing float32 CPU matmuls of
     at least MIN_ROWS rows with oneDNN."""
 
+    packed = None  # the weight in oneDNN's own layout while `packed_weights` is active (decoding)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weight = self.weight
+        if self.packed is not None and x.dtype == torch.float32 and not torch.is_grad_enabled():
+            return _onednn(x, self.packed, self.bias)
         if (x.device.type != "cpu" or x.dtype != torch.float32 or weight.dtype != torch.float32
                 or hasattr(weight, "ds_id") or x.numel() < MIN_ROWS * x.size(-1)):
             return F.linear(x, weight, self.bias)
+        bias_grad = self.bias is not None and self.bias.requires_grad
+        if not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad or bias_grad)):
+            return _onednn(x, weight, self.bias)  # inference (rollout, reference, reward): no autograd node
         return _OneDNNLinearFunction.apply(x, weight, self.bias)
 
 
@@ -102,3 +110,33 @@ def use_fast_cpu_linear(model: torch.nn.Module, device: torch.device) -> int:
             module.__class__ = FastCPULinear
             switched += 1
     return switched
+
+
+def _whole(weight: torch.Tensor) -> bool:
+    """Not a ZeRO-3 partition: a plain weight, or a ZeRO-3 one gathered in full (generation under
+    `engine.gathered`), whose values stay put while the packed copy is in use."""
+    if not hasattr(weight, "ds_id"):
+        return True
+    status = getattr(getattr(weight, "ds_status", None), "name", "")
+    return status == "AVAILABLE" and tuple(weight.shape) == tuple(getattr(weight, "ds_shape", ()))
+
+
+@contextlib.contextmanager
+def packed_weights(model: torch.nn.Module):
+    """While active, `model`'s oneDNN linear layers multiply by a copy of their weight reordered once into
+    oneDNN's blocked layout, instead of reordering the plain weight inside every call. For the many small
+    matmuls of decoding (a few rows per token step) that is ~25% less time per linear layer (5M Llama, 16 rows:
+    2.4 vs 3.5 ms per step for all its linears) with bit-identical results; it costs one copy of the weights
+    for the duration. The weights must not change meanwhile (no-grad generation); grad-mode calls ignore the
+    copy. A no-op for models without such layers (GPUs, Intel CPUs) and for ZeRO-3 weights not gathered in
+    full (with `engine.gather_for_generation` they are, and decoding runs on oneDNN too)."""
+    layers = [m for m in model.modules() if isinstance(m, FastCPULinear) and m.weight.device.type == "cpu"
+              and m.weight.dtype == torch.float32 and _whole(m.weight)]
+    try:
+        with torch.no_grad():
+            for layer in layers:
+                layer.packed = torch.ops.mkldnn._reorder_linear_weight(layer.weight.detach())
+        yield
+    finally:
+        for layer in layers:
+            layer.packed = None

@@ -18,6 +18,7 @@ import torch
 
 from rlhfkit.data.templates import Template, encode_prompt, encode_response
 from rlhfkit.data.tokenize import pad_sequences
+from rlhfkit.models.cpu_linear import packed_weights
 from rlhfkit.models.forward import sequence_scores
 from rlhfkit.models.loading import ModelError
 
@@ -128,7 +129,8 @@ class ModelReward:
         else:
             ids, mask = batch.input_ids, batch.attention_mask
         scores = []
-        for start in range(0, ids.size(0), self.micro):
-            chunk = slice(start, start + self.micro)
-            scores.append(sequence_scores(self.model, ids[chunk].to(self.device), mask[chunk].to(self.device)))
+        with packed_weights(self.model):  # oneDNN's weight layout once for all micro-batches (CPU)
+            for start in range(0, ids.size(0), self.micro):
+                chunk = slice(start, start + self.micro)
+                scores.append(sequence_scores(self.model, ids[chunk].to(self.device), mask[chunk].to(self.device)))
         return torch.cat(scores).float()

@@ -13,6 +13,7 @@ import torch
 
 from rlhfkit.algos import compute_gae, kl_penalty, masked_mean, masked_whiten, shape_rewards, token_logprobs
 from rlhfkit.config.ppo_schema import PPOSection
+from rlhfkit.models.cpu_linear import packed_weights
 from rlhfkit.models.forward import causal_logits, token_scores
 from rlhfkit.models.lora import adapter_disabled
 from rlhfkit.rollout.batch import RolloutBatch
@@ -75,9 +76,10 @@ def per_token(batch: RolloutBatch, micro_batch_size: int, fn) -> torch.Tensor:
 def reference_logprobs(batch: RolloutBatch, reference, actor, temperature: float, micro: int) -> torch.Tensor:
     """(B, R) log pi_ref; `reference=None` means the actor with its LoRA adapter disabled (no second copy)."""
     if reference is None:
-        with adapter_disabled(actor):
+        with adapter_disabled(actor), packed_weights(actor):
             return per_token(batch, micro, lambda part: response_logprobs(actor, part, temperature))
-    return per_token(batch, micro, lambda part: response_logprobs(reference, part, temperature))
+    with packed_weights(reference):  # oneDNN's weight layout once for all micro-batches (CPU)
+        return per_token(batch, micro, lambda part: response_logprobs(reference, part, temperature))
 
 
 def add_model_outputs(batch: RolloutBatch, actor, critic, reference, temperature: float,

@@ -7,6 +7,7 @@ from transformers.cache_utils import DynamicCache, DynamicLayer
 
 from rlhfkit.config.ppo_schema import GenConfig
 from rlhfkit.data.tokenize import pad_sequences
+from rlhfkit.models.cpu_linear import packed_weights
 from rlhfkit.models.lora import base_model
 from rlhfkit.rollout.batch import RolloutBatch
 
@@ -47,6 +48,17 @@ def _filter_logits(scores: torch.Tensor, top_k: int, top_p: float) -> torch.Tens
         drop[:, -1] = False
         scores = scores.masked_fill(drop.scatter(1, order, drop), float("-inf"))
     return scores
+
+
+def draw_tokens(probs: torch.Tensor) -> torch.Tensor:
+    """(b, 1) one token per row drawn from (b, V) probabilities (zeros allowed), by inverse CDF: one uniform
+    number per row where `torch.multinomial` (generate's sampler) draws an exponential per vocabulary entry,
+    ~18x the time (0.56 vs 0.03 ms at 16 x 2048, ~5% of a decode step). The same distribution, not the same
+    draws. The point is kept strictly below the row's total, so a zero-probability token is never returned."""
+    cdf = probs.double().cumsum(-1)  # float64: no rounding drift over a large vocabulary
+    total = cdf[:, -1:]
+    point = torch.minimum(torch.rand_like(total) * total, torch.nextafter(total, torch.zeros_like(total)))
+    return torch.searchsorted(cdf, point, right=True)
 
 
 class PreallocatedLayer(DynamicLayer):
@@ -118,10 +130,8 @@ def sample_tokens(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, cf
 
     A plain loop over ``model(...)`` rather than ``model.generate``: it records these log-probs as it goes
     (generate's ``output_scores`` keeps a (B, R, V) float32 copy, already altered by top-k/top-p/min-length)
-    and its KV cache is written in place (`PreallocatedLayer`). Sampling matches generate's with the same
-    settings (temperature, top-k, top-p, min_new_tokens; the same draws for the same seed); other settings a
-    model's generation_config may carry (repetition penalty...) are not applied: they would sample from a
-    distribution other than the policy whose ratio PPO takes.
+    and its KV cache is written in place (`PreallocatedLayer`). It samples generate's distribution for the same
+    settings (temperature, top-k, top-p, min_new_tokens), drawn by inverse CDF (`draw_tokens`).
     """
     batch = prompt_ids.size(0)
     eos = torch.tensor(eos_ids, device=prompt_ids.device)
@@ -132,16 +142,20 @@ def sample_tokens(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, cf
     cache, logits = out.past_key_values, out.logits[:, -1]
     position = positions[:, -1:]
     done = torch.zeros(batch, dtype=torch.bool, device=prompt_ids.device)
+    filtered = 0 < cfg.top_k < logits.size(-1) or cfg.top_p < 1.0
     tokens, logprobs = [], []
     for step in range(cfg.max_new_tokens):
-        scores = logits.float() / temperature
+        scores = logits.float() if temperature == 1.0 else logits.float() / temperature
         logp = torch.log_softmax(scores, dim=-1)
-        if step < cfg.min_new_tokens:  # EOS is forbidden before min_new_tokens
-            scores = scores.index_fill(1, eos, float("-inf"))
-        if greedy:
-            token = scores.argmax(-1, keepdim=True)
-        else:
-            token = torch.multinomial(_filter_logits(scores, cfg.top_k, cfg.top_p).softmax(-1), 1)
+        forbid_eos = step < cfg.min_new_tokens  # EOS is forbidden before min_new_tokens
+        if greedy or filtered:
+            if forbid_eos:
+                scores = scores.index_fill(1, eos, float("-inf"))
+            token = scores.argmax(-1, keepdim=True) if greedy else draw_tokens(
+                _filter_logits(scores, cfg.top_k, cfg.top_p).softmax(-1))
+        else:  # the full distribution: its probabilities are exp(logp), no second softmax
+            probs = logp.exp()
+            token = draw_tokens(probs.index_fill(1, eos, 0.0) if forbid_eos else probs)
         token = token.masked_fill(done[:, None], pad_id)  # finished rows only carry padding
         tokens.append(token)
         logprobs.append(logp.gather(1, token))
@@ -179,7 +193,7 @@ def generate_rollout(model, engine, tokenizer, rows: list[dict], cfg: GenConfig,
     was_training = model.training
     model.eval()  # no gradient-checkpointing path (it turns the KV cache off)
     try:
-        with engine.gathered(model):
+        with engine.gathered(model), packed_weights(model):
             response_ids, logprobs = sample_tokens(model, prompt_ids, prompt_mask, cfg, eos_ids, pad_id, greedy,
                                                    synced)
     finally:
