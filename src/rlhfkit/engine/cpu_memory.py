@@ -8,7 +8,7 @@ tokens) ~26,000 minor page faults per iteration, ~7% of its time in a VM. With m
 no trimming, freed blocks are reused: ~10 faults per iteration.
 
 The price is that the resident memory stays at its peak instead of shrinking between steps; the peak itself
-does not grow by more than the allocator's fragmentation (measured: +2%). `engine.keep_freed_memory=false`
+does not grow by more than the allocator's fragmentation (measured: 786 vs 780 MiB). `engine.keep_freed_memory=false`
 turns it off. Nothing changes outside Linux/glibc or on GPUs (CUDA's caching allocator does this already).
 """
 

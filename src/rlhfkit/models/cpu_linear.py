@@ -125,7 +125,7 @@ def _whole(weight: torch.Tensor) -> bool:
 def packed_weights(model: torch.nn.Module):
     """While active, `model`'s oneDNN linear layers multiply by a copy of their weight reordered once into
     oneDNN's blocked layout, instead of reordering the plain weight inside every call. For the many small
-    matmuls of decoding (a few rows per token step) that is ~25% less time per linear layer (5M Llama, 16 rows:
+    matmuls of decoding (a few rows per token step) that is ~30% less time per linear layer (5M Llama, 16 rows:
     2.4 vs 3.5 ms per step for all its linears) with bit-identical results; it costs one copy of the weights
     for the duration. The weights must not change meanwhile (no-grad generation); grad-mode calls ignore the
     copy. A no-op for models without such layers (GPUs, Intel CPUs) and for ZeRO-3 weights not gathered in
