@@ -153,6 +153,7 @@ def compare(world: Path, trl_python: Path, size: str, batch: int, response: int,
     print(f"\n== {size} model, batch {batch}, response {response} "
           f"({args.warmup} warm-up + {args.iters} measured iterations each, {args.threads} thread(s))", flush=True)
     env = thread_env(args.threads)
+    harness.uncache_libraries(Path(sys.prefix), trl_python.parent.parent)  # the same start for both (peak RSS)
     workers = [harness.Worker(name, worker_cmd(name, py, world, size, batch, response, args.threads,
                                                tmp / f"{name}-{size}-{batch}-{response}"),
                               tmp / f"{name}-{size}-{batch}-{response}.log", env)

@@ -160,6 +160,29 @@ def tokenized_prompts(world: Path, n: int) -> Path:
     return target
 
 
+def uncache_libraries(*venvs: Path) -> int:
+    """Drop the venvs' shared libraries (torch's ~1 GB of .so files, ...) from the page cache, so both systems
+    map them from the same state. Peak RSS counts the file pages a process maps, and how many pages one fault
+    maps depends on how the file came into the cache: the same libtorch_cpu.so measured 133 MiB resident after
+    `import torch` in the venv pip had just written it and 77 MiB in the other, 79 and 77 MiB once both were
+    dropped and read back. Returns the number of files dropped (clean pages only; nothing is written)."""
+    dropped = 0
+    for venv in venvs:
+        for path in Path(venv).glob("lib/python*/site-packages/**/*.so*"):
+            try:
+                fd = os.open(path, os.O_RDONLY)
+            except OSError:
+                continue
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                dropped += 1
+            except (OSError, AttributeError):
+                pass
+            finally:
+                os.close(fd)
+    return dropped
+
+
 # ------------------------------------------------------------------------------------------ worker side
 
 
