@@ -14,6 +14,7 @@ from rlhfkit.models.reward_fn import FunctionReward, ModelReward, is_function_sp
 from rlhfkit.rollout import (RolloutBatch, add_advantages, add_model_outputs, adjust_scores, cat_rollouts,
                              ended_with_eos, generate_rollout, response_mask)
 from rlhfkit.rollout.experience import response_logprobs
+from rlhfkit.rollout.generate import ignored_generation_settings
 
 
 CPU = LocalEngine  # the real single-process engine
@@ -219,3 +220,16 @@ def test_draw_tokens_samples_the_given_distribution_and_never_a_zero_probability
         assert draw_tokens(rows)[:, 0].tolist() == [1, 0, 2]
     finally:
         torch.rand_like = original
+
+
+def test_generation_config_settings_the_rollout_ignores_are_named(tiny, tiny_model_dir):
+    model = load_causal_lm(str(tiny_model_dir), tokenizer=tiny[0])  # its own copy: the config is changed
+    cfg = GenConfig(temperature=1.0, top_p=0.95)
+    config = model.generation_config
+    config.do_sample, config.temperature, config.top_p, config.top_k = False, 0.6, 0.9, 50
+    assert ignored_generation_settings(model, cfg) == []  # greedy defaults: no sampling values to speak of
+    config.do_sample = True
+    assert ignored_generation_settings(model, cfg) == ["temperature=0.6", "top_p=0.9"]
+    config.temperature, config.top_p = 1.0, 0.95  # the same values as gen.*: nothing ignored
+    config.repetition_penalty, config.no_repeat_ngram_size = 1.3, 3
+    assert ignored_generation_settings(model, cfg) == ["repetition_penalty=1.3", "no_repeat_ngram_size=3"]

@@ -21,6 +21,36 @@ def eos_token_ids(tokenizer, model) -> list[int]:
     return sorted(i for i in ids if i is not None)
 
 
+# generation_config.json settings that would change the sampled distribution; the rollout samples with gen.*
+# only (PPO's ratio and KL refer to the policy's own distribution), so a model folder's values are not applied
+_SAMPLING_DEFAULTS = {"temperature": 1.0, "top_k": 50, "top_p": 1.0}  # transformers' own defaults
+_PROCESSOR_DEFAULTS = {"repetition_penalty": 1.0, "no_repeat_ngram_size": 0, "encoder_repetition_penalty": 1.0,
+                       "typical_p": 1.0, "epsilon_cutoff": 0.0, "eta_cutoff": 0.0, "min_p": None,
+                       "bad_words_ids": None, "suppress_tokens": None, "begin_suppress_tokens": None,
+                       "sequence_bias": None, "forced_bos_token_id": None, "forced_eos_token_id": None}
+
+
+def ignored_generation_settings(model, cfg: GenConfig) -> list[str]:
+    """The settings of the model's generation_config.json that rollouts do not apply, as `name=value`:
+    logits processors (repetition penalty, n-gram blocking, ...) and sampling values other than gen.*'s
+    (a chat model's temperature 0.6 / top_p 0.9). Empty when the folder sets nothing of the kind."""
+    config = getattr(base_model(model), "generation_config", None)
+    if config is None:
+        return []
+    ignored = []
+    if getattr(config, "do_sample", False):  # the folder's sampling values, where they differ from gen.*
+        ours = {"temperature": cfg.temperature, "top_k": cfg.top_k, "top_p": cfg.top_p}
+        for name, default in _SAMPLING_DEFAULTS.items():
+            value = getattr(config, name, None)
+            if value is not None and value != default and value != ours[name]:
+                ignored.append(f"{name}={value}")
+    for name, default in _PROCESSOR_DEFAULTS.items():
+        value = getattr(config, name, None)
+        if value is not None and value != default:
+            ignored.append(f"{name}={value}")
+    return ignored
+
+
 def response_mask(response_ids: torch.Tensor, eos_ids: list[int]) -> torch.Tensor:
     """(B, R) float: 1 on tokens up to and including the first EOS; every token when there is no EOS.
 

@@ -18,6 +18,7 @@ from rlhfkit.data.templates import Template
 from rlhfkit.models import ModelError, load_causal_lm, load_scalar_model, load_tokenizer
 from rlhfkit.models.cpu_linear import use_fast_cpu_linear
 from rlhfkit.models.lora import apply_lora
+from rlhfkit.rollout.generate import ignored_generation_settings
 from rlhfkit.models.reward_fn import (FunctionReward, ModelReward, is_function_spec, load_reward_function,
                                      same_tokenization)
 from rlhfkit.stages.common import RunError
@@ -81,6 +82,10 @@ def load_ppo_models(cfg: PPOConfig, tokenizer, engine, total_updates: int) -> PP
     notes.append(f"critic: {critic_name}" + (" (fresh value head)" if critic_name == cfg.actor else ""))
 
     actor = apply_lora(load_causal_lm(cfg.actor, cfg.load, tokenizer), cfg.lora)
+    ignored = ignored_generation_settings(actor, cfg.gen)
+    if ignored:
+        notes.append(f"the actor's generation_config.json {', '.join(ignored)}: not applied (rollouts sample "
+                     f"with gen.* only)")
     if cfg.lora.rank > 0 and cfg.reference in (None, cfg.actor):
         reference = None
         notes.append("reference: the actor with its LoRA adapter disabled")
