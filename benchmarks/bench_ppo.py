@@ -293,6 +293,7 @@ def main() -> None:
 
     trl_python = harness.ensure_trl_venv()
     world = harness.build_world()
+    print(harness.machine_line(args.threads), flush=True)
     for n in (16, 64):
         harness.tokenized_prompts(world, n)
     if args.quick:

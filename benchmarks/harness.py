@@ -160,6 +160,43 @@ def tokenized_prompts(world: Path, n: int) -> Path:
     return target
 
 
+def machine_line(threads: int = 1) -> str:
+    """The CPU and its measured float32 matmul rate (1024^3, `threads` threads) through PyTorch's default path
+    (MKL) and through oneDNN, the two libraries TRL's and rlhfkit's linear layers use on AMD CPUs. Matmuls are
+    most of both iterations' time, so the time ratio between the two systems depends on these two rates:
+    the same code measured 0.44x on a host where oneDNN reached ~235 GFLOP/s against MKL's ~105, and 0.67x
+    on one where they reached 108 and 88."""
+    import platform
+    import torch
+
+    cpu = {}
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            cpu.setdefault(key.strip(), value.strip())
+    except OSError:
+        pass
+    name = cpu.get("model name", platform.processor() or "unknown CPU")
+    family = f" (family {cpu['cpu family']}, model {cpu.get('model', '?')})" if "cpu family" in cpu else ""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    x, w = torch.randn(1024, 1024), torch.randn(1024, 1024)
+
+    def rate(fn) -> float:
+        fn()
+        start, n = time.perf_counter(), 0
+        while time.perf_counter() - start < 0.5:
+            fn()
+            n += 1
+        return 2 * 1024**3 * n / (time.perf_counter() - start) / 1e9
+
+    rates = f"MKL {rate(lambda: torch.nn.functional.linear(x, w)):.0f}"
+    if hasattr(torch.ops.mkldnn, "_linear_pointwise"):
+        rates += f", oneDNN {rate(lambda: torch.ops.mkldnn._linear_pointwise(x, w, None, 'none', [], '')):.0f}"
+    torch.set_num_threads(before)
+    return f"machine: {name}{family}, {os.cpu_count()} cores; float32 matmul, {threads} thread(s): {rates} GFLOP/s"
+
+
 def uncache_libraries(*venvs: Path) -> int:
     """Drop the venvs' shared libraries (torch's ~1 GB of .so files, ...) from the page cache, so both systems
     map them from the same state. Peak RSS counts the file pages a process maps, and how many pages one fault
