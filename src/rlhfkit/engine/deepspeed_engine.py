@@ -9,7 +9,8 @@ loops run unchanged. Decisions:
   exactly as with the local engine. DeepSpeed averages gradients over ranks.
 - Frozen models (reference, reward) are wrapped for inference and partitioned with ZeRO-3 when the
   trained models use it, as OpenRLHF does with separate train / eval configs.
-- Generation under ZeRO-3 gathers the parameters once per rollout (`gathered`), not once per token.
+- Generation under ZeRO-3 gathers the parameters once per rollout (`gathered`), not once per token, and
+  runs the plain HF model without DeepSpeed's hooks.
 - HF export gathers ZeRO-3 parameters and rank 0 writes the folder (LoRA merged).
 """
 
@@ -32,6 +33,22 @@ from rlhfkit.config.schema import EngineConfig, TrainConfig
 from rlhfkit.engine.local import LocalEngine, _fsync_dir, latest_checkpoint, lr_lambda, param_groups, \
     publish_checkpoint, rng_state, set_rng_state
 from rlhfkit.models.lora import clone_for_export
+
+@contextlib.contextmanager
+def _unwrapped_for_generation(engine):
+    """The wrapped HF model with its ZeRO-3 parameters gathered and DeepSpeed's module hooks removed; the
+    hooks are registered again on exit (DeepSpeed's own context)."""
+    from deepspeed.runtime.zero.stage3 import unwrap_model_for_generation
+
+    with unwrap_model_for_generation(engine):
+        yield engine.module
+
+
+@contextlib.contextmanager
+def _gathered_module(module):
+    with deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=None):
+        yield module
+
 
 # DeepSpeed still calls the torch.distributed collectives that torch 2.13 renamed; one warning per call
 warnings.filterwarnings("ignore", category=FutureWarning, module="torch.distributed")
@@ -196,19 +213,35 @@ class DeepSpeedEngine(LocalEngine):
         return any(hasattr(p, "ds_id") for p in module.parameters())
 
     def gathered(self, module: torch.nn.Module):
-        """Full parameters once for a whole generate() call under ZeRO-3 (else a no-op).
+        """A context giving the module to generate with: under ZeRO-3 its parameters are gathered once for the
+        whole rollout instead of once per generated token (else the module as it is).
 
         Without this, ZeRO-3 all-gathers every layer for every generated token (DeepSpeedExamples #718,
-        TRL #1051); gathering once is ~10x faster at the cost of holding the full model during rollout.
+        TRL #1051); gathering once is ~10x faster on GPUs at the cost of holding the full model during rollout.
+        For a trained model (the actor) DeepSpeed's per-module hooks are taken off for the call as well
+        (DeepSpeed's `unwrap_model_for_generation`, what TRL does) and the plain HF model is returned: the
+        hooks' bookkeeping no longer runs at every layer of every decode step, and with the whole weights on
+        every rank a forward is no collective, so a rank whose rows have ended stops (`generation_kwargs`).
         """
         if not self._is_zero3(module) or not self.cfg.gather_for_generation:
-            return contextlib.nullcontext()
-        return deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=None)
+            return contextlib.nullcontext(module)
+        if self._unwraps(module):
+            return _unwrapped_for_generation(module)
+        return _gathered_module(module)
+
+    @staticmethod
+    def _unwraps(module) -> bool:
+        """A DeepSpeed ZeRO-3 engine with an optimizer, whose hooks `unwrap_model_for_generation` removes."""
+        return isinstance(module, deepspeed.DeepSpeedEngine) and getattr(module, "optimizer", None) is not None
 
     def generation_kwargs(self, module: torch.nn.Module) -> dict:
         # under ZeRO-3 every forward is a collective: a rank whose rows all ended must keep stepping until
-        # every rank is done, or the others wait for it forever
-        return {"synced_gpus": True} if self._is_zero3(module) and self.world_size > 1 else {}
+        # every rank is done, or the others wait for it forever. Not so for a gathered, unwrapped actor.
+        if not (self._is_zero3(module) and self.world_size > 1):
+            return {}
+        if self.cfg.gather_for_generation and self._unwraps(module):
+            return {}
+        return {"synced_gpus": True}
 
     # -- collectives -----------------------------------------------------------------------------------
     def reduce_mean(self, metrics: dict) -> dict:

@@ -189,8 +189,9 @@ class LocalEngine:
         return model
 
     def gathered(self, module: torch.nn.Module):
-        """Context giving full parameters for generation (a no-op without ZeRO-3)."""
-        return contextlib.nullcontext()
+        """A context giving the module to generate with, its full parameters at hand (ZeRO-3 gathers them;
+        here it is the module itself)."""
+        return contextlib.nullcontext(module)
 
     def generation_kwargs(self, module: torch.nn.Module) -> dict:
         """Extra generate() arguments the backend needs (ZeRO-3 ranks must keep stepping together)."""

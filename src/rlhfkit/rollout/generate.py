@@ -207,8 +207,9 @@ def generate_rollout(model, engine, tokenizer, rows: list[dict], cfg: GenConfig,
 
     Prompts are left-padded so new tokens are appended at the same column for every row; positions come from
     the attention mask, so padding does not shift them. Under ZeRO-3 `engine.gathered` collects the
-    parameters once for the whole call instead of once per token (TRL PR #1483). The batch carries the
-    sampled tokens' log-probabilities (`sample_logprobs`, 0 after EOS).
+    parameters once for the whole call instead of once per token (TRL PR #1483) and hands back the plain
+    model, without DeepSpeed's hooks, to decode with. The batch carries the sampled tokens' log-probabilities
+    (`sample_logprobs`, 0 after EOS).
     """
     device = engine.device
     pad_id = tokenizer.pad_token_id
@@ -223,8 +224,8 @@ def generate_rollout(model, engine, tokenizer, rows: list[dict], cfg: GenConfig,
     was_training = model.training
     model.eval()  # no gradient-checkpointing path (it turns the KV cache off)
     try:
-        with engine.gathered(model), packed_weights(model):
-            response_ids, logprobs = sample_tokens(model, prompt_ids, prompt_mask, cfg, eos_ids, pad_id, greedy,
+        with engine.gathered(model) as generator, packed_weights(generator):
+            response_ids, logprobs = sample_tokens(generator, prompt_ids, prompt_mask, cfg, eos_ids, pad_id, greedy,
                                                    synced)
     finally:
         model.train(was_training)
