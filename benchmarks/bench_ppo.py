@@ -4,6 +4,8 @@
     python benchmarks/bench_ppo.py --quick    # one config, fewer iterations
     python benchmarks/bench_ppo.py --full     # batch {16, 64} x response {32, 64} for both sizes
     python benchmarks/bench_ppo.py --zero3    # 2 ranks, ZeRO-3: gather-once vs per-token generation (and TRL)
+    python benchmarks/bench_ppo.py --bf16     # both in bf16 mixed precision (TRL's bf16=True, rlhfkit's
+                                              # engine.precision=bf16) instead of float32
     --threads N sets torch's threads for both systems (default 1: steadier on a shared machine)
 
 Identical work: the same model folders (a ~5M and a ~20M Llama built locally; the policy folder is actor and
@@ -120,7 +122,7 @@ def trl_worker(args) -> None:
                        stop_token=None, temperature=1.0, kl_coef=KL_COEF, learning_rate=LR,
                        lr_scheduler_type="constant", total_episodes=args.batch * (args.free_run or 100000),
                        num_sample_generations=0,
-                       bf16=False, gradient_checkpointing=False, report_to=[], save_strategy="no",
+                       bf16=args.bf16, gradient_checkpointing=False, report_to=[], save_strategy="no",
                        logging_steps=1, disable_tqdm=True, seed=1234, use_cpu=True, dataloader_num_workers=0)
     trainer = PPOTrainer(
         args=config, processing_class=tok, model=AutoModelForCausalLM.from_pretrained(policy),
@@ -138,9 +140,11 @@ def trl_worker(args) -> None:
 
 
 def worker_cmd(system: str, python: Path, world: Path, size: str, batch: int, response: int, threads: int,
-               out: Path, extra: list[str] = ()) -> list[str]:
+               out: Path, extra: list[str] = (), bf16: bool = False) -> list[str]:
     cmd = [str(python), str(Path(__file__).resolve()), "--worker", system, "--world", str(world), "--size", size,
            "--batch", str(batch), "--response", str(response), "--threads", str(threads), "--out", str(out)]
+    if bf16:
+        cmd += ["--bf16", "--extra=engine.precision=bf16"]
     return cmd + [f"--extra={e}" for e in extra]
 
 
@@ -151,11 +155,12 @@ def thread_env(threads: int) -> dict:
 
 def compare(world: Path, trl_python: Path, size: str, batch: int, response: int, args, tmp: Path) -> dict:
     print(f"\n== {size} model, batch {batch}, response {response} "
-          f"({args.warmup} warm-up + {args.iters} measured iterations each, {args.threads} thread(s))", flush=True)
+          f"({args.warmup} warm-up + {args.iters} measured iterations each, {args.threads} thread(s)"
+          f"{', bf16 mixed precision' if args.bf16 else ''})", flush=True)
     env = thread_env(args.threads)
     harness.uncache_libraries(Path(sys.prefix), trl_python.parent.parent)  # the same start for both (peak RSS)
     workers = [harness.Worker(name, worker_cmd(name, py, world, size, batch, response, args.threads,
-                                               tmp / f"{name}-{size}-{batch}-{response}"),
+                                               tmp / f"{name}-{size}-{batch}-{response}", bf16=args.bf16),
                               tmp / f"{name}-{size}-{batch}-{response}.log", env)
                for name, py in (("rlhfkit", Path(sys.executable)), ("trl", trl_python))]
     results = harness.run_lockstep(workers, args.warmup, args.iters)
@@ -275,6 +280,8 @@ def main() -> None:
                    help="torch threads, the same for both systems (1: steadier on a shared machine)")
     p.add_argument("--json", help="also write the results here")
     p.add_argument("--zero3", action="store_true", help="the 2-rank ZeRO-3 comparison instead")
+    p.add_argument("--bf16", action="store_true", help="both systems in bf16 mixed precision (TRL bf16=True, rlhfkit "
+                                                        "engine.precision=bf16): float32 weights, bf16 matmuls")
     p.add_argument("--rounds", type=int, default=2, help="--zero3: alternating rounds of the two rlhfkit runs")
     # worker mode (internal)
     p.add_argument("--worker", choices=("rlhfkit", "trl"))

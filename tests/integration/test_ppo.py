@@ -64,6 +64,14 @@ def test_ppo_raises_held_out_reward_within_kl_budget_and_kl_coef_holds_it_back(w
     assert critic.config.num_labels == 1 and actor.config.vocab_size == critic.config.vocab_size
 
 
+def test_ppo_learns_in_bf16_mixed_precision_and_exports_float32(world):
+    result, _ = ppo(world, "bf16", "train.max_steps=40", "ppo.kl_coef=0.05", "engine.precision=bf16")
+    assert result["eval/reward_end"] > result["eval/reward_start"] + 0.2, result
+    assert result["eval/kl_end"] < 5.0, result
+    actor = AutoModelForCausalLM.from_pretrained(world / "bf16" / "final")
+    assert all(p.dtype == torch.float32 for p in actor.parameters())  # the float32 master weights
+
+
 def test_ppo_with_lora_ptx_ema_adaptive_kl_and_critic_warmup_exports_loadable_folders(world):
     result, stderr = ppo(world, "lora", "train.max_steps=6", "train.lr=3e-3", "lora.rank=8", "data.ptx=ptx.txt",
                          "ptx.coef=0.5", "ema.enabled=true", "gen.generation_batch_size=8", "ppo.mini_batch_size=8",

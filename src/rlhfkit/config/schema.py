@@ -97,7 +97,9 @@ class EngineConfig:
     zero_stage: int = option(0, "DeepSpeed ZeRO stage", choices=(0, 1, 2, 3))
     offload_optimizer: bool = option(False, "DeepSpeed: keep optimizer states on CPU")
     offload_params: bool = option(False, "DeepSpeed ZeRO-3: keep parameters on CPU")
-    precision: str = option("fp32", "training precision", choices=("fp32", "bf16", "fp16"))
+    precision: str = option("fp32", "training precision: fp32; bf16 (local: float32 weights, forwards under "
+                                    "torch.autocast; deepspeed: its bf16 mode); fp16 (deepspeed, loss-scaled)",
+                            choices=("fp32", "bf16", "fp16"))
     deepspeed_config: Optional[str] = option(None, "a DeepSpeed JSON merged over the generated config")
     critic_zero_stage: Optional[int] = option(None, "ppo: the critic's ZeRO stage (default: zero_stage, which the "
                                                     "actor uses; frozen models follow the actor)")
@@ -114,6 +116,9 @@ class EngineConfig:
             raise ConfigError(f"config key '{prefix}critic_zero_stage': expected 0, 1, 2 or 3")
         if self.offload_params and self.zero_stage != 3:
             raise ConfigError(f"config key '{prefix}offload_params': parameter offload needs zero_stage 3")
+        if self.precision == "fp16" and self.backend == "local":
+            raise ConfigError(f"config key '{prefix}precision': fp16 needs loss scaling, which DeepSpeed does: use "
+                              f"engine.backend=deepspeed (one GPU works too), or bf16 with the local engine")
 
 
 @dataclass

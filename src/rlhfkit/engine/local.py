@@ -163,8 +163,41 @@ def atomic_folder(target: Path):
     return writer()
 
 
+class AutocastHooks:
+    """Runs a module's forward under `torch.autocast(device, dtype)`: a forward pre-hook enters it and a forward
+    hook (called on errors too) leaves it. The parameters, their gradients and the optimizer stay float32;
+    matmuls run in `dtype`. Hooks rather than a wrapped `forward`, so a copy of the module (an export twin,
+    a deep copy) holds no reference back to the original."""
+
+    def __init__(self, device_type: str, dtype: torch.dtype):
+        self.device_type, self.dtype = device_type, dtype
+        self.open = []  # the contexts entered by calls still running (a model may call another inside)
+
+    def enter(self, _module, _args):
+        context = torch.autocast(self.device_type, dtype=self.dtype)
+        context.__enter__()
+        self.open.append(context)
+
+    def leave(self, _module, _args, _output):
+        if self.open:
+            self.open.pop().__exit__(None, None, None)
+
+    def attach(self, module: torch.nn.Module) -> torch.nn.Module:
+        module.register_forward_pre_hook(self.enter)
+        module.register_forward_hook(self.leave, always_call=True)
+        return module
+
+
+@contextlib.contextmanager
+def _inside(context, value):
+    with context:
+        yield value
+
+
 class LocalEngine:
-    """One process, one device (a GPU when there is one, else the CPU)."""
+    """One process, one device (a GPU when there is one, else the CPU). `engine.precision=bf16` runs every
+    prepared model's forward under bfloat16 autocast (float32 weights and optimizer): on a GPU the usual mixed
+    precision, on a CPU with AVX-512 bf16 (or AMX) oneDNN's bf16 matmuls."""
 
     name = "local"
 
@@ -173,25 +206,35 @@ class LocalEngine:
         self.rank, self.world_size = 0, 1
         self.is_main = True
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        self.autocast = None
+        if cfg is not None and cfg.precision == "bf16":
+            self.autocast = AutocastHooks(self.device.type, torch.bfloat16)
+
+    def _mixed(self, model: torch.nn.Module) -> torch.nn.Module:
+        return self.autocast.attach(model) if self.autocast is not None else model
 
     def prepare(self, model: torch.nn.Module, train: TrainConfig, total_steps: int, lr: float | None = None,
                 stage: int | None = None) -> Trainable:
         """A trainable model: AdamW + warmup/decay schedule. `stage` is DeepSpeed's ZeRO stage (ignored here)."""
         model.to(self.device)
         model.train()
-        return Trainable(model, train, total_steps, lr)
+        return Trainable(self._mixed(model), train, total_steps, lr)
 
     def prepare_frozen(self, model: torch.nn.Module, stage: int | None = None) -> torch.nn.Module:
         offload = self.cfg is not None and self.cfg.offload_reference_model
         model.to("cpu" if offload else self.device)
         model.eval()
         model.requires_grad_(False)
-        return model
+        return self._mixed(model)
 
     def gathered(self, module: torch.nn.Module):
         """A context giving the module to generate with, its full parameters at hand (ZeRO-3 gathers them;
-        here it is the module itself)."""
-        return contextlib.nullcontext(module)
+        here it is the module itself). Under bf16 autocast the whole rollout runs inside one autocast context,
+        so the trained weights are cast once per rollout instead of at every token step (autocast keeps its
+        casts of trainable weights until its outermost context ends)."""
+        if self.autocast is None:
+            return contextlib.nullcontext(module)
+        return _inside(torch.autocast(self.autocast.device_type, dtype=self.autocast.dtype), module)
 
     def generation_kwargs(self, module: torch.nn.Module) -> dict:
         """Extra generate() arguments the backend needs (ZeRO-3 ranks must keep stepping together)."""

@@ -61,6 +61,8 @@ class FastCPULinear(torch.nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weight = self.weight
+        if torch.is_autocast_enabled(x.device.type):  # mixed precision: F.linear casts (bf16 goes to oneDNN)
+            return F.linear(x, weight, self.bias)
         if self.packed is not None and x.dtype == torch.float32 and not torch.is_grad_enabled():
             return _onednn(x, self.packed, self.bias)
         if (x.device.type != "cpu" or x.dtype != torch.float32 or weight.dtype != torch.float32

@@ -1,0 +1,78 @@
+"""engine.precision=bf16 on the local engine: forwards under bfloat16 autocast, float32 weights and optimizer."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rlhfkit.config.fields import ConfigError
+from rlhfkit.config.schema import EngineConfig, TrainConfig
+from rlhfkit.engine import LocalEngine
+from rlhfkit.models import load_causal_lm, load_tokenizer
+from rlhfkit.models.cpu_linear import FastCPULinear
+
+
+@pytest.fixture()
+def tiny(tiny_model_dir):
+    tok = load_tokenizer(str(tiny_model_dir))
+    ids = tok(["User: say river\n\nAssistant: river river river"], return_tensors="pt")["input_ids"]
+    return lambda: load_causal_lm(str(tiny_model_dir), tokenizer=tok), ids
+
+
+def test_bf16_computes_in_bf16_and_keeps_float32_weights_and_gradients(tiny):
+    load, ids = tiny
+    with torch.no_grad():
+        want = load()(input_ids=ids).logits  # float32 throughout
+    engine = LocalEngine(EngineConfig(precision="bf16"))
+    actor = engine.prepare(load(), TrainConfig(lr=1e-3), total_steps=10)
+    out = actor.module(input_ids=ids, labels=ids)
+    assert out.logits.dtype == torch.bfloat16
+    assert not torch.is_autocast_enabled("cpu")  # only inside the model's forward
+    # bf16 rounding of the same model, not another computation (logits here are of order 1-10)
+    assert (out.logits.float() - want).abs().max() < 0.05 * want.abs().max()
+    actor.backward(out.loss)
+    params = [p for p in actor.module.parameters() if p.requires_grad]
+    assert all(p.dtype == torch.float32 and p.grad.dtype == torch.float32 for p in params)
+    before = [p.detach().clone() for p in params]
+    actor.step()
+    assert any(not torch.equal(a, p) for a, p in zip(before, params))  # the float32 weights moved
+    frozen = engine.prepare_frozen(load())
+    with torch.no_grad():
+        assert frozen(input_ids=ids).logits.dtype == torch.bfloat16
+        assert LocalEngine(EngineConfig()).prepare_frozen(load())(input_ids=ids).logits.dtype == torch.float32
+
+
+def test_a_bf16_rollout_runs_in_one_autocast_context(tiny):
+    """One context for all the token steps: autocast then casts the trained weights once, not at every step."""
+    load, _ = tiny
+    engine = LocalEngine(EngineConfig(precision="bf16"))
+    actor = engine.prepare(load(), TrainConfig(), total_steps=1)
+    with engine.gathered(actor.module) as model:
+        assert model is actor.module and torch.is_autocast_enabled("cpu")
+    assert not torch.is_autocast_enabled("cpu")
+    with LocalEngine(EngineConfig()).gathered(actor.module) as model:
+        assert model is actor.module and not torch.is_autocast_enabled("cpu")
+
+
+def test_autocast_ends_with_a_forward_that_fails(tiny):
+    load, _ = tiny
+    model = LocalEngine(EngineConfig(precision="bf16")).prepare_frozen(load())
+    with pytest.raises(IndexError):
+        model(input_ids=torch.tensor([[10**6]]))  # no such token
+    assert not torch.is_autocast_enabled("cpu")
+
+
+def test_fp16_on_the_local_engine_is_a_config_error():
+    with pytest.raises(ConfigError, match="engine.precision"):
+        EngineConfig(precision="fp16").validate("engine.")
+    EngineConfig(precision="fp16", backend="deepspeed").validate("engine.")
+
+
+def test_fast_cpu_linear_under_autocast_is_autocasts_linear():
+    torch.manual_seed(0)
+    layer, x = torch.nn.Linear(128, 64), torch.randn(32, 128)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        want = layer(x)
+        layer.__class__ = FastCPULinear
+        got = layer(x)
+    assert got.dtype == torch.bfloat16 and torch.equal(got, want)
