@@ -141,6 +141,7 @@ class DeepSpeedEngine(LocalEngine):
     def __init__(self, cfg: EngineConfig):
         init_process_group()
         self.cfg = cfg
+        self.autocast = None  # precision is DeepSpeed's own (bf16 / fp16 modes), not the local engine's autocast
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.is_main = self.rank == 0
         self.device = torch.device(get_accelerator().current_device_name())
