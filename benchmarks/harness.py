@@ -164,8 +164,8 @@ def machine_line(threads: int = 1) -> str:
     """The CPU and its measured float32 matmul rate (1024^3, `threads` threads) through PyTorch's default path
     (MKL) and through oneDNN, the two libraries TRL's and rlhfkit's linear layers use on AMD CPUs. Matmuls are
     most of both iterations' time, so the time ratio between the two systems depends on these two rates:
-    the same code measured 0.44x on a host where oneDNN reached ~235 GFLOP/s against MKL's ~105, and 0.67x
-    on one where they reached 108 and 88."""
+    the same code measured 0.44-0.49x on a host where oneDNN reached ~235 GFLOP/s against MKL's ~105, and
+    0.69-0.72x on one where they reached 106 and 91."""
     import platform
     import torch
 

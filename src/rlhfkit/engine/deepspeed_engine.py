@@ -34,6 +34,7 @@ from rlhfkit.engine.local import LocalEngine, _fsync_dir, latest_checkpoint, lr_
     publish_checkpoint, rng_state, set_rng_state
 from rlhfkit.models.lora import clone_for_export
 
+
 @contextlib.contextmanager
 def _unwrapped_for_generation(engine):
     """The wrapped HF model with its ZeRO-3 parameters gathered and DeepSpeed's module hooks removed; the

@@ -18,9 +18,9 @@ from rlhfkit.data.templates import Template
 from rlhfkit.models import ModelError, load_causal_lm, load_scalar_model, load_tokenizer
 from rlhfkit.models.cpu_linear import use_fast_cpu_linear
 from rlhfkit.models.lora import apply_lora
-from rlhfkit.rollout.generate import ignored_generation_settings
 from rlhfkit.models.reward_fn import (FunctionReward, ModelReward, is_function_spec, load_reward_function,
                                      same_tokenization)
+from rlhfkit.rollout.generate import ignored_generation_settings
 from rlhfkit.stages.common import RunError
 
 
