@@ -73,8 +73,9 @@ def missing_field(tmp, w):
 
 
 def whitespace_response(tmp, w):
+    # by default such a row is skipped and counted (see test_unusable_rows_are_skipped_and_counted_unless_strict)
     path = write_jsonl(tmp / "train.jsonl", [sft_rows()[0], {"prompt": "say river", "response": " \n\t "}])
-    return "sft", [f"data.train={path}"], f"{path}:2: field 'response': empty"
+    return "sft", [f"data.train={path}", "data.strict_rows=true"], f"{path}:2: field 'response': empty"
 
 
 def all_pairs_identical(tmp, w):
@@ -290,3 +291,19 @@ def test_some_identical_pairs_and_long_prompts_are_skipped_and_counted(tmp_path,
     assert (info["train_rows"], info["identical"], info["dropped"], info["rows_read"]) == (6, 1, 1, 8)
     with pytest.raises(DataError, match=re.escape(f"{cfg.train}:8: the prompt is")):
         load_stage_data("rm", dataclasses.replace(cfg, on_long_prompt="error"), tok, seed=0)
+
+
+def test_unusable_rows_are_skipped_and_counted_unless_strict(tmp_path, world):
+    tok = load_tokenizer(str(world["model"]))
+    rows = sft_rows()[:6] + [{"prompt": "say river", "response": " \n\t "},
+                             {"prompt": [{"role": "assistant", "content": "hi"}], "response": "x"}]
+    cfg = DataConfig(train=str(write_jsonl(tmp_path / "train.jsonl", rows)), eval_fraction=0.0, cache=False)
+    info = load_stage_data("sft", cfg, tok, seed=0).info
+    assert (info["train_rows"], info["empty_response"], info["no_user_turn"], info["rows_read"]) == (6, 1, 1, 8)
+    with pytest.raises(DataError, match=re.escape(f"{cfg.train}:7: field 'response': empty")):
+        load_stage_data("sft", dataclasses.replace(cfg, strict_rows=True), tok, seed=0)
+    empty = write_jsonl(tmp_path / "empty.jsonl", [{"prompt": "say river", "response": " "}] * 3)
+    with pytest.raises(DataError) as error:  # nothing usable left: the error says why
+        load_stage_data("sft", dataclasses.replace(cfg, train=str(empty)), tok, seed=0)
+    assert str(error.value) == (f"data '{empty}': no training rows left after filtering: 3 rows read; 3 skipped: "
+                                f"the response (or chosen reply) is empty")

@@ -156,6 +156,66 @@ def test_hh_dialogues_split_at_last_assistant_and_count_skips():
     assert stats == {"dropped_ties": 0, "no_shared_prompt": 1, "identical": 1, "empty_rejected": 1}
 
 
+# Real Anthropic HH quirks (helpful-base test has 15 such pairs in 2,354): the prompt is the text up to the LAST
+# "\n\nAssistant:", the response everything after it, whatever the turns before look like.
+HUMANS_TYPO = (
+    "\n\nHuman: What is a good name for a cat?\n\nAssistant: How about Whiskers?\n\nHumans: Something more "
+    "unusual.\n\nAssistant: "
+)
+SPLIT_ASSISTANT = "\n\nHuman: How do I boil an egg?\n\nAssistant: Put it in boiling water.\n\nAssistant: "
+TWO_HUMANS = "\n\nHuman: I need a gift idea.\n\nHuman: It is for my sister.\n\nAssistant: "
+EMPTY_LAST_HUMAN = "\n\nHuman: Hi there\n\nAssistant: Hello! How can I help?\n\nHuman: \n\nAssistant: "
+
+
+def hh_pair(prefix: str, chosen: str, rejected: str) -> dict:
+    return {"chosen": prefix + chosen, "rejected": prefix + rejected}
+
+
+def test_hh_quirks_keep_the_datasets_own_split():
+    data = rows(
+        hh_pair(HUMANS_TYPO, "How about Quasar?", "Cat."),
+        hh_pair(SPLIT_ASSISTANT, "Leave it for eight minutes.", "Eat it raw."),
+        hh_pair(TWO_HUMANS, "A book she has been wanting.", "Socks."),
+        hh_pair(EMPTY_LAST_HUMAN, "Anything else?", "Bye."),
+    )
+    stats = {}
+    examples = to_preference_examples(data, stats=stats)
+    assert [(ex.prompt, ex.chosen, ex.rejected, ex.line) for ex in examples] == [
+        (
+            # "Humans:" is no marker: the typo'd turn stays in the assistant's, and two Assistant turns follow
+            [
+                user("What is a good name for a cat?"),
+                assistant("How about Whiskers?\n\nHumans: Something more unusual."),
+            ],
+            "How about Quasar?",
+            "Cat.",
+            1,
+        ),
+        ([user("How do I boil an egg?"), assistant("Put it in boiling water.")], "Leave it for eight minutes.",
+         "Eat it raw.", 2),
+        ([user("I need a gift idea."), user("It is for my sister.")], "A book she has been wanting.", "Socks.", 3),
+    ]
+    assert stats == {"dropped_ties": 0, "no_shared_prompt": 0, "identical": 0, "empty_rejected": 0,
+                     "empty_prompt": 1}
+    # the same rows as SFT demonstrations and as PPO prompts
+    sft_stats = {}
+    assert [ex.response for ex in to_sft_examples(data, stats=sft_stats)] == [
+        "How about Quasar?", "Leave it for eight minutes.", "A book she has been wanting."]
+    assert sft_stats == {"dropped_ties": 0, "empty_prompt": 1}
+    prompt_stats = {}
+    assert [ex.prompt for ex in to_prompt_examples(data, stats=prompt_stats)] == [ex.prompt for ex in examples]
+    assert prompt_stats == {"empty_prompt": 1}
+    with pytest.raises(DataError, match=r"^mem\.jsonl:4: field 'chosen': empty$"):
+        to_preference_examples(data, strict=True)
+
+
+def test_a_prompt_may_end_with_an_assistant_turn_in_any_format():
+    (example,) = to_sft_examples(rows({"messages": [user("a"), assistant("b"), assistant("c")]}))
+    assert (example.prompt, example.response) == ([user("a"), assistant("b")], "c")
+    (prompt,) = to_prompt_examples(rows({"prompt": [user("a"), assistant("b")]}))
+    assert prompt.prompt == [user("a"), assistant("b")]
+
+
 def test_shp_labels_pick_the_preferred_comment():
     examples, _ = pairs("shp.jsonl")
     assert examples[0][1:] == ("Yes, publish or perish drives a lot of behaviour.", "Depends on the field.")
@@ -350,14 +410,6 @@ def test_missing_field_in_a_later_row():
 @pytest.mark.parametrize(
     "row, task, message",
     [
-        ({"prompt": "Hi", "response": "   "}, "sft", "mem.jsonl:1: field 'response': empty"),
-        ({"prompt": " ", "response": "ok"}, "sft", "mem.jsonl:1: field 'prompt': empty"),
-        ({"prompt": "Hi", "chosen": "\n", "rejected": "no"}, "preference", "mem.jsonl:1: field 'chosen': empty"),
-        (
-            {"chosen": "\n\nHuman: hi\n\nAssistant:", "rejected": "\n\nHuman: hi\n\nAssistant: yo"},
-            "preference",
-            "mem.jsonl:1: field 'chosen': empty",
-        ),
         ({"prompt": "Hi", "response": 3}, "sft", "mem.jsonl:1: field 'response': expected a string, got int"),
         (
             {"messages": [user("Hi"), {"role": "bot", "content": "x"}]},
@@ -368,11 +420,6 @@ def test_missing_field_in_a_later_row():
             {"messages": [user("Hi")]},
             "sft",
             "mem.jsonl:1: field 'messages': the last message must be the assistant's response (got role 'user')",
-        ),
-        (
-            {"prompt": [assistant("Hi")], "response": "x"},
-            "sft",
-            "mem.jsonl:1: field 'prompt': the prompt must end with a user message (it ends with assistant)",
         ),
         (
             {"history": "q", "human_ref_A": "a", "human_ref_B": "b", "labels": 2},
@@ -391,13 +438,79 @@ def test_missing_field_in_a_later_row():
             "shp, chat_pairs, prompt_chosen_rejected, hh_dialogue; map columns with fields, e.g. "
             "fields={'prompt': 'question', 'chosen': 'better', 'rejected': 'worse'}",
         ),
+        (
+            {"chosen": "\n\nHuman: hi\n\nAssistant: a", "rejected": "Hi"},
+            "preference",
+            "mem.jsonl:1: field 'rejected': expected an HH dialogue starting with 'Human:'",
+        ),
     ],
 )
-def test_bad_values_name_file_line_and_field(row, task, message):
+def test_structural_errors_name_file_line_and_field_even_when_not_strict(row, task, message):
     convert = {"sft": to_sft_examples, "preference": to_preference_examples}[task]
     with pytest.raises(DataError) as info:
         convert(rows(row))
     assert str(info.value) == message
+
+
+PLAIN_SFT = {"prompt": "Hi", "response": "Hello"}
+PLAIN_PAIR = {"prompt": "Hi", "chosen": "Hello", "rejected": "Go"}
+HH_PAIR = {"chosen": "\n\nHuman: hi\n\nAssistant: a", "rejected": "\n\nHuman: hi\n\nAssistant: b"}
+CHAT_PAIR = {"chosen": [user("Hi"), assistant("a")], "rejected": [user("Hi"), assistant("b")]}
+# (a usable row of the format, an unusable one, task, the stats key it is counted under, the strict error)
+UNUSABLE = [
+    (PLAIN_SFT, {"prompt": "Hi", "response": "   "}, "sft", "empty_response", "mem.jsonl:2: field 'response': empty"),
+    (PLAIN_SFT, {"prompt": " ", "response": "ok"}, "sft", "empty_prompt", "mem.jsonl:2: field 'prompt': empty"),
+    (
+        PLAIN_SFT,
+        {"prompt": [assistant("Hi")], "response": "x"},
+        "sft",
+        "no_user_turn",
+        "mem.jsonl:2: field 'prompt': the prompt has no user message",
+    ),
+    (
+        PLAIN_SFT,
+        {"prompt": [user("Hi"), assistant("")], "response": "x"},
+        "prompt",
+        "empty_prompt",
+        "mem.jsonl:2: field 'prompt': empty",
+    ),
+    (PLAIN_PAIR, {"prompt": "Hi", "chosen": "\n", "rejected": "no"}, "preference", "empty_response",
+     "mem.jsonl:2: field 'chosen': empty"),
+    (
+        HH_PAIR,
+        {"chosen": "\n\nHuman: hi\n\nAssistant:", "rejected": "\n\nHuman: hi\n\nAssistant: yo"},
+        "preference",
+        "empty_response",
+        "mem.jsonl:2: field 'chosen': empty",
+    ),
+    (
+        CHAT_PAIR,
+        {"chosen": [assistant("Hi"), assistant("a")], "rejected": [assistant("Hi"), assistant("b")]},
+        "preference",
+        "no_user_turn",
+        "mem.jsonl:2: field 'chosen': the prompt has no user message",
+    ),
+]
+
+
+@pytest.mark.parametrize("good, row, task, reason, message", UNUSABLE)
+def test_unusable_rows_are_skipped_and_counted_or_refused_when_strict(good, row, task, reason, message):
+    convert = {"sft": to_sft_examples, "preference": to_preference_examples, "prompt": to_prompt_examples}[task]
+    stats = {}
+    examples = convert(rows(good, row, good), stats=stats)
+    assert [ex.line for ex in examples] == [1, 3]  # the run goes on with the usable rows
+    assert {key: n for key, n in stats.items() if n} == {reason: 1}
+    with pytest.raises(DataError) as info:
+        convert(rows(good, row, good), strict=True)
+    assert str(info.value) == message
+
+
+def test_strict_rows_still_skips_rows_without_a_preference():
+    # ties and differing prompts are not data errors: strict mode skips and counts them as before
+    stats = {}
+    split = rows({"chosen": [user("a"), assistant("b")], "rejected": [user("x"), assistant("y")]})
+    assert to_preference_examples(split, stats=stats, strict=True) == []
+    assert stats["no_shared_prompt"] == 1
 
 
 def test_no_rows():
@@ -408,17 +521,32 @@ def test_no_rows():
 # ---------------------------------------------------------------- real data
 
 
-@pytest.mark.skipif(not SHARED_DATA.is_dir(), reason=f"shared data folder {SHARED_DATA} is absent")
-def test_real_hh_and_alpaca_files():
+HH_FILE = SHARED_DATA / "preference" / "hh-rlhf-helpful-online.test.jsonl.gz"
+
+
+@pytest.mark.skipif(not HH_FILE.is_file(), reason=f"the real HH file {HH_FILE} is absent")
+def test_every_row_of_the_real_hh_file_converts_or_is_counted():
+    data = read_rows(str(HH_FILE))
+    assert len(data) == 1137
     stats = {}
-    hh = to_preference_examples(
-        read_rows(str(SHARED_DATA / "preference" / "hh-rlhf-helpful-online.test.jsonl.gz")), stats=stats
-    )
-    # 1,137 pairs; two have identical sides; three keep an empty rejected reply.
+    hh = to_preference_examples(data, stats=stats)
+    # 1,137 pairs: two have identical sides; three keep an empty rejected reply; nothing else is left out.
     assert len(hh) == 1135
     assert stats == {"dropped_ties": 0, "no_shared_prompt": 0, "identical": 2, "empty_rejected": 3}
+    assert len(hh) + stats["identical"] == len(data)
     assert hh[0].prompt == [user("If I were to give you some coordinates, could you tell me where the location is?")]
-    assert all(ex.prompt[-1]["role"] == "user" and ex.chosen for ex in hh)
+    assert all(ex.prompt[-1]["content"] and ex.chosen for ex in hh)
+    # this split alternates everywhere (the helpful-base test split has the quirks tested above)
+    assert all(ex.prompt[-1]["role"] == "user" for ex in hh)
+    sft_stats = {}
+    assert len(to_sft_examples(data, stats=sft_stats)) == 1137 and sft_stats == {"dropped_ties": 0}
+    prompt_stats = {}
+    assert len(to_prompt_examples(data, stats=prompt_stats)) == 1137 and prompt_stats == {}
+    assert len(to_preference_examples(data, strict=True)) == 1135  # strict: no row is an error either
+
+
+@pytest.mark.skipif(not SHARED_DATA.is_dir(), reason=f"shared data folder {SHARED_DATA} is absent")
+def test_real_alpaca_file():
     alpaca = to_sft_examples(read_rows(str(SHARED_DATA / "sft" / "alpaca_en_demo.json")))
     assert len(alpaca) == 999
     assert alpaca[0].prompt == [user("Describe a process of making crepes.")]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import random
+import shutil
 
 import pytest
 import torch
@@ -15,8 +16,9 @@ from rlhfkit.data.templates import Template, encode_prompt, encode_response
 from rlhfkit.data.tokenize import pad_sequences
 from rlhfkit.models import load_scalar_model, load_tokenizer
 from rlhfkit.models.forward import sequence_scores
+from rlhfkit.models.reward_fn import ModelReward
 from rlhfkit.stages.common import RunError
-from rlhfkit.stages.reward import MEAN_KEY, STD_KEY, run_rm
+from rlhfkit.stages.reward import END_IDS_KEY, MEAN_KEY, STD_KEY, run_rm
 
 from conftest import NAMES, ROOT, read_metrics, write_jsonl
 
@@ -132,3 +134,44 @@ def test_every_preference_format_becomes_pairs_sharing_their_prompt(tiny_model_d
         n = row["prompt_len"]
         assert row["chosen_ids"][:n] == row["rejected_ids"][:n] and row["chosen_ids"] != row["rejected_ids"]
         assert row["chosen_ids"][-1] == row["rejected_ids"][-1] == tok.eos_token_id
+
+
+CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+@pytest.fixture(scope="module")
+def chat_model_dir(tiny_model_dir, tmp_path_factory):
+    """The tiny model as a chat model whose turns end with <|im_end|>, which is not its tokenizer's EOS but is in
+    its generation_config's eos_token_id (as Llama 3's <|eot_id|>)."""
+    folder = tmp_path_factory.mktemp("chat") / "model"
+    shutil.copytree(tiny_model_dir, folder)
+    tok = load_tokenizer(str(folder))
+    tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
+    tok.chat_template = CHATML
+    tok.save_pretrained(folder)
+    im_end = tok.convert_tokens_to_ids("<|im_end|>")
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [tok.eos_token_id, im_end]}))
+    return folder
+
+
+def test_rm_data_ends_where_the_actor_stops_and_the_rm_records_it(chat_model_dir, tmp_path):
+    tok = load_tokenizer(str(chat_model_dir))
+    eos, im_end = tok.eos_token_id, tok.convert_tokens_to_ids("<|im_end|>")
+    result = run_rm(rm_config(chat_model_dir, tmp_path, "rm", **{"train.batch_size": 4,
+                                                                 "train.micro_batch_size": 4, "train.max_steps": 1}))
+    assert result["template"] == "chat" and result[END_IDS_KEY] == sorted([eos, im_end])
+    final = tmp_path / "rm" / "final"
+    assert json.loads((final / "config.json").read_text())[END_IDS_KEY] == sorted([eos, im_end])
+    # each side ends with the template's one <|im_end|>: no "\n" after it, no EOS appended
+    cfg = rm_config(chat_model_dir, tmp_path, "unused").data
+    rows = load_stage_data("rm", cfg, tok, seed=0, end_ids=result[END_IDS_KEY]).train
+    for side in ("chosen_ids", "rejected_ids"):
+        assert all(row[side][-1] == im_end and im_end not in row[side][row["prompt_len"]:-1] for row in rows)
+    # PPO: the RM shares the actor's tokenizer, template and end ids, so it scores rollout ids as they are
+    rm = load_scalar_model(str(final), tokenizer=load_tokenizer(str(final)))
+    actor = Template.for_tokenizer(tok, "auto", [eos, im_end])
+    assert not ModelReward(rm, load_tokenizer(str(final)), actor, "auto", 4, torch.device("cpu")).retokenize
+    # an actor stopping at EOS only would write responses this RM never saw: they are re-rendered for it
+    assert ModelReward(rm, load_tokenizer(str(final)), Template.for_tokenizer(tok), "auto", 4,
+                       torch.device("cpu")).retokenize

@@ -35,6 +35,9 @@ class PPODataConfig:
     split_fractions: list = option([], "DeepSpeed-Chat's data_split shares, e.g. [2, 4, 4]; ppo reads share "
                                        "data.split_index")
     split_index: int = option(2, "which share of data.split_fractions the prompts come from (pipeline: 2)")
+    strict_rows: bool = option(False, "a prompt row with nothing to answer (no user turn, an empty last turn, a "
+                                      "chat template that refuses it) is an error naming file:line, instead of "
+                                      "skipped and counted")
     cache: bool = option(True, "cache tokenised prompts under data.cache_dir")
     cache_dir: Optional[str] = option(None, "tokenised-data cache folder; default: $RLHFKIT_CACHE_DIR, else "
                                             "~/.cache/rlhfkit")
@@ -45,7 +48,8 @@ class PPODataConfig:
                           eval_max_rows=self.eval_max_rows, max_length=self.max_prompt_length, format=self.format,
                           fields=self.fields, template=self.template, split=self.split, max_rows=self.max_rows,
                           preset=self.preset, local_dir=self.local_dir, split_fractions=self.split_fractions,
-                          split_index=self.split_index, cache=self.cache, cache_dir=self.cache_dir)
+                          split_index=self.split_index, strict_rows=self.strict_rows, cache=self.cache,
+                          cache_dir=self.cache_dir)
 
 
 @dataclass

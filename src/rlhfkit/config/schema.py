@@ -37,6 +37,9 @@ class DataConfig:
                                  "1 rm, 2 ppo)")
     on_long_prompt: str = option("drop", "a row whose prompt alone fills max_length: drop it (counted in the log) "
                                          "or error (names file:line)", choices=("drop", "error"))
+    strict_rows: bool = option(False, "a row with nothing to learn from (no user turn, an empty turn to answer or "
+                                      "reply, a chat template that refuses it) is an error naming file:line, "
+                                      "instead of skipped and counted in the log")
     cache: bool = option(True, "cache tokenised rows under data.cache_dir; a re-run with the same data, tokenizer "
                                "and data options skips reading and tokenising")
     cache_dir: Optional[str] = option(None, "tokenised-data cache folder; default: $RLHFKIT_CACHE_DIR, else "

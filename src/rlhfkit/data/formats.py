@@ -1,12 +1,21 @@
 """Detect a dataset's format and convert its rows into canonical examples.
 
-Canonical form: a prompt is a list of messages `{"role": "system"|"user"|"assistant", "content": str}` ending with
-a user message; a response is a string. Rendering (chat templates, tokenisation) happens elsewhere.
+Canonical form: a prompt is a list of messages `{"role": "system"|"user"|"assistant", "content": str}` with at
+least one user message and a non-empty last message; a response is a string. Roles need not alternate and the
+prompt may end with an assistant turn, as in real Anthropic HH rows, whose convention is kept: the prompt is the
+text up to the LAST `\n\nAssistant:`, the response everything after it (a typo "Humans:" leaves two Assistant turns
+in a row; some Assistant turns are split in two). Rendering (chat templates, tokenisation) happens elsewhere; a
+template that needs alternating roles gets same-role turns merged (templates.py).
 
 Each format is one entry of `_FORMATS` with how to recognise it from the first row's keys and how to extract, per
 task, the prompt / the SFT pair / the preference triple. `FORMATS[task]` maps format names to those parsers; the
 detection order is the table's order (more specific layouts first). Every later row is validated with the same
 parser, and every error names `path:line` and the field. All text is stripped of surrounding whitespace.
+
+A row that is well formed but unusable (no user turn, an empty turn to answer, an empty response or chosen reply)
+is skipped and counted by reason in `stats` (ROW_SKIPS); with `strict=True` (`data.strict_rows`) it is the
+DataError it would otherwise be. Structural problems (a missing field, a wrong type, an undetectable format) are
+always errors.
 """
 
 from __future__ import annotations
@@ -45,8 +54,22 @@ class PromptExample:
     line: int | None
 
 
+# stats key -> why a well-formed row was left out: what `strict` turns into an error
+ROW_SKIPS = {
+    "no_user_turn": "no user message in the prompt",
+    "empty_prompt": "the turn to answer is empty",
+    "empty_response": "the response (or chosen reply) is empty",
+}
+
+
 class _Skip(Exception):
-    """A well-formed row without training signal (a tie, differing prompts); its one argument is the stats key."""
+    """A well-formed row left out and counted under `reason` (its stats key). `error`: the DataError that
+    `strict` raises instead, for rows with nothing to learn from (ROW_SKIPS); None for rows skipped in any mode
+    (a tie, differing prompts)."""
+
+    def __init__(self, reason: str, error: DataError | None = None):
+        super().__init__(reason)
+        self.reason, self.error = reason, error
 
 
 class _Fields:
@@ -57,6 +80,10 @@ class _Fields:
 
     def error(self, name: str, problem: str) -> DataError:
         return DataError(f"{where(self.row.source, self.row.line)}: field '{name}': {problem}")
+
+    def unusable(self, name: str, reason: str, problem: str) -> _Skip:
+        """Skip this row under ROW_SKIPS key `reason`; strict mode raises the field error `problem` instead."""
+        return _Skip(reason, self.error(name, problem))
 
     def get(self, name: str):
         if name not in self.data:
@@ -73,12 +100,13 @@ class _Fields:
         except (TypeError, ValueError):
             raise self.error(name, f"expected a number, got {value!r:.40}") from None
 
-    def text(self, name: str, value=None, allow_empty: bool = False) -> str:
+    def text(self, name: str, value=None, allow_empty: bool = False, part: str = "response") -> str:
+        """Stripped text; empty (unless allowed) skips the row as `empty_{part}` (part: response or prompt)."""
         value = self.get(name) if value is None else value
         if not isinstance(value, str):
             raise self.error(name, f"expected a string, got {type(value).__name__}")
         if not value.strip() and not allow_empty:
-            raise self.error(name, "empty")
+            raise self.unusable(name, f"empty_{part}", "empty")
         return value.strip()
 
     def messages(self, name: str, value=None) -> list[dict]:
@@ -99,17 +127,20 @@ class _Fields:
     def prompt(self, name: str, value=None) -> list[dict]:
         """A prompt given as messages or as a string (HH-formatted dialogue, or plain text = one user turn)."""
         value = self.get(name) if value is None else value
-        messages = _parse_prompt_text(self.text(name, value)) if isinstance(value, str) else self.messages(name, value)
+        if isinstance(value, str):
+            messages = _parse_prompt_text(self.text(name, value, part="prompt"))
+        else:
+            messages = self.messages(name, value)
         return _checked_prompt(self, name, messages)
 
 
 def _checked_prompt(fields: _Fields, name: str, messages: list[dict]) -> list[dict]:
-    # Earlier turns may be empty (real HH data has a few); the turn the model answers may not.
-    if not messages or messages[-1]["role"] != "user":
-        got = messages[-1]["role"] if messages else "nothing"
-        raise fields.error(name, f"the prompt must end with a user message (it ends with {got})")
+    """A usable prompt has a user turn and a non-empty last turn (the one the response follows). Earlier turns
+    may be empty, roles need not alternate, and the last turn may be the assistant's (real HH rows do all three)."""
+    if not any(message["role"] == "user" for message in messages):
+        raise fields.unusable(name, "no_user_turn", "the prompt has no user message")
     if not messages[-1]["content"]:
-        raise fields.error(name, "empty")
+        raise fields.unusable(name, "empty_prompt", "empty")
     return messages
 
 
@@ -147,8 +178,9 @@ def _split_dialogue(fields: _Fields, name: str, allow_empty: bool = False) -> tu
     """A full HH dialogue -> (prompt = turns before the LAST `Assistant:`, response = all text after it).
 
     The response is everything after the marker, as in the HH paper's setup: a sampled reply that went on to
-    invent a `Human:` turn keeps it (and was rightly rejected)."""
-    text = fields.text(name)
+    invent a `Human:` turn keeps it (and was rightly rejected). The prompt keeps the turns as they are, so it may
+    end with an assistant turn ("...\n\nAssistant: a\n\nAssistant: b": prompt up to a, response b)."""
+    text = fields.text(name, part="prompt")
     if not is_hh(text):
         raise fields.error(name, "expected an HH dialogue starting with 'Human:'")
     marker = "\n\nAssistant:" if "\n\nAssistant:" in text else "Assistant:"
@@ -205,7 +237,7 @@ def _messages_prompt(f):
 
 
 def _alpaca_prompt(f):
-    instruction = f.text("instruction")
+    instruction = f.text("instruction", part="prompt")
     extra = f.text("input", f.data.get("input") or "", allow_empty=True)
     messages = [{"role": "system", "content": f.text("system")}] if (f.data.get("system") or "").strip() else []
     # LLaMA-Factory's alpaca files may carry earlier turns as [[query, answer], ...].
@@ -322,7 +354,7 @@ _FORMATS: dict[str, _Format] = {
     ),
     "hh_dialogue": _Format(
         lambda row: isinstance(row.get("chosen"), str) and is_hh(row["chosen"]),
-        lambda f: _split_dialogue(f, "chosen")[0],
+        lambda f: _split_dialogue(f, "chosen", allow_empty=True)[0],  # prompts: the reply is not needed
         lambda f: _split_dialogue(f, "chosen"),
         _hh_dialogue,
     ),
@@ -381,8 +413,9 @@ def _apply_fields(row: Row, fields: dict[str, str] | None) -> _Fields:
     return _Fields(row, data)
 
 
-def _parse_rows(rows: list[Row], fields, format: str, task: str, stats: dict):
-    """Yield (row, parsed) for every row, skipping rows that raise _Skip (counted in `stats`)."""
+def _parse_rows(rows: list[Row], fields, format: str, task: str, stats: dict, strict: bool = False):
+    """Yield (row, parsed) for every row, skipping rows that raise _Skip (counted in `stats`); with `strict`, an
+    unusable row (ROW_SKIPS) raises its DataError instead."""
     if not rows:
         raise DataError("no rows to convert")
     unknown = sorted(set(fields or {}) - set(CANONICAL_FIELDS))
@@ -403,34 +436,46 @@ def _parse_rows(rows: list[Row], fields, format: str, task: str, stats: dict):
         try:
             yield row, parse(_apply_fields(row, fields))
         except _Skip as skip:
-            stats[skip.args[0]] = stats.get(skip.args[0], 0) + 1
+            if strict and skip.error is not None:
+                raise skip.error from None
+            stats[skip.reason] = stats.get(skip.reason, 0) + 1
 
 
 def to_sft_examples(
-    rows: list[Row], fields: dict[str, str] | None = None, format: str = "auto", stats: dict | None = None
+    rows: list[Row],
+    fields: dict[str, str] | None = None,
+    format: str = "auto",
+    stats: dict | None = None,
+    strict: bool = False,
 ) -> list[SFTExample]:
     """Rows -> (prompt messages, response) demonstrations; preference rows give their chosen side (rows without
-    one, webgpt ties, are skipped and counted in `stats["dropped_ties"]`)."""
+    one, webgpt ties, are skipped and counted in `stats["dropped_ties"]`; unusable rows under their ROW_SKIPS
+    key, or a DataError when `strict`)."""
     stats = {} if stats is None else stats
     stats.setdefault("dropped_ties", 0)
     return [
         SFTExample(prompt, response, row.source, row.line)
-        for row, (prompt, response) in _parse_rows(rows, fields, format, "sft", stats)
+        for row, (prompt, response) in _parse_rows(rows, fields, format, "sft", stats, strict)
     ]
 
 
 def to_preference_examples(
-    rows: list[Row], fields: dict[str, str] | None = None, format: str = "auto", stats: dict | None = None
+    rows: list[Row],
+    fields: dict[str, str] | None = None,
+    format: str = "auto",
+    stats: dict | None = None,
+    strict: bool = False,
 ) -> list[PreferenceExample]:
     """Rows -> (prompt, chosen, rejected) pairs. Rows without a usable preference are skipped and counted in
     `stats`: dropped_ties (equal scores), no_shared_prompt (the two sides' prompts differ), identical (chosen ==
-    rejected); empty_rejected counts kept pairs whose rejected reply is empty. Counts add up over calls that share
-    one `stats` dict (several sources)."""
+    rejected), and the ROW_SKIPS keys when they occur (a DataError instead when `strict`); empty_rejected counts
+    kept pairs whose rejected reply is empty. Counts add up over calls that share one `stats` dict (several
+    sources)."""
     stats = {} if stats is None else stats
     for key in ("dropped_ties", "no_shared_prompt", "identical", "empty_rejected"):
         stats.setdefault(key, 0)
     examples = []
-    for row, (prompt, chosen, rejected) in _parse_rows(rows, fields, format, "preference", stats):
+    for row, (prompt, chosen, rejected) in _parse_rows(rows, fields, format, "preference", stats, strict):
         if chosen == rejected:
             stats["identical"] += 1
             continue
@@ -440,9 +485,16 @@ def to_preference_examples(
 
 
 def to_prompt_examples(
-    rows: list[Row], fields: dict[str, str] | None = None, format: str = "auto"
+    rows: list[Row],
+    fields: dict[str, str] | None = None,
+    format: str = "auto",
+    stats: dict | None = None,
+    strict: bool = False,
 ) -> list[PromptExample]:
-    """Rows -> prompts for PPO rollouts: the prompt part of any SFT or preference format, or `{prompt}` alone."""
+    """Rows -> prompts for PPO rollouts: the prompt part of any SFT or preference format, or `{prompt}` alone
+    (unusable rows are counted in `stats` under their ROW_SKIPS key, or a DataError when `strict`)."""
+    stats = {} if stats is None else stats
     return [
-        PromptExample(prompt, row.source, row.line) for row, prompt in _parse_rows(rows, fields, format, "prompt", {})
+        PromptExample(prompt, row.source, row.line)
+        for row, prompt in _parse_rows(rows, fields, format, "prompt", stats, strict)
     ]

@@ -2,11 +2,12 @@
 
 1. resolve each source: a path, a hub name, or a seed-dataset preset with its local copy (presets.py);
 2. read it and keep this step's share of its rows (`data.split_fractions`, DeepSpeed-Chat's data_split);
-3. convert the rows to canonical examples in the source's format (the preset's, or detected);
+3. convert the rows to canonical examples in the source's format (the preset's, or detected); unusable rows
+   (formats.ROW_SKIPS) are skipped and counted, or refused when `data.strict_rows`;
 4. hold out eval rows per source (the dataset's own test split, else `data.eval_fraction`), then weight the rest
    (mixing: weight w keeps round(w * n) examples, w < 1 subsamples, w > 1 repeats, seeded);
 5. tokenise with the shared template, dropping (or refusing, `data.on_long_prompt=error`) prompts that fill
-   `data.max_length`.
+   `data.max_length`, and skipping (or refusing, `data.strict_rows`) rows the chat template refuses.
 A cache (cache.py) skips 2-5 when nothing they depend on changed. Every problem surfaces as a DataError before any
 training starts, and a step left with no training rows says what removed them.
 """
@@ -22,10 +23,10 @@ from dataclasses import dataclass, field
 from rlhfkit.config.schema import DataConfig
 from rlhfkit.data import cache
 from rlhfkit.data.errors import DataError, where
-from rlhfkit.data.formats import to_preference_examples, to_prompt_examples, to_sft_examples
+from rlhfkit.data.formats import ROW_SKIPS, to_preference_examples, to_prompt_examples, to_sft_examples
 from rlhfkit.data.presets import Source, check_step, read_source, resolve_source
 from rlhfkit.data.readers import has_split
-from rlhfkit.data.templates import Template, encode_prompt
+from rlhfkit.data.templates import Template, TemplateRefused, encode_prompt
 from rlhfkit.data.tokenize import tokenize_preferences, tokenize_prompts, tokenize_sft
 
 # The partition of data.split_fractions is shuffled with this fixed seed, not train.seed: every step must cut the
@@ -102,11 +103,7 @@ def _read_share(src: Source, split: str, cfg: DataConfig) -> list:
 
 
 # stage -> rows -> canonical examples; skipped rows are counted in `stats`
-CONVERTERS = {
-    "sft": to_sft_examples,
-    "rm": to_preference_examples,
-    "prompts": lambda rows, fields, format, stats: to_prompt_examples(rows, fields, format),
-}
+CONVERTERS = {"sft": to_sft_examples, "rm": to_preference_examples, "prompts": to_prompt_examples}
 
 
 def _convert(stage: str, rows: list, src: Source, cfg: DataConfig, stats: dict) -> list:
@@ -115,7 +112,7 @@ def _convert(stage: str, rows: list, src: Source, cfg: DataConfig, stats: dict) 
     fmt = cfg.format if cfg.format != "auto" else (preset.format if preset else "auto")
     fields = {**(preset.fields if preset else {}), **(cfg.fields or {})}
     stats["rows_read"] = stats.get("rows_read", 0) + len(rows)
-    return CONVERTERS[stage](rows, fields or None, fmt, stats)
+    return CONVERTERS[stage](rows, fields or None, fmt, stats, strict=cfg.strict_rows)
 
 
 def _own_eval_split(src: Source, cfg: DataConfig) -> str | None:
@@ -180,21 +177,33 @@ def read_examples(stage: str, cfg: DataConfig, seed: int, sources: list[Source],
     return train, evals[:cfg.eval_max_rows], stats
 
 
-# stage -> (canonical examples, tokenizer, template, cfg) -> (tokenised rows, {"truncated", "dropped"})
+# stage -> (canonical examples, tokenizer, template, cfg, skip counts) -> (tokenised rows, {"truncated", "dropped"})
 TOKENIZERS = {
-    "sft": lambda ex, tok, tpl, cfg: tokenize_sft(ex, tok, tpl, cfg.max_length, cfg.loss_on),
-    "rm": lambda ex, tok, tpl, cfg: tokenize_preferences(ex, tok, tpl, cfg.max_length),
-    "prompts": lambda ex, tok, tpl, cfg: tokenize_prompts(ex, tok, tpl, cfg.max_length),
+    "sft": lambda ex, tok, tpl, cfg, skipped: tokenize_sft(ex, tok, tpl, cfg.max_length, cfg.loss_on, skipped,
+                                                           cfg.strict_rows),
+    "rm": lambda ex, tok, tpl, cfg, skipped: tokenize_preferences(ex, tok, tpl, cfg.max_length, skipped,
+                                                                  cfg.strict_rows),
+    "prompts": lambda ex, tok, tpl, cfg, skipped: tokenize_prompts(ex, tok, tpl, cfg.max_length, skipped,
+                                                                   cfg.strict_rows),
 }
 STAGES = TOKENIZERS  # the stage names load_stage_data accepts
-# converter stats -> what a user reads in the "no training rows left" error
-_SKIP_REASONS = (("identical", "chosen identical to rejected"), ("dropped_ties", "ties (equal scores)"),
-                 ("no_shared_prompt", "chosen and rejected with different prompts"))
+# skip counts -> what a user reads in the log and in the "no training rows left" error
+SKIP_REASONS = {"identical": "chosen identical to rejected", "dropped_ties": "ties (equal scores)",
+                "no_shared_prompt": "chosen and rejected with different prompts", **ROW_SKIPS,
+                "template_refused": "the chat template refuses the conversation"}
+
+
+def skipped_rows(info: dict) -> str:
+    """The rows skipped, by reason, for a stage's first log line: "2 identical, 1 empty_prompt" ("" if none)."""
+    return ", ".join(f"{info[key]} {key}" for key in SKIP_REASONS if info.get(key))
 
 
 def _first_long_prompt(examples: list, tokenizer, template: Template, cfg: DataConfig) -> DataError | None:
     for ex in examples:
-        n = len(encode_prompt(tokenizer, template.prompt(ex.prompt)))
+        try:
+            n = len(encode_prompt(tokenizer, template.prompt(ex.prompt)))
+        except TemplateRefused:
+            continue  # skipped and counted by tokenisation
         if n >= cfg.max_length:
             return DataError(f"{where(ex.source, ex.line)}: the prompt is {n} tokens once rendered, not shorter than "
                              f"data.max_length={cfg.max_length} (data.on_long_prompt=error: raise data.max_length, "
@@ -204,7 +213,7 @@ def _first_long_prompt(examples: list, tokenizer, template: Template, cfg: DataC
 
 def _nothing_left(stage: str, spec, stats: dict, dropped: int, cfg: DataConfig) -> DataError:
     names = spec if isinstance(spec, str) else ", ".join(name for name, _ in _sources(spec))
-    reasons = [f"{stats[key]} skipped: {text}" for key, text in _SKIP_REASONS if stats.get(key)]
+    reasons = [f"{stats[key]} skipped: {text}" for key, text in SKIP_REASONS.items() if stats.get(key)]
     if dropped:
         why = "prompt too long, or both sides equal once truncated" if stage == "rm" else "prompt too long"
         reasons.append(f"{dropped} dropped by data.max_length={cfg.max_length} ({why})")
@@ -216,8 +225,8 @@ def _nothing_left(stage: str, spec, stats: dict, dropped: int, cfg: DataConfig) 
 def _tokenize(stage: str, train_ex: list, eval_ex: list, stats: dict, tokenizer, template: Template,
               cfg: DataConfig, spec) -> StageData:
     """Step 5, and the checks that need token counts."""
-    train, train_tok = TOKENIZERS[stage](train_ex, tokenizer, template, cfg)
-    evals, eval_tok = TOKENIZERS[stage](eval_ex, tokenizer, template, cfg)
+    train, train_tok = TOKENIZERS[stage](train_ex, tokenizer, template, cfg, stats["train"])
+    evals, eval_tok = TOKENIZERS[stage](eval_ex, tokenizer, template, cfg, stats["eval"])
     if cfg.on_long_prompt == "error" and stage != "prompts" and (train_tok["dropped"] or eval_tok["dropped"]):
         error = _first_long_prompt(train_ex + eval_ex, tokenizer, template, cfg)
         if error:  # else every drop was an rm pair whose sides became equal once truncated
@@ -240,7 +249,7 @@ def _cache_entry(stage, cfg, seed, spec, sources, eval_source, tokenizer, templa
     options = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in _NOT_KEYED}
     key = cache.make_key({"stage": stage, "seed": seed, "data": options, "train_spec": spec,
                           "sources": identities, "tokenizer": cache.tokenizer_fingerprint(tokenizer),
-                          "template": template.name})
+                          "template": template.name, "end_ids": list(template.end_ids)})
     return cache.entry_path(cache.default_cache_dir(cfg.cache_dir), stage, key), key
 
 
@@ -249,11 +258,13 @@ def _note(text: str) -> None:
         print(f"data: {text}", file=sys.stderr)
 
 
-def load_stage_data(stage: str, cfg: DataConfig, tokenizer, seed: int, train_spec=None) -> StageData:
+def load_stage_data(stage: str, cfg: DataConfig, tokenizer, seed: int, train_spec=None,
+                    end_ids: list[int] | None = None) -> StageData:
     """Tokenised train and eval rows for `stage` ("sft", "rm" or "prompts"), with counts in `.info`
-    (`info["cache"]`: "hit", "miss" or "off ...")."""
+    (`info["cache"]`: "hit", "miss" or "off ..."). `end_ids`: the ids a response ends with, as PPO rollouts stop
+    at them (`templates.end_token_ids` of the model folder's generation config); default the tokenizer's EOS."""
     spec = cfg.train if train_spec is None else train_spec
-    template = Template.for_tokenizer(tokenizer, cfg.template)
+    template = Template.for_tokenizer(tokenizer, cfg.template, end_ids)
     sources, eval_source = resolve_sources(cfg, train_spec)
     path, key = _cache_entry(stage, cfg, seed, spec, sources, eval_source, tokenizer, template) if cfg.cache \
         else (None, "off")

@@ -2,24 +2,58 @@
 
 SFT labels are -100 on prompt tokens (loss on the response only) unless `loss_on="all"`. Rows longer than
 `max_length` keep their prompt and lose the end of the response; rows whose prompt alone fills
-`max_length` are dropped. Both are counted and reported, never hidden.
+`max_length` are dropped. Both are counted and reported, never hidden. A row the chat template refuses
+(`TemplateRefused`) is skipped and counted in `skipped["template_refused"]`, or is a DataError naming its
+`file:line` when `strict`.
 """
 
 from __future__ import annotations
 
 import torch
 
-from rlhfkit.data.templates import Template, encode_prompt, encode_response
+from rlhfkit.data.errors import DataError, where
+from rlhfkit.data.templates import Template, TemplateRefused, encode_prompt, encode_response
 
 IGNORE = -100
 
 
-def tokenize_sft(examples, tokenizer, template: Template, max_length: int, loss_on: str = "response"):
+def _rendered(render, template: Template, ex, skipped: dict | None, strict: bool):
+    """`render(template, ex)`, or None when the chat template refuses the example's conversation (counted in
+    `skipped`)."""
+    try:
+        return render(template, ex)
+    except TemplateRefused as exc:
+        if strict:
+            raise DataError(f"{where(ex.source, ex.line)}: {exc} (data.strict_rows=false skips and counts such "
+                            f"rows)") from None
+        if skipped is not None:
+            skipped["template_refused"] = skipped.get("template_refused", 0) + 1
+        return None
+
+
+def _prompt_text(template: Template, ex) -> str:
+    return template.prompt(ex.prompt)
+
+
+def _sft_texts(template: Template, ex) -> tuple[str, str]:
+    return template.prompt(ex.prompt), template.response(ex.prompt, ex.response)
+
+
+def _pair_texts(template: Template, ex) -> tuple[str, str, str]:
+    return (template.prompt(ex.prompt), template.response(ex.prompt, ex.chosen),
+            template.response(ex.prompt, ex.rejected))
+
+
+def tokenize_sft(examples, tokenizer, template: Template, max_length: int, loss_on: str = "response",
+                 skipped: dict | None = None, strict: bool = False):
     """-> (list of {"input_ids", "labels"}, stats {"rows", "truncated", "dropped"})."""
     out, truncated, dropped = [], 0, 0
     for ex in examples:
-        prompt = encode_prompt(tokenizer, template.prompt(ex.prompt))
-        response = encode_response(tokenizer, template.response(ex.prompt, ex.response))
+        texts = _rendered(_sft_texts, template, ex, skipped, strict)
+        if texts is None:
+            continue
+        prompt = encode_prompt(tokenizer, texts[0])
+        response = encode_response(tokenizer, texts[1], template.end_ids)
         if len(prompt) >= max_length:
             dropped += 1
             continue
@@ -32,17 +66,21 @@ def tokenize_sft(examples, tokenizer, template: Template, max_length: int, loss_
     return out, {"rows": len(out), "truncated": truncated, "dropped": dropped}
 
 
-def tokenize_preferences(examples, tokenizer, template: Template, max_length: int):
+def tokenize_preferences(examples, tokenizer, template: Template, max_length: int, skipped: dict | None = None,
+                         strict: bool = False):
     """-> (list of {"chosen_ids", "rejected_ids", "prompt_len"}, stats). Both sides share the prompt tokens."""
     out, truncated, dropped = [], 0, 0
     for ex in examples:
-        prompt = encode_prompt(tokenizer, template.prompt(ex.prompt))
+        texts = _rendered(_pair_texts, template, ex, skipped, strict)
+        if texts is None:
+            continue
+        prompt = encode_prompt(tokenizer, texts[0])
         if len(prompt) >= max_length:
             dropped += 1
             continue
         sides = []
-        for text in (ex.chosen, ex.rejected):
-            ids = prompt + encode_response(tokenizer, template.response(ex.prompt, text))
+        for text in texts[1:]:
+            ids = prompt + encode_response(tokenizer, text, template.end_ids)
             if len(ids) > max_length:
                 truncated += 1
                 ids = ids[:max_length]
@@ -55,13 +93,16 @@ def tokenize_preferences(examples, tokenizer, template: Template, max_length: in
     return out, {"rows": len(out), "truncated": truncated, "dropped": dropped}
 
 
-def tokenize_prompts(examples, tokenizer, template: Template, max_prompt_length: int):
+def tokenize_prompts(examples, tokenizer, template: Template, max_prompt_length: int, skipped: dict | None = None,
+                     strict: bool = False):
     """-> (list of {"prompt_ids", "prompt_text", "messages"}, stats). Long prompts keep their end (the question).
 
     `messages` are kept so PPO can re-render a prompt for a reward model with another tokenizer/template."""
     out, truncated = [], 0
     for ex in examples:
-        text = template.prompt(ex.prompt)
+        text = _rendered(_prompt_text, template, ex, skipped, strict)
+        if text is None:
+            continue
         ids = encode_prompt(tokenizer, text)
         if len(ids) > max_prompt_length:
             truncated += 1

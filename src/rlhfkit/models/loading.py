@@ -11,7 +11,8 @@ import os
 from pathlib import Path
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
+from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer,
+                          GenerationConfig)
 
 from rlhfkit.config.schema import LoadConfig
 
@@ -76,6 +77,17 @@ def load_tokenizer(name: str, opts: LoadConfig | None = None, padding_side: str 
             tok.pad_token = tok.eos_token
     tok.padding_side = padding_side
     return tok
+
+
+def load_generation_config(name: str, opts: LoadConfig | None = None):
+    """The folder's generation_config.json, or None when it has none. Its `eos_token_id` lists the ids a chat
+    model stops at, read before the model loads so that data is rendered to end where rollouts stop
+    (`data.templates.end_token_ids`)."""
+    kwargs = _source_kwargs(name, opts or LoadConfig())
+    try:
+        return GenerationConfig.from_pretrained(name, local_files_only=kwargs.get("local_files_only", False))
+    except (OSError, ValueError):
+        return None
 
 
 def _prepare(model, opts: LoadConfig, tokenizer=None):

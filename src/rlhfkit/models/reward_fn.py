@@ -86,9 +86,9 @@ def same_tokenization(a, b) -> bool:
 class ModelReward:
     """A reward model scoring prompt + response at the last real token.
 
-    With the actor's tokenizer the rollout's token ids are scored as they are. Otherwise the response is
-    decoded and prompt + response re-rendered with the RM's own template and re-tokenised, since its scores
-    only mean something on text laid out as in its training (TRL #1674, OpenRLHF #242).
+    With the actor's tokenizer, template and end ids the rollout's token ids are scored as they are. Otherwise
+    the response is decoded and prompt + response re-rendered with the RM's own template and re-tokenised, since
+    its scores only mean something on text laid out as in its training (TRL #1674, OpenRLHF #242).
     """
 
     def __init__(self, model, tokenizer, actor_template: Template, template_mode: str, micro_batch_size: int,
@@ -96,24 +96,24 @@ class ModelReward:
         self.model, self.tokenizer, self.device = model, tokenizer, device
         self.micro = micro_batch_size
         # render as in the RM's training when `rlhfkit rm` recorded it (rlhfkit_template: chat|plain)
+        # and with the end ids its training responses ended with (rlhfkit_end_ids; else the tokenizer's EOS)
         self.template = Template.for_tokenizer(tokenizer, getattr(model.config, "rlhfkit_template", None)
-                                               or template_mode)
+                                               or template_mode, getattr(model.config, "rlhfkit_end_ids", None))
         self.retokenize = not (same_tokenization(tokenizer, actor_template.tokenizer)
-                               and self.template.name == actor_template.name)
+                               and self.template.name == actor_template.name
+                               and self.template.end_ids == actor_template.end_ids)
         mean = getattr(model.config, "rlhfkit_reward_mean", None)
         std = getattr(model.config, "rlhfkit_reward_std", None)
         self.stats = {"mean": float(mean), "std": float(std)} if mean is not None and std is not None else None
 
     def _rm_inputs(self, batch, finished: list[bool]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(B, T) right-padded ids and mask of prompt + response re-rendered as in the RM's training; a response
+        cut at the token limit is rendered without its end token, so it does not look finished to the RM."""
         seqs = []
-        eos = self.tokenizer.eos_token or ""
         for messages, response, done in zip(batch.messages, batch.response_texts, finished):
-            text = self.template.response(messages, response)
-            if not done and eos and text.endswith(eos):
-                text = text[: -len(eos)]  # a truncated response must not look finished to the RM
             ids = encode_prompt(self.tokenizer, self.template.prompt(messages))
-            ids += encode_response(self.tokenizer, text) if done else list(
-                self.tokenizer(text, add_special_tokens=False)["input_ids"])
+            text = self.template.response(messages, response, finished=done)
+            ids += encode_response(self.tokenizer, text, self.template.end_ids, finished=done)
             seqs.append(ids)
         ids = pad_sequences(seqs, self.tokenizer.pad_token_id)
         return ids, pad_sequences([[1] * len(s) for s in seqs], 0)

@@ -6,6 +6,7 @@ import torch
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
 from rlhfkit.config.ppo_schema import GenConfig
+from rlhfkit.data.templates import end_token_ids
 from rlhfkit.data.tokenize import pad_sequences
 from rlhfkit.models.cpu_linear import packed_weights
 from rlhfkit.models.lora import base_model
@@ -14,11 +15,9 @@ from rlhfkit.rollout.batch import RolloutBatch
 
 def eos_token_ids(tokenizer, model) -> list[int]:
     """Every id that ends a response: the tokenizer's EOS and the model's generation_config EOS (chat models
-    often stop on an end-of-turn token that is not the tokenizer's EOS, e.g. Llama 3's <|eot_id|>)."""
-    ids = {tokenizer.eos_token_id}
-    extra = getattr(base_model(model).generation_config, "eos_token_id", None)
-    ids.update(extra if isinstance(extra, (list, tuple)) else [extra])
-    return sorted(i for i in ids if i is not None)
+    often stop on an end-of-turn token that is not the tokenizer's EOS, e.g. Llama 3's <|eot_id|>). The one
+    definition is `end_token_ids`, which SFT and RM data use too, so a rendered response ends where rollouts stop."""
+    return end_token_ids(tokenizer, getattr(base_model(model), "generation_config", None))
 
 
 # generation_config.json settings that would change the sampled distribution; the rollout samples with gen.*

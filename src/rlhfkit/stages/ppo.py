@@ -15,7 +15,7 @@ import torch
 
 from rlhfkit.algos import AdaptiveKLController, FixedKLController
 from rlhfkit.config.ppo_schema import PPOConfig
-from rlhfkit.data.loader import load_stage_data
+from rlhfkit.data.loader import load_stage_data, skipped_rows
 from rlhfkit.engine import make_engine
 from rlhfkit.models import load_tokenizer
 from rlhfkit.models.ema import EMA
@@ -97,9 +97,10 @@ def run_ppo(cfg: PPOConfig, resume: bool = False, force: bool = False) -> dict:
     start = restore(engine, out, actor, critic, kl_ctl, ema) if resume else 0
 
     log = MetricsLogger(out, "ppo", iters, cfg.log, engine.is_main, initial=start)
+    skipped = skipped_rows(data.info)
     log.write(f"ppo: {data.info['train_rows']} prompts / {data.info['eval_rows']} eval, template "
-              f"{data.info['template']}; {iters} iterations of {cfg.train.batch_size} prompts, {updates} updates "
-              f"each; " + "; ".join(models.notes))
+              f"{data.info['template']}{' (skipped ' + skipped + ')' if skipped else ''}; {iters} iterations of "
+              f"{cfg.train.batch_size} prompts, {updates} updates each; " + "; ".join(models.notes))
     eos_ids, pad_id = eos_token_ids(tokenizer, actor.module), tokenizer.pad_token_id
 
     def evaluate() -> dict:

@@ -14,9 +14,10 @@ from typing import Callable, Optional
 import torch
 
 from rlhfkit.config.ppo_schema import PPOConfig
-from rlhfkit.data.templates import Template
+from rlhfkit.data.templates import Template, end_token_ids
 from rlhfkit.models import ModelError, load_causal_lm, load_scalar_model, load_tokenizer
 from rlhfkit.models.cpu_linear import use_fast_cpu_linear
+from rlhfkit.models.loading import load_generation_config
 from rlhfkit.models.lora import apply_lora
 from rlhfkit.models.reward_fn import (FunctionReward, ModelReward, is_function_spec, load_reward_function,
                                      same_tokenization)
@@ -52,7 +53,8 @@ def load_reward(cfg: PPOConfig, actor_tok, engine):
         raise ModelError(f"reward '{cfg.reward}' is not a reward model (no trained score head in its config.json); "
                          f"train one with `rlhfkit rm` or pass a Python function module:function")
     model = engine.prepare_frozen(model)
-    actor_template = Template.for_tokenizer(actor_tok, cfg.data.template)
+    actor_ends = end_token_ids(actor_tok, load_generation_config(cfg.actor, cfg.load))  # where rollouts stop
+    actor_template = Template.for_tokenizer(actor_tok, cfg.data.template, actor_ends)
     reward = ModelReward(model, rm_tok, actor_template, cfg.data.template, cfg.train.micro_batch_size,
                          engine.device)
     if cfg.ppo.normalize_reward and reward.stats is None:

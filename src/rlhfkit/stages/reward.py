@@ -14,11 +14,13 @@ import torch
 
 from rlhfkit.algos import pairwise_loss
 from rlhfkit.config.schema import RMConfig
-from rlhfkit.data.loader import load_stage_data
+from rlhfkit.data.loader import load_stage_data, skipped_rows
+from rlhfkit.data.templates import end_token_ids
 from rlhfkit.data.tokenize import collate_preferences
 from rlhfkit.engine import make_engine
 from rlhfkit.models import load_scalar_model, load_tokenizer
 from rlhfkit.models.forward import sequence_scores
+from rlhfkit.models.loading import load_generation_config
 from rlhfkit.models.lora import apply_lora, base_model
 from rlhfkit.stages.common import MetricsLogger, batches, plan_steps, prepare_output_dir, set_seed
 from rlhfkit.stages.guard import RunGuard, resume_state
@@ -26,6 +28,7 @@ from rlhfkit.stages.guard import RunGuard, resume_state
 # Keys written into final/config.json next to the weights; PPO and `rlhfkit score` read them back.
 MEAN_KEY, STD_KEY = "rlhfkit_reward_mean", "rlhfkit_reward_std"
 TEMPLATE_KEY, MAX_LENGTH_KEY = "rlhfkit_template", "rlhfkit_max_length"
+END_IDS_KEY = "rlhfkit_end_ids"  # the ids the training responses ended with (data/templates.py: end_token_ids)
 
 
 def pair_scores(model, rows: list[dict], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -84,7 +87,7 @@ def reward_stats(model, rows: list, pad_id: int, micro: int, device, n_samples: 
 
 def describe(info: dict) -> str:
     """The data summary a user sees first: pairs kept, and every pair dropped or skipped, with why."""
-    skipped = ", ".join(f"{info[k]} {k}" for k in ("dropped_ties", "no_shared_prompt", "identical") if info.get(k))
+    skipped = skipped_rows(info)
     return (f"rm: {info['train_rows']} train / {info['eval_rows']} eval pairs, template {info['template']}, "
             f"{info['truncated']} truncated, {info['dropped']} dropped (prompt over data.max_length, or both "
             f"sides equal once truncated){'; skipped ' + skipped if skipped else ''}")
@@ -96,7 +99,9 @@ def run_rm(cfg: RMConfig, resume: bool = False, force: bool = False) -> dict:
 
     # 1. tokenizer and data first: bad input fails here, before any folder is written
     tokenizer = load_tokenizer(cfg.model, cfg.load)
-    data = load_stage_data("rm", cfg.data, tokenizer, cfg.train.seed)
+    # responses end where the actor's rollouts will stop: EOS or the folder's generation_config end-of-turn ids
+    end_ids = end_token_ids(tokenizer, load_generation_config(cfg.model, cfg.load))
+    data = load_stage_data("rm", cfg.data, tokenizer, cfg.train.seed, end_ids=end_ids)
     set_seed(cfg.train.seed)  # the fresh score head is drawn from the torch RNG: same seed, same head
     model = load_scalar_model(cfg.model, cfg.load, tokenizer)
     model = apply_lora(model, cfg.lora, task="scalar")
@@ -154,7 +159,7 @@ def run_rm(cfg: RMConfig, resume: bool = False, force: bool = False) -> dict:
     if not final_eval and data.eval:  # resumed from a run that had already finished its steps
         final_eval = evaluate_rm(rm.module, data.eval, pad_id, micro_size, device, engine, margin)
     config = base_model(rm.module).config
-    extra = {TEMPLATE_KEY: data.info["template"], MAX_LENGTH_KEY: cfg.data.max_length}
+    extra = {TEMPLATE_KEY: data.info["template"], END_IDS_KEY: end_ids, MAX_LENGTH_KEY: cfg.data.max_length}
     if cfg.rm.norm_samples > 0:
         extra.update(reward_stats(rm.module, data.train, pad_id, micro_size, device, cfg.rm.norm_samples,
                                   cfg.train.seed))

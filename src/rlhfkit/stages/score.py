@@ -149,7 +149,7 @@ def run_score(args) -> dict:
     from rlhfkit.data.readers import read_rows
     from rlhfkit.data.templates import Template
     from rlhfkit.models import ModelError, load_scalar_model, load_tokenizer
-    from rlhfkit.stages.reward import MAX_LENGTH_KEY, TEMPLATE_KEY
+    from rlhfkit.stages.reward import END_IDS_KEY, MAX_LENGTH_KEY, TEMPLATE_KEY
 
     if args.batch_size < 1:
         raise DataError(f"--batch-size must be >= 1, got {args.batch_size}")
@@ -171,7 +171,8 @@ def run_score(args) -> dict:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     model.to(device).eval()
     try:
-        template = Template.for_tokenizer(tokenizer, args.template or getattr(model.config, TEMPLATE_KEY, "auto"))
+        template = Template.for_tokenizer(tokenizer, args.template or getattr(model.config, TEMPLATE_KEY, "auto"),
+                                          getattr(model.config, END_IDS_KEY, None))
     except ValueError as exc:
         raise DataError(f"--template: {exc}") from None
     max_length = args.max_length or getattr(model.config, MAX_LENGTH_KEY, None) or 512

@@ -8,11 +8,13 @@ import torch
 
 from rlhfkit.algos import lm_loss_sum
 from rlhfkit.config.schema import SFTConfig
-from rlhfkit.data.loader import load_stage_data
+from rlhfkit.data.loader import load_stage_data, skipped_rows
+from rlhfkit.data.templates import end_token_ids
 from rlhfkit.data.tokenize import collate_sft
 from rlhfkit.engine import make_engine
 from rlhfkit.models import load_causal_lm, load_tokenizer
 from rlhfkit.models.forward import causal_logits
+from rlhfkit.models.loading import load_generation_config
 from rlhfkit.models.lora import apply_lora
 from rlhfkit.stages.common import MetricsLogger, batches, plan_steps, prepare_output_dir, set_seed
 from rlhfkit.stages.guard import RunGuard, resume_state
@@ -63,7 +65,9 @@ def run_sft(cfg: SFTConfig, resume: bool = False, force: bool = False) -> dict:
 
     # 1. tokenizer and data first: bad input fails here, before any folder is written
     tokenizer = load_tokenizer(cfg.model, cfg.load)
-    data = load_stage_data("sft", cfg.data, tokenizer, cfg.train.seed)
+    # responses end where PPO rollouts will stop: EOS or the folder's generation_config end-of-turn ids
+    end_ids = end_token_ids(tokenizer, load_generation_config(cfg.model, cfg.load))
+    data = load_stage_data("sft", cfg.data, tokenizer, cfg.train.seed, end_ids=end_ids)
     model = load_causal_lm(cfg.model, cfg.load, tokenizer)
     model = apply_lora(model, cfg.lora)
     per_rank, accum, total = plan_steps(len(data.train), cfg.train, engine.world_size)
@@ -74,9 +78,11 @@ def run_sft(cfg: SFTConfig, resume: bool = False, force: bool = False) -> dict:
     start = resume_state(engine, out, {"model": actor})["step"] if resume else 0
 
     log = MetricsLogger(out, "sft", total, cfg.log, engine.is_main, initial=start)
+    skipped = skipped_rows(data.info)
     log.write(f"sft: {data.info['train_rows']} train / {data.info['eval_rows']} eval rows, template "
-              f"{data.info['template']}, {data.info['truncated']} truncated, {data.info['dropped']} dropped; "
-              f"{total} steps of {cfg.train.batch_size} (accumulation {accum})")
+              f"{data.info['template']}, {data.info['truncated']} truncated, {data.info['dropped']} dropped"
+              f"{'; skipped ' + skipped if skipped else ''}; {total} steps of {cfg.train.batch_size} "
+              f"(accumulation {accum})")
     pad_id, device, micro = tokenizer.pad_token_id, engine.device, cfg.train.micro_batch_size
     eval_every, keep = cfg.train.eval_every, cfg.train.keep_checkpoints
     if start == 0 and data.eval:  # the starting point, so curves show what training changed
