@@ -24,19 +24,22 @@ MAX_NEW_TOKENS = 12
 EVAL_SAMPLES = 8  # per held-out question
 KL_BUDGET = 10.0  # nats per response
 WALL_TIME_TARGET = 900.0  # seconds: the 15 minutes promised on 2 CPU cores
-# "full" is what `rlhfkit demo --task NAME` runs; "quick" (`--quick`, the test tier's) is the same recipe shorter.
-SIZES = {"full": {"iterations": 40, "eval_samples": EVAL_SAMPLES}, "quick": {"iterations": 12, "eval_samples": 4}}
+# "full" is what `rlhfkit demo --task NAME` runs (~12 minutes); "quick" (`--quick`, the test tier's, ~3 minutes)
+# takes 10 iterations at a 3x learning rate and 4 samples per held-out question: seed 0 measured 0.107 -> 0.417
+# (gain 4.8 standard errors), against 0.083 -> 0.732 for the full run.
+SIZES = {"full": {"iterations": 40, "lr": 1.0e-5, "eval_samples": EVAL_SAMPLES},
+         "quick": {"iterations": 10, "lr": 3.0e-5, "eval_samples": 4}}
 
 
-def ppo_dict(out: Path, model: Path, task_name: str, iterations: int, seed: int) -> dict:
-    """The `rlhfkit ppo` config of the demo (written to OUT/ppo.yaml)."""
+def ppo_dict(out: Path, model: Path, task_name: str, size: dict, seed: int) -> dict:
+    """The `rlhfkit ppo` config of the demo (resolved, it lands in OUT/ppo/config.yaml)."""
     data = out / "data"
     return {
         "actor": str(model), "reward": TASKS[task_name].reward, "output_dir": str(out / "ppo"),
         "data": {"prompts": str(data / "train_prompts.jsonl"), "eval_prompts": str(data / "heldout_prompts.jsonl"),
                  "max_prompt_length": 64, "cache": False},
-        "train": {"max_steps": iterations, "batch_size": 16, "micro_batch_size": 8, "lr": 1.0e-5, "seed": seed,
-                  "eval_every": 10, "save_every": 10, "log_every": 1},
+        "train": {"max_steps": size["iterations"], "batch_size": 16, "micro_batch_size": 8, "lr": size["lr"],
+                  "seed": seed, "eval_every": 10, "save_every": 10, "log_every": 1},
         "gen": {"max_new_tokens": MAX_NEW_TOKENS},
         # a fresh value head learns faster than the policy may move; the reward is 0/1, so no clipping needed
         "ppo": {"kl_coef": 0.05, "critic_lr": 1.0e-4, "sample_every": 5},
@@ -87,7 +90,7 @@ def run_task_demo(output: str, task_name: str, quick: bool = False, overrides: l
     task, size, out = TASKS[task_name], SIZES["quick" if quick else "full"], Path(output)
     # 1. the model (fetched once, then cached) and the prompt files; the config is checked before any training
     model = fetch(MODEL, log=lambda line: print(line, file=sys.stderr))
-    base = ppo_dict(out, model, task_name, size["iterations"], seed)
+    base = ppo_dict(out, model, task_name, size, seed)
     cfg = from_dict(PPOConfig, deep_merge(base, parse_overrides(list(overrides or []))))
     if force:
         shutil.rmtree(out / "ppo", ignore_errors=True)
