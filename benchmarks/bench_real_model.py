@@ -30,26 +30,27 @@ RUNNER = ("import resource, sys\nfrom rlhfkit.cli import main\nrc = main(sys.arg
           "sys.exit(rc)\n")
 
 
-def rows(model: Path, steps: int, prompts: Path) -> dict:
+def rows(model: Path, steps: int, prompts: Path, rewards: Path) -> dict:
     """name -> (what it measures, CLI arguments). Batch sizes and lengths are in the names."""
     common = [f"train.max_steps={steps}", "train.save_every=0", "train.eval_every=0", "log.tensorboard=false",
               "data.cache=false"]
-    ppo = ["ppo", f"actor={model}", "reward=rlhfkit.demo.tasks:arithmetic_reward", "train.lr=1e-5",
-           "ppo.kl_coef=0.05", "ppo.sample_every=0", *common]
+    hh = DATA / "preference" / "hh-rlhf-helpful-online.test.jsonl.gz"
+    ppo = ["ppo", f"actor={model}", "train.lr=1e-5", "ppo.kl_coef=0.05", "ppo.sample_every=0", *common]
     return {
         "sft: 8 Alpaca rows <= 256 tokens, micro 4": (
             "time/step", ["sft", f"model={model}", f"data.train={DATA / 'sft' / 'alpaca_en_demo.json'}",
                           "data.max_length=256", "data.eval_fraction=0", "train.batch_size=8",
                           "train.micro_batch_size=4", "train.lr=2e-5", *common]),
         "rm: 8 HH pairs <= 256 tokens, micro 4": (
-            "time/step", ["rm", f"model={model}", f"data.train={DATA / 'preference' / 'hh-rlhf-helpful-online.test.jsonl.gz'}",
+            "time/step", ["rm", f"model={model}", f"data.train={hh}",
                           "data.max_length=256", "data.eval_fraction=0", "train.batch_size=8",
                           "train.micro_batch_size=4", "train.lr=2e-5", *common]),
         "ppo: 16 prompts x 12 new tokens (task demo), micro 8": (
-            "time/iteration", [*ppo, f"data.prompts={prompts}", "train.batch_size=16", "train.micro_batch_size=8",
-                               "gen.max_new_tokens=12", "data.eval_fraction=0"]),
+            "time/iteration", [*ppo, "reward=rlhfkit.demo.tasks:arithmetic_reward", f"data.prompts={prompts}",
+                               "train.batch_size=16", "train.micro_batch_size=8", "gen.max_new_tokens=12",
+                               "data.eval_fraction=0"]),
         "ppo: 8 HH prompts <= 128 tokens x 64 new tokens, micro 4": (
-            "time/iteration", [*ppo, f"data.prompts={DATA / 'preference' / 'hh-rlhf-helpful-online.test.jsonl.gz'}",
+            "time/iteration", [*ppo, f"reward={rewards}:length", f"data.prompts={hh}",
                                "data.max_prompt_length=128", "train.batch_size=8", "train.micro_batch_size=4",
                                "gen.max_new_tokens=64", "gen.min_new_tokens=64", "data.eval_fraction=0"]),
     }
@@ -72,7 +73,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=5, help="steps per run (the first is not counted)")
     parser.add_argument("--threads", type=int, default=2, help="OMP_NUM_THREADS of each run (default 2)")
-    parser.add_argument("--only", choices=("sft", "rm", "ppo"), help="one stage only")
+    parser.add_argument("--only", help="only the rows whose name contains this text, e.g. 'sft' or 'HH prompts'")
     parser.add_argument("--precision", choices=("fp32", "bf16"), action="append", help="default: both")
     args = parser.parse_args()
     sys.path.insert(0, str(ROOT / "src"))
@@ -86,8 +87,10 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         prompts = Path(tmp) / "prompts.jsonl"
         prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in arithmetic_prompts(0)[0]))
-        for name, (key, cli) in rows(model, args.steps, prompts).items():
-            if args.only and not name.startswith(args.only):
+        rewards = Path(tmp) / "rewards.py"  # for open-ended prompts: any cheap function will do for timing
+        rewards.write_text("def length(prompts, responses):\n    return [len(r) / 100 for r in responses]\n")
+        for name, (key, cli) in rows(model, args.steps, prompts, rewards).items():
+            if args.only and args.only not in name:
                 continue
             for precision in args.precision or ("fp32", "bf16"):
                 extra = ["engine.precision=bf16"] if precision == "bf16" else []

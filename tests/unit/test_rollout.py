@@ -158,7 +158,8 @@ def test_scores_normalised_and_missing_eos_penalised():
 def test_reward_function_from_file_and_module(tmp_path, monkeypatch):
     (tmp_path / "my_rewards.py").write_text("def count_a(prompts, responses):\n"
                                             "    return [r.count('a') for r in responses]\n"
-                                            "def broken(prompts, responses):\n    return [1.0]\n")
+                                            "def broken(prompts, responses):\n    return [1.0]\n"
+                                            "def raises(prompts, responses):\n    return {}['answer']\n")
     spec = f"{tmp_path / 'my_rewards.py'}:count_a"
     assert is_function_spec(spec) and is_function_spec("pkg.mod:fn") and not is_function_spec(str(tmp_path))
     batch = make_batch([[1], [1]], [[5], [6]], [[1], [1]])
@@ -168,6 +169,8 @@ def test_reward_function_from_file_and_module(tmp_path, monkeypatch):
     assert load_reward_function("my_rewards:count_a") is not None
     with pytest.raises(ModelError, match="returned 1 values for 2"):
         FunctionReward(load_reward_function("my_rewards:broken"), "my_rewards:broken")(batch)
+    with pytest.raises(ModelError, match="reward 'my_rewards:raises' raised KeyError: 'answer'"):
+        FunctionReward(load_reward_function("my_rewards:raises"), "my_rewards:raises")(batch)
     with pytest.raises(ModelError, match="no function 'nope'"):
         load_reward_function("my_rewards:nope")
     with pytest.raises(ModelError, match="does not exist"):

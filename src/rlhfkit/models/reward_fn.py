@@ -66,7 +66,10 @@ class FunctionReward:
         self.stats = None  # no stored mean/std to normalise with
 
     def __call__(self, batch, finished: torch.Tensor | None = None) -> torch.Tensor:
-        scores = self.fn(list(batch.prompt_texts), list(batch.response_texts))
+        try:
+            scores = self.fn(list(batch.prompt_texts), list(batch.response_texts))
+        except Exception as exc:  # the user's code: one clear error naming it, not a traceback from our loop
+            raise ModelError(f"reward '{self.spec}' raised {type(exc).__name__}: {exc}") from exc
         try:
             values = [float(s) for s in scores]
         except (TypeError, ValueError):
