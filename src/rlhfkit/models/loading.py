@@ -7,6 +7,7 @@ lookup (DeepSpeedExamples #511). Weights are read by transformers from safetenso
 
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
 
@@ -132,15 +133,32 @@ def load_scalar_model(name: str, opts: LoadConfig | None = None, tokenizer=None)
             raise ModelError(f"'{name}' has a {config.num_labels}-output score head (num_labels={config.num_labels} "
                              f"in its config.json); a reward model or critic needs exactly 1: train one with "
                              f"`rlhfkit rm`")
+    fresh_head = not any("SequenceClassification" in a for a in (getattr(config, "architectures", None) or []))
     config.num_labels = 1
     if config.pad_token_id is None and tokenizer is not None:
         config.pad_token_id = tokenizer.pad_token_id
     try:
-        model = AutoModelForSequenceClassification.from_pretrained(name, config=config, dtype=DTYPES[opts.dtype],
-                                                                   **kwargs)
+        # a fresh head is the intent here, not news: transformers' "score.weight MISSING" report is kept quiet
+        with _transformers_quiet(fresh_head):
+            model = AutoModelForSequenceClassification.from_pretrained(name, config=config,
+                                                                       dtype=DTYPES[opts.dtype], **kwargs)
     except (OSError, ValueError) as exc:
         raise ModelError(f"cannot load a scalar-head model from '{name}': {str(exc).splitlines()[0]}") from None
     return _prepare(model, opts, tokenizer)
+
+
+@contextlib.contextmanager
+def _transformers_quiet(quiet: bool):
+    """transformers' logging at error level for the block (when `quiet`), then as it was."""
+    from transformers.utils import logging as hf_logging
+
+    level = hf_logging.get_verbosity()
+    if quiet:
+        hf_logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(level)
 
 
 def disable_dropout(model: torch.nn.Module) -> None:
