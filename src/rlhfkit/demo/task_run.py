@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 from rlhfkit.config.ppo_schema import GenConfig
+from rlhfkit.demo.run import write_jsonl
 from rlhfkit.demo.tasks import TASKS
 
 MODEL = "smollm2-135m-instruct"
@@ -45,11 +46,6 @@ def ppo_dict(out: Path, model: Path, task_name: str, size: dict, seed: int) -> d
         "ppo": {"kl_coef": 0.05, "critic_lr": 1.0e-4, "sample_every": 5},
         "log": {"tensorboard": False},
     }
-
-
-def write_jsonl(path: Path, rows: list[dict]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
 
 
 def accuracy_rows(gold: dict, kl: dict, wall: float, reused: bool) -> list[dict]:
