@@ -87,3 +87,28 @@ def ppo_world(tiny_model_dir, tmp_path_factory) -> Path:
                                         "train.lr=3e-3", "train.eval_every=0", "log.tensorboard=false"])
     run_sft(cfg)
     return root
+
+
+# Loss curves pinned before a refactor (tests/fixtures/pinned_losses.json): a change meant to keep behaviour
+# must reproduce them. RLHFKIT_RECORD_PINS=1 writes the current values instead of checking them (only for a
+# change that is meant to alter the numbers, and said so in its commit).
+PINS = ROOT / "tests" / "fixtures" / "pinned_losses.json"
+
+
+def check_pinned(name: str, values: dict, tol: float = 1e-4) -> None:
+    """`values`: {metric: [one value per logged step]}; each series must equal the pinned one within `tol`."""
+    values = {key: [float(v) for v in series] for key, series in values.items()}
+    assert all(series for series in values.values()), f"{name}: an empty series {values}"
+    pins = json.loads(PINS.read_text()) if PINS.is_file() else {}
+    if os.environ.get("RLHFKIT_RECORD_PINS") == "1":
+        pins[name] = values
+        PINS.write_text(json.dumps(pins, indent=1, sort_keys=True) + "\n")
+        return
+    assert name in pins, f"no pinned losses for {name!r} in {PINS}"
+    for key, series in pins[name].items():
+        assert values.get(key) == pytest.approx(series, abs=tol, rel=tol), (name, key)
+
+
+def series_of(rows: list[dict], *keys: str) -> dict:
+    """{key: [value of each row that has it]} from metrics.jsonl rows."""
+    return {key: [r[key] for r in rows if key in r and r[key] is not None] for key in keys}

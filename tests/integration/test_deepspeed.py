@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from conftest import ROOT, read_metrics, run_cli, sft_rows, write_jsonl
+from conftest import ROOT, check_pinned, read_metrics, run_cli, series_of, sft_rows, write_jsonl
 
 pytestmark = pytest.mark.slow
 
@@ -63,6 +63,7 @@ def test_two_ranks_match_the_local_engine(tmp_path, sft_args, local_run, stage, 
     local = [m["eval/loss"] for m in read_metrics(local_run / "metrics.jsonl") if "eval/loss" in m]
     assert evals[-1] < evals[0] - 1.0  # it learned
     assert evals == pytest.approx(local, abs=1e-4)  # the same curve as one process with the same global batch
+    check_pinned(f"zero{stage}/sft", series_of(read_metrics(out / "metrics.jsonl"), "loss", "eval/loss"))
     # ZeRO-3 export gathers the shards: the folder equals the local run's weights and loads in transformers
     assert_same_weights(out, local_run)
     AutoModelForCausalLM.from_pretrained(out / "final")
@@ -137,12 +138,23 @@ def test_reward_model_learns_under_zero3_and_exports_its_head(ds_reward_model):
 
     accuracy = [m["eval/accuracy"] for m in read_metrics(ds_reward_model / "metrics.jsonl") if "eval/accuracy" in m]
     assert accuracy[0] < 0.8 and accuracy[-1] >= 0.95, accuracy
+    check_pinned("zero3/rm", series_of(read_metrics(ds_reward_model / "metrics.jsonl"), "loss", "eval/loss"))
     tok = AutoTokenizer.from_pretrained(ds_reward_model / "final")
     rm = AutoModelForSequenceClassification.from_pretrained(ds_reward_model / "final")
     texts = ["User: say river\n\nAssistant: river river river river</s>", "User: say river\n\nAssistant: river</s>"]
     with torch.no_grad():
         good, bad = (rm(**tok(t, return_tensors="pt")).logits.item() for t in texts)
     assert good > bad + 1.0  # the gathered head was exported, not a random one
+
+
+def test_reward_model_under_zero2_gives_the_pinned_losses(tmp_path, ppo_world):
+    out = tmp_path / "rm"
+    res = launch("rm", f"model={ppo_world / 'sft' / 'final'}", f"data.train={_pairs(tmp_path / 'pairs.jsonl')}",
+                 f"output_dir={out}", "train.batch_size=16", "train.micro_batch_size=4", "train.lr=5e-3",
+                 "train.max_steps=6", "train.eval_every=3", "data.eval_fraction=0.2", "rm.norm_samples=16",
+                 "engine.backend=deepspeed", "engine.zero_stage=2")
+    assert res.returncode == 0, res.stderr[-3000:]
+    check_pinned("zero2/rm", series_of(read_metrics(out / "metrics.jsonl"), "loss", "eval/loss", "accuracy"))
 
 
 @pytest.mark.parametrize("stage", [2, 3])
@@ -156,6 +168,8 @@ def test_ppo_learns_on_two_ranks(tmp_path, ppo_world, stage):
     assert res.returncode == 0, res.stderr[-3000:]
     summary = json.loads(res.stdout.strip().splitlines()[-1])
     assert summary["eval/reward_end"] > summary["eval/reward_start"] + 0.1, summary  # measured 0.625 -> 0.80
+    check_pinned(f"zero{stage}/ppo", series_of(read_metrics(out / "metrics.jsonl"), "reward/mean", "kl", "policy_loss",
+                                               "value_loss"))
     AutoModelForCausalLM.from_pretrained(out / "final")
 
 
@@ -171,6 +185,8 @@ def test_lora_ppo_with_reward_model_under_zero3(tmp_path, ppo_world, ds_reward_m
     assert res.returncode == 0, res.stderr[-3000:]
     summary = json.loads(res.stdout.strip().splitlines()[-1])
     assert summary["eval/reward_end"] > summary["eval/reward_start"] + 1.0, summary  # measured -2.0 -> 3.2
+    check_pinned("zero3/ppo-lora-rm", series_of(read_metrics(out / "metrics.jsonl"), "reward/mean", "kl",
+                                                "policy_loss", "value_loss"))
     actor = AutoModelForCausalLM.from_pretrained(out / "final")
     assert not any("lora" in k for k in actor.state_dict())
     AutoModelForSequenceClassification.from_pretrained(out / "final-critic")
