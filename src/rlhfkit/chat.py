@@ -168,7 +168,7 @@ def interact(conv: Conversation, args, read=input, out=sys.stdout) -> None:
 
 
 def main(args) -> int:
-    from rlhfkit.cli import _errors
+    from rlhfkit.errors import USER_ERRORS
 
     if args.max_new_tokens < 1 or args.temperature <= 0 or not 0 < args.top_p <= 1:
         print("rlhfkit chat: error: need --max-new-tokens >= 1, --temperature > 0, 0 < --top-p <= 1", file=sys.stderr)
@@ -185,7 +185,7 @@ def main(args) -> int:
             show(models, conv.ask(args.prompt, args), sys.stdout)
         else:
             interact(conv, args)
-    except _errors() as exc:
+    except USER_ERRORS as exc:
         print(f"rlhfkit chat: error: {exc}", file=sys.stderr)
         return 2
     return 0

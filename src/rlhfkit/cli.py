@@ -8,7 +8,8 @@ import json
 import os
 import sys
 
-from rlhfkit.config.fields import ConfigError, help_text, load_config
+from rlhfkit.config.fields import help_text, load_config
+from rlhfkit.errors import USER_ERRORS, RunStopped
 
 # verb -> (config class path, runner path, one-line description); imported lazily so --help stays fast
 TRAIN_VERBS = {
@@ -56,19 +57,11 @@ def build_parser() -> argparse.ArgumentParser:
         _train_parser(sub, verb)
     rep = sub.add_parser("report", help="write report.html with plots for a run folder")
     rep.add_argument("run_dir")
-    _load("rlhfkit.stages.score:add_score_parser")(sub)
+    _load("rlhfkit.score:add_score_parser")(sub)
     _load("rlhfkit.demo.cli:add_demo_parser")(sub)
     _load("rlhfkit.chat:add_chat_parser")(sub)
     _load("rlhfkit.models.fetch:add_fetch_parser")(sub)
     return parser
-
-
-def _errors() -> tuple[type, ...]:
-    from rlhfkit.data.errors import DataError
-    from rlhfkit.models.loading import ModelError
-    from rlhfkit.stages.common import RunError
-
-    return ConfigError, DataError, ModelError, RunError
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -91,18 +84,16 @@ def main(argv: list[str] | None = None) -> int:
 
         return report_main([args.run_dir])
     if args.verb == "score":
-        return _load("rlhfkit.stages.score:main")(args)
+        return _load("rlhfkit.score:main")(args)
     if args.verb == "fetch":
         return _load("rlhfkit.models.fetch:main")(args)
     if args.verb in ("demo", "chat"):
         return _load(f"rlhfkit.{'demo.cli' if args.verb == 'demo' else 'chat'}:main")(args)
     cfg_path, runner_path, _ = TRAIN_VERBS[args.verb]
-    from rlhfkit.stages.guard import RunStopped
-
     try:
         cfg = load_config(_load(cfg_path), args.config, args.overrides)
         result = _load(runner_path)(cfg, resume=args.resume, force=args.force)
-    except _errors() as exc:
+    except USER_ERRORS as exc:
         print(f"rlhfkit {args.verb}: error: {exc}", file=sys.stderr)
         return 2
     except RunStopped as exc:  # SIGTERM / SIGINT: a checkpoint was saved
@@ -111,7 +102,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"rlhfkit {args.verb}: interrupted", file=sys.stderr)
         return 130
-    if os.environ.get("RANK", "0") == "0":
+    from rlhfkit.engine.launch import is_main_process
+
+    if is_main_process():
         print(json.dumps(result))
     return 0
 

@@ -17,7 +17,7 @@ import pytest
 
 from rlhfkit.cli import main as cli_main
 from rlhfkit.config import DataConfig
-from rlhfkit.data.errors import DataError
+from rlhfkit.errors import DataError
 from rlhfkit.data.loader import load_stage_data
 from rlhfkit.models import load_tokenizer
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from rlhfkit.config import SFTConfig, load_config
-from rlhfkit.stages.common import RunError
+from rlhfkit.errors import RunError
 
 from conftest import ROOT, read_metrics, run_cli, sft_rows, write_jsonl
 
@@ -206,11 +206,11 @@ def test_skipped_step_leaves_weights_untouched(tiny_model_dir):
     before = {k: v.clone() for k, v in model.state_dict().items()}
     ids = torch.tensor([[1, 5, 6, 7]])
     good = model(input_ids=ids, labels=ids).loss
-    trainable.backward(good)
-    trainable.backward(good * float("inf"))
+    trainable.backward(good, 1)
+    trainable.backward(good * float("inf"), 1)
     stats = trainable.step()
     assert stats["skipped"] == 1.0 and trainable.lr == pytest.approx(1e-2)  # no update, no schedule step
     for key, value in model.state_dict().items():
         assert torch.equal(value, before[key])
-    trainable.backward(model(input_ids=ids, labels=ids).loss)
+    trainable.backward(model(input_ids=ids, labels=ids).loss, 1)
     assert "skipped" not in trainable.step()  # the next good step updates normally

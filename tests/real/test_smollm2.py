@@ -29,7 +29,7 @@ SMALL = ["log.tensorboard=false", "data.cache=false"]
 @pytest.fixture(scope="session")
 def smollm2() -> Path:
     from rlhfkit.models.fetch import fetch
-    from rlhfkit.models.loading import ModelError
+    from rlhfkit.errors import ModelError
 
     try:
         return fetch(MODEL_NAME, log=lambda line: None)

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from rlhfkit.data.errors import DataError
+from rlhfkit.errors import DataError
 from rlhfkit.data.formats import (
     FORMATS,
     PreferenceExample,

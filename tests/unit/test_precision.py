@@ -30,7 +30,7 @@ def test_bf16_computes_in_bf16_and_keeps_float32_weights_and_gradients(tiny):
     assert not torch.is_autocast_enabled("cpu")  # only inside the model's forward
     # bf16 rounding of the same model, not another computation (logits here are of order 1-10)
     assert (out.logits.float() - want).abs().max() < 0.05 * want.abs().max()
-    actor.backward(out.loss)
+    actor.backward(out.loss, 1)
     params = [p for p in actor.module.parameters() if p.requires_grad]
     assert all(p.dtype == torch.float32 and p.grad.dtype == torch.float32 for p in params)
     before = [p.detach().clone() for p in params]

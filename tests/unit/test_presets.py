@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from rlhfkit.config import DataConfig
-from rlhfkit.data.errors import DataError
+from rlhfkit.errors import DataError
 from rlhfkit.data.formats import FORMATS
 from rlhfkit.data.loader import load_stage_data, partition, read_examples, resolve_sources
 from rlhfkit.data.presets import PRESETS, find_preset, read_named

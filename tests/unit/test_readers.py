@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from rlhfkit.data.errors import DataError, where
+from rlhfkit.errors import DataError, where
 from rlhfkit.data.readers import Row, read_rows
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "formats"

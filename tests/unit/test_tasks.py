@@ -8,7 +8,7 @@ import pytest
 from rlhfkit.demo.task_run import accuracy_rows
 from rlhfkit.demo.tasks import arithmetic_correct, arithmetic_prompts, arithmetic_reward
 from rlhfkit.models import fetch as F
-from rlhfkit.models.loading import ModelError
+from rlhfkit.errors import ModelError
 
 CHATML = "<|im_start|>user\nWhat is 5 + 7?<|im_end|>\n<|im_start|>assistant\n"
 

@@ -23,13 +23,13 @@ from tokenizers.models import WordLevel
 from transformers import GenerationConfig, PreTrainedTokenizerFast
 
 from rlhfkit.config import DataConfig
-from rlhfkit.data.errors import DataError
+from rlhfkit.errors import DataError
 from rlhfkit.data.formats import PreferenceExample, SFTExample, to_preference_examples
 from rlhfkit.data.loader import load_stage_data
 from rlhfkit.data.readers import Row
-from rlhfkit.data.templates import (Template, TemplateRefused, encode_prompt, encode_response, end_token_ids,
-                                    merge_same_role_turns)
+from rlhfkit.data.templates import Template, encode_prompt, encode_response, end_token_ids, merge_same_role_turns
 from rlhfkit.data.tokenize import tokenize_preferences, tokenize_sft
+from rlhfkit.errors import TemplateRefused
 from rlhfkit.models.reward_fn import ModelReward
 from rlhfkit.rollout.generate import eos_token_ids, response_mask
 

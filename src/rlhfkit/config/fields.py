@@ -15,9 +15,7 @@ from typing import Any, Literal, Union
 
 import yaml
 
-
-class ConfigError(ValueError):
-    """A config problem; the message names the offending dotted key."""
+from rlhfkit.errors import ConfigError
 
 
 def option(default: Any, doc: str, *, choices: tuple | None = None):

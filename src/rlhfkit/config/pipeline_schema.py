@@ -24,8 +24,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
-from rlhfkit.config.fields import ConfigError, deep_merge, from_dict, option, to_dict
+from rlhfkit.config.fields import deep_merge, from_dict, option, to_dict
 from rlhfkit.config.ppo_schema import PPOConfig
+from rlhfkit.errors import ConfigError
 from rlhfkit.config.schema import EngineConfig, LoadConfig, LogConfig, LoraConfig, RMConfig, SFTConfig, TrainConfig
 
 STEPS = ("sft", "rm", "ppo")

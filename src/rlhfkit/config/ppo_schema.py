@@ -9,8 +9,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from rlhfkit.config.fields import ConfigError, option
+from rlhfkit.config.fields import option
 from rlhfkit.config.schema import DataConfig, EngineConfig, LoadConfig, LogConfig, LoraConfig, TrainConfig
+from rlhfkit.errors import ConfigError
 
 
 @dataclass
@@ -82,6 +83,8 @@ class PPOSection:
     kl_target: float = option(6.0, "adaptive KL: target KL per sequence, in nats")
     kl_horizon: float = option(10000.0, "adaptive KL: horizon in samples")
     kl_loss_coef: float = option(0.0, "coefficient of a k3 KL-to-reference term in the actor loss (0 = off)")
+    advantage_estimator: str = option("gae", "how advantages are estimated (rollout/estimators.py): gae = GAE "
+                                             "with the critic's values", choices=("gae",))
     gamma: float = option(1.0, "GAE discount")
     lam: float = option(0.95, "GAE lambda")
     clip_eps: float = option(0.2, "policy ratio clip range")

@@ -5,7 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from rlhfkit.config.fields import ConfigError, option
+from rlhfkit.config.fields import option
+from rlhfkit.errors import ConfigError
 
 
 @dataclass

@@ -25,7 +25,6 @@ import contextlib
 import hashlib
 import json
 import os
-import sys
 import time
 from pathlib import Path
 
@@ -104,13 +103,9 @@ def entry_path(cache_dir: Path, stage: str, key: str) -> Path:
     return cache_dir / "data" / f"{stage}-{key[:32]}.json"
 
 
-def _warn(text: str) -> None:
-    if os.environ.get("RANK", "0") == "0":
-        print(f"data: {text}", file=sys.stderr)
-
-
-def load(path: Path, key: str) -> dict | None:
-    """The cached {"train", "eval", "info"} under `path` if it is intact and holds `key`; else None."""
+def load(path: Path, key: str, warn=lambda text: None) -> dict | None:
+    """The cached {"train", "eval", "info"} under `path` if it is intact and holds `key`; else None (a broken
+    file is reported through `warn`)."""
     if not path.is_file():
         return None
     try:
@@ -120,15 +115,16 @@ def load(path: Path, key: str) -> dict | None:
     except (OSError, ValueError):  # ValueError covers bad JSON and bad UTF-8
         ok = False
     if not ok:
-        _warn(f"ignoring a broken cache file {path} (it will be rewritten)")
+        warn(f"ignoring a broken cache file {path} (it will be rewritten)")
         return None
     with contextlib.suppress(OSError):
         os.utime(path)  # "recently used" for prune()
     return payload
 
 
-def save(path: Path, key: str, train: list, evals: list, info: dict) -> bool:
-    """Write atomically: a temporary file in the same folder, then a rename. False (with a warning) on failure."""
+def save(path: Path, key: str, train: list, evals: list, info: dict, warn=lambda text: None) -> bool:
+    """Write atomically: a temporary file in the same folder, then a rename. False (said through `warn`) on
+    failure."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -138,7 +134,7 @@ def save(path: Path, key: str, train: list, evals: list, info: dict) -> bool:
     except OSError as exc:
         with contextlib.suppress(OSError):
             tmp.unlink()
-        _warn(f"cannot write the cache file {path} ({exc.strerror or exc}); continuing without it")
+        warn(f"cannot write the cache file {path} ({exc.strerror or exc}); continuing without it")
         return False
     prune(path.parent)
     return True

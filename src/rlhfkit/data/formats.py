@@ -24,8 +24,8 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from rlhfkit.data.errors import DataError, where
 from rlhfkit.data.readers import Row
+from rlhfkit.errors import DataError, where
 
 ROLES = ("system", "user", "assistant")
 

@@ -15,19 +15,18 @@ training starts, and a step left with no training rows says what removed them.
 from __future__ import annotations
 
 import dataclasses
-import os
 import random
 import sys
 from dataclasses import dataclass, field
 
 from rlhfkit.config.schema import DataConfig
 from rlhfkit.data import cache
-from rlhfkit.data.errors import DataError, where
 from rlhfkit.data.formats import ROW_SKIPS, to_preference_examples, to_prompt_examples, to_sft_examples
 from rlhfkit.data.presets import Source, check_step, read_source, resolve_source
 from rlhfkit.data.readers import has_split
-from rlhfkit.data.templates import Template, TemplateRefused, encode_prompt
+from rlhfkit.data.templates import Template, encode_prompt
 from rlhfkit.data.tokenize import tokenize_preferences, tokenize_prompts, tokenize_sft
+from rlhfkit.errors import DataError, TemplateRefused, where
 
 # The partition of data.split_fractions is shuffled with this fixed seed, not train.seed: every step must cut the
 # same partition, whatever seed its own section sets, or the steps' shares would overlap.
@@ -253,30 +252,32 @@ def _cache_entry(stage, cfg, seed, spec, sources, eval_source, tokenizer, templa
     return cache.entry_path(cache.default_cache_dir(cfg.cache_dir), stage, key), key
 
 
-def _note(text: str) -> None:
-    if os.environ.get("RANK", "0") == "0":
-        print(f"data: {text}", file=sys.stderr)
-
-
 def load_stage_data(stage: str, cfg: DataConfig, tokenizer, seed: int, train_spec=None,
-                    end_ids: list[int] | None = None) -> StageData:
+                    end_ids: list[int] | None = None, main: bool = True) -> StageData:
     """Tokenised train and eval rows for `stage` ("sft", "rm" or "prompts"), with counts in `.info`
     (`info["cache"]`: "hit", "miss" or "off ..."). `end_ids`: the ids a response ends with, as PPO rollouts stop
-    at them (`templates.end_token_ids` of the model folder's generation config); default the tokenizer's EOS."""
+    at them (`templates.end_token_ids` of the model folder's generation config); default the tokenizer's EOS.
+    `main`: this process is the main rank (`engine.is_main`): it alone prints notes and writes the cache file
+    (every rank computes the same rows)."""
+
+    def note(text: str) -> None:
+        if main:
+            print(f"data: {text}", file=sys.stderr)
+
     spec = cfg.train if train_spec is None else train_spec
     template = Template.for_tokenizer(tokenizer, cfg.template, end_ids)
     sources, eval_source = resolve_sources(cfg, train_spec)
     path, key = _cache_entry(stage, cfg, seed, spec, sources, eval_source, tokenizer, template) if cfg.cache \
         else (None, "off")
     if path is not None:
-        cached = cache.load(path, key)
+        cached = cache.load(path, key, warn=note)
         if cached is not None:
-            _note(f"cache hit: {len(cached['train'])} train / {len(cached['eval'])} eval rows from {path}")
+            note(f"cache hit: {len(cached['train'])} train / {len(cached['eval'])} eval rows from {path}")
             return StageData(cached["train"], cached["eval"], {**cached["info"], "cache": "hit"})
     train_ex, eval_ex, stats = read_examples(stage, cfg, seed, sources, eval_source)
     data = _tokenize(stage, train_ex, eval_ex, stats, tokenizer, template, cfg, spec)
-    if path is not None and os.environ.get("RANK", "0") == "0":  # one writer; other ranks computed the same
-        if cache.save(path, key, data.train, data.eval, data.info):
-            _note(f"tokenised rows cached at {path}")
+    if path is not None and main:  # one writer; other ranks computed the same
+        if cache.save(path, key, data.train, data.eval, data.info, warn=note):
+            note(f"tokenised rows cached at {path}")
     data.info["cache"] = "miss" if path is not None else key
     return data

@@ -19,8 +19,8 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from rlhfkit.data.errors import DataError
-from rlhfkit.data.readers import FILE_TYPES, OfflineError, Row, looks_like_hub_id, read_rows
+from rlhfkit.data.readers import FILE_TYPES, Row, looks_like_hub_id, read_rows
+from rlhfkit.errors import DataError, OfflineError
 
 LOCAL_DIR_ENV = "RLHFKIT_DATA_DIR"
 # The steps a dataset can feed: SFT demonstrations, RM preference pairs, PPO prompts.

@@ -21,7 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from rlhfkit.data.errors import DataError, where
+from rlhfkit.errors import DataError, OfflineError, where
 
 
 @dataclass(frozen=True)
@@ -280,10 +280,6 @@ def _data_suffix(name: str) -> bool:
 
 def looks_like_hub_id(source: str) -> bool:
     return bool(_HUB_ID.match(source)) and not _data_suffix(source)
-
-
-class OfflineError(DataError):
-    """A hub dataset could not be fetched because there is no network; callers may look for a local copy."""
 
 
 def _read_hub(name: str, split: str) -> list[Row]:

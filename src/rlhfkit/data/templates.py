@@ -31,11 +31,9 @@ from dataclasses import dataclass
 
 from jinja2 import TemplateError
 
+from rlhfkit.errors import TemplateRefused
+
 ROLE_NAMES = {"system": "System", "user": "User", "assistant": "Assistant"}
-
-
-class TemplateRefused(ValueError):
-    """The chat template raised on a conversation, even with same-role turns merged; the row is unusable."""
 
 
 def end_token_ids(tokenizer, generation_config=None) -> list[int]:

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from rlhfkit.data.errors import DataError, where
-from rlhfkit.data.templates import Template, TemplateRefused, encode_prompt, encode_response
+from rlhfkit.data.templates import Template, encode_prompt, encode_response
+from rlhfkit.errors import DataError, TemplateRefused, where
 
 IGNORE = -100
 

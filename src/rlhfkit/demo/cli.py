@@ -26,7 +26,7 @@ def add_demo_parser(sub) -> argparse.ArgumentParser:
 
 
 def main(args) -> int:
-    from rlhfkit.cli import _errors
+    from rlhfkit.errors import USER_ERRORS
     from rlhfkit.demo.run import run_demo
     from rlhfkit.demo.task_run import run_task_demo
 
@@ -35,6 +35,6 @@ def main(args) -> int:
             output = f"runs/demo-{args.task}" if args.output == "runs/demo" else args.output
             return run_task_demo(output, args.task, args.quick, args.overrides, args.force, args.seed)
         return run_demo(args.output, args.quick, args.overrides, args.force, args.seed)
-    except _errors() as exc:
+    except USER_ERRORS as exc:
         print(f"rlhfkit demo: error: {exc}", file=sys.stderr)
         return 2

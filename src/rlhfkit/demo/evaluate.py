@@ -55,7 +55,7 @@ def gold_of_policies(folders: dict, prompts: list[str], gen: GenConfig, gold, se
 def rm_accuracy(rm_dir, pairs_file: str, batch_size: int = 32) -> dict:
     """The RM's accuracy on gold-labelled pairs, through `rlhfkit score`'s scorer and the RM's recorded template."""
     from rlhfkit.stages.reward import MAX_LENGTH_KEY, TEMPLATE_KEY
-    from rlhfkit.stages.score import score_pairs
+    from rlhfkit.score import score_pairs
 
     tokenizer = load_tokenizer(str(rm_dir))
     model = load_scalar_model(str(rm_dir), LoadConfig(), tokenizer).eval()

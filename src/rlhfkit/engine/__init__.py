@@ -1,28 +1,31 @@
-"""Engines own devices, optimizers, distributed state and checkpoints. Loops call only this interface:
-`prepare` (trainable) / `prepare_frozen` (inference), `gathered` (full params for generate),
-`reduce_mean`, `save_checkpoint` / `load_checkpoint`, `export_hf`, `is_main`."""
+"""Engines own devices, ranks, optimizers, distributed state, checkpoints and export: the `Engine` protocol
+(`engine/protocol.py`), implemented by `LocalEngine` (one process) and `DeepSpeedEngine` (ZeRO, many ranks)."""
 
 from __future__ import annotations
 
-from rlhfkit.config.schema import EngineConfig
+from rlhfkit.config.schema import EngineConfig, TrainConfig
 from rlhfkit.engine.cpu_memory import keep_freed_memory
-from rlhfkit.engine.local import LocalEngine, atomic_folder, latest_checkpoint, write_json
+from rlhfkit.engine.local import LocalEngine
+from rlhfkit.engine.protocol import Engine, Trainable
+from rlhfkit.engine.storage import atomic_folder, latest_checkpoint
 
 
-def _deepspeed_engine(cfg: EngineConfig):
+def _deepspeed_engine(cfg: EngineConfig, train: TrainConfig | None = None):
     from rlhfkit.engine.deepspeed_engine import DeepSpeedEngine  # imports deepspeed only when asked for
 
-    return DeepSpeedEngine(cfg)
+    return DeepSpeedEngine(cfg, train)
 
 
 ENGINES = {"local": LocalEngine, "deepspeed": _deepspeed_engine}
 
 
-def make_engine(cfg: EngineConfig):
-    engine = ENGINES[cfg.backend](cfg)
+def make_engine(cfg: EngineConfig, train: TrainConfig | None = None) -> Engine:
+    """The engine `engine.backend` names. `train`, when given, lets the DeepSpeed engine check a user's
+    `engine.deepspeed_config` against `train.*` before anything is written."""
+    engine = ENGINES[cfg.backend](cfg, train)
     if engine.device.type == "cpu" and cfg.keep_freed_memory:
         keep_freed_memory()
     return engine
 
 
-__all__ = ["ENGINES", "LocalEngine", "atomic_folder", "latest_checkpoint", "make_engine", "write_json"]
+__all__ = ["ENGINES", "Engine", "LocalEngine", "Trainable", "atomic_folder", "latest_checkpoint", "make_engine"]

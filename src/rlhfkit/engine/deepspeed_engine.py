@@ -1,14 +1,16 @@
 """The DeepSpeed engine: ZeRO 0-3, optimizer / parameter offload, multi-rank and multi-node.
 
-The only module that imports deepspeed. It implements the interface of `LocalEngine`, so the training
-loops run unchanged. Decisions:
-- DeepSpeed's config is generated from rlhfkit's (`engine.*`, `train.*`); `engine.deepspeed_config`
-  names a JSON merged over it for anything else.
+The only module that imports deepspeed. It implements `engine.protocol.Engine` beside the local engine (no
+subclassing), so the training loops run unchanged. Decisions:
+- DeepSpeed's config is generated from rlhfkit's (`engine.*`, `train.*`; `ds_config.py`); `engine.deepspeed_config`
+  names a JSON merged over it for anything else, and a JSON contradicting an `engine.*` / `train.*` key is a
+  ConfigError naming both (`ds_config.check_user_config`).
 - Gradient accumulation is owned by the loop (`managed_gradient_accumulation: false`): the loop calls
-  `backward` once per micro-batch with an already-normalised loss and `step` once per optimizer step,
-  exactly as with the local engine. DeepSpeed averages gradients over ranks.
-- Frozen models (reference, reward) are wrapped for inference and partitioned with ZeRO-3 when the
-  trained models use it, as OpenRLHF does with separate train / eval configs.
+  `backward(loss_sum, total)` once per micro-batch and `step` once per optimizer step, exactly as with the
+  local engine. DeepSpeed averages gradients over ranks; `backward` multiplies by the world size to undo it.
+- Each trained role gets its ZeRO stage (`engine.critic_zero_stage` for the critic). Frozen models (reference,
+  reward) are wrapped for inference and partitioned with ZeRO-3 when the trained models use it, as OpenRLHF does
+  with separate train / eval configs.
 - Generation under ZeRO-3 gathers the parameters once per rollout (`gathered`), not once per token, and
   runs the plain HF model without DeepSpeed's hooks.
 - HF export gathers ZeRO-3 parameters and rank 0 writes the folder (LoRA merged).
@@ -18,11 +20,13 @@ from __future__ import annotations
 
 import contextlib
 import json
-import warnings
 import os
 import shutil
 import socket
+import sys
+import warnings
 from pathlib import Path
+from typing import Sequence
 
 import deepspeed
 import torch
@@ -30,8 +34,11 @@ import torch.distributed as dist
 from deepspeed.accelerator import get_accelerator
 
 from rlhfkit.config.schema import EngineConfig, TrainConfig
-from rlhfkit.engine.local import LocalEngine, _fsync_dir, latest_checkpoint, lr_lambda, param_groups, \
-    publish_checkpoint, rng_state, set_rng_state
+from rlhfkit.engine import ds_config
+from rlhfkit.engine.local import lr_lambda, moved_to, param_groups
+from rlhfkit.engine.storage import (fsync_dir, latest_checkpoint, publish_checkpoint, rng_state, set_rng_state,
+                                    write_hf_folder)
+from rlhfkit.errors import ConfigError
 from rlhfkit.models.lora import clone_for_export
 
 
@@ -77,32 +84,28 @@ def init_process_group() -> None:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
 
 
-def _deep_merge(base: dict, extra: dict) -> dict:
-    out = dict(base)
-    for key, value in extra.items():
-        out[key] = _deep_merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
-    return out
-
-
 class DeepSpeedTrainable:
     """A DeepSpeed engine (model + ZeRO optimizer + schedule) behind the Trainable interface."""
 
-    def __init__(self, engine, max_grad_norm: float):
+    def __init__(self, engine, max_grad_norm: float, world_size: int):
         self.engine = engine
         self.module = engine  # calling it runs the wrapped model's forward (ZeRO-3 fetches parameters)
         self.max_grad_norm = max_grad_norm
+        self.world_size = world_size
         self.good, self.bad = 0, 0  # micro-batches back-propagated / dropped since the last step
 
-    def backward(self, loss: torch.Tensor) -> None:
+    def backward(self, loss_sum: torch.Tensor, total: float) -> None:
+        """The gradient of `loss_sum / total` (`total` counts over all ranks). DeepSpeed averages gradients
+        over ranks, so the loss is multiplied by the world size first."""
         # ranks agree whether any of them saw a non-finite loss: all skip that backward together, since
         # ZeRO's gradient reduction inside backward is a collective
-        flag = torch.tensor([0.0 if torch.isfinite(loss.detach()).all() else 1.0], device=loss.device)
+        flag = torch.tensor([0.0 if torch.isfinite(loss_sum.detach()).all() else 1.0], device=loss_sum.device)
         dist.all_reduce(flag)
         if flag.item() > 0:
             self.bad += 1
             return
         self.good += 1
-        self.engine.backward(loss, scale_wrt_gas=False)  # the loop already normalised the loss
+        self.engine.backward(loss_sum * self.world_size / total, scale_wrt_gas=False)
 
     def step(self) -> dict:
         """The optimizer step over the micro-batches back-propagated since the last one. Unlike the local
@@ -136,55 +139,51 @@ class DeepSpeedTrainable:
             raise FileNotFoundError(f"DeepSpeed checkpoint '{folder / name}' could not be loaded")
 
 
-class DeepSpeedEngine(LocalEngine):
+class DeepSpeedEngine:
     name = "deepspeed"
 
-    def __init__(self, cfg: EngineConfig):
+    def __init__(self, cfg: EngineConfig, train: TrainConfig | None = None):
         init_process_group()
         self.cfg = cfg
-        self.autocast = None  # precision is DeepSpeed's own (bf16 / fp16 modes), not the local engine's autocast
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.is_main = self.rank == 0
         self.device = torch.device(get_accelerator().current_device_name())
         self.extra = {}
         if cfg.deepspeed_config:
-            self.extra = json.loads(Path(cfg.deepspeed_config).read_text())
+            try:
+                self.extra = json.loads(Path(cfg.deepspeed_config).read_text())
+            except (OSError, ValueError) as exc:
+                raise ConfigError(f"config key 'engine.deepspeed_config': cannot read '{cfg.deepspeed_config}' as "
+                                  f"JSON ({exc})") from None
+            if not isinstance(self.extra, dict):
+                raise ConfigError(f"config key 'engine.deepspeed_config': '{cfg.deepspeed_config}' must hold a "
+                                  f"JSON object")
+            ds_config.check_user_config(self.extra, cfg.deepspeed_config, cfg, train, self.world_size)
+
+    # -- ranks -----------------------------------------------------------------------------------------
+    def shard(self, items: Sequence) -> list:
+        per_rank = len(items) // self.world_size
+        return list(items[self.rank * per_rank:(self.rank + 1) * per_rank])
+
+    def total(self, local: float) -> float:
+        return max(1, self.reduce_sum(local))
+
+    def say(self, text: str) -> None:
+        if self.is_main:
+            print(text, file=sys.stderr)
 
     # -- configs ---------------------------------------------------------------------------------------
-    def _precision(self) -> dict:
-        return {"bf16": {"enabled": self.cfg.precision == "bf16"},
-                "fp16": {"enabled": self.cfg.precision == "fp16", "auto_cast": False}}
-
     def train_config(self, train: TrainConfig, stage: int) -> dict:
-        zero: dict = {"stage": stage}
-        if self.cfg.offload_optimizer and stage > 0:
-            zero["offload_optimizer"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
-        if self.cfg.offload_params and stage == 3:
-            zero["offload_param"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
-        config = {
-            "train_micro_batch_size_per_gpu": train.micro_batch_size,
-            "gradient_accumulation_steps": 1,
-            "train_batch_size": train.micro_batch_size * self.world_size,
-            "managed_gradient_accumulation": False,
-            "gradient_clipping": train.max_grad_norm if train.max_grad_norm > 0 else 0.0,
-            "zero_optimization": zero,
-            "steps_per_print": 10**12,
-            "wall_clock_breakdown": False,
-            **self._precision(),
-        }
-        return _deep_merge(config, self.extra)
+        generated = ds_config.train_config(self.cfg, train, stage, self.world_size, torch.cuda.is_available())
+        return ds_config.merged_config(generated, self.extra)
 
     def eval_config(self, stage: int) -> dict:
-        zero = {"stage": 3 if stage == 3 else 0}
-        if self.cfg.offload_params and stage == 3:
-            zero["offload_param"] = {"device": "cpu"}
-        return {"train_micro_batch_size_per_gpu": 1, "train_batch_size": self.world_size,
-                "zero_optimization": zero, "steps_per_print": 10**12, **self._precision()}
+        return ds_config.eval_config(self.cfg, stage, self.world_size)
 
     # -- models ----------------------------------------------------------------------------------------
-    def prepare(self, model: torch.nn.Module, train: TrainConfig, total_steps: int, lr: float | None = None,
-                stage: int | None = None) -> DeepSpeedTrainable:
-        stage = self.cfg.zero_stage if stage is None else stage
+    def prepare(self, model: torch.nn.Module, train: TrainConfig, total_steps: int, role: str = "policy",
+                lr: float | None = None) -> DeepSpeedTrainable:
+        stage = ds_config.stage_of(self.cfg, role)
         groups = param_groups(model, train.weight_decay)
         peak = train.lr if lr is None else lr
         if self.cfg.offload_optimizer and stage > 0:
@@ -198,10 +197,10 @@ class DeepSpeedEngine(LocalEngine):
             model=model, optimizer=optimizer, config=self.train_config(train, stage),
             lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, factor))
         engine.train()
-        return DeepSpeedTrainable(engine, train.max_grad_norm)
+        return DeepSpeedTrainable(engine, train.max_grad_norm, self.world_size)
 
-    def prepare_frozen(self, model: torch.nn.Module, stage: int | None = None) -> torch.nn.Module:
-        stage = self.cfg.zero_stage if stage is None else stage
+    def prepare_frozen(self, model: torch.nn.Module, role: str = "reference") -> torch.nn.Module:
+        stage = ds_config.stage_of(self.cfg, role)
         model.requires_grad_(False)
         model.eval()
         if stage != 3:
@@ -245,6 +244,14 @@ class DeepSpeedEngine(LocalEngine):
             return {}
         return {"synced_gpus": True}
 
+    def on_device(self, module):
+        """A frozen model kept on the CPU (`offload_reference_model`, not partitioned) on the compute device for
+        the block; ZeRO-3 models are DeepSpeed's to place."""
+        offload = self.cfg.offload_reference_model and self.device.type != "cpu"
+        if module is None or not offload or isinstance(module, deepspeed.DeepSpeedEngine) or self._is_zero3(module):
+            return contextlib.nullcontext()
+        return moved_to(module, self.device)
+
     # -- collectives -----------------------------------------------------------------------------------
     def reduce_mean(self, metrics: dict) -> dict:
         keys = [k for k, v in metrics.items() if isinstance(v, (int, float)) and not isinstance(v, bool)]
@@ -285,7 +292,7 @@ class DeepSpeedEngine(LocalEngine):
         if self.is_main:
             shutil.rmtree(target, ignore_errors=True)
             os.replace(tmp, target)
-            _fsync_dir(folder)
+            fsync_dir(folder)
             publish_checkpoint(folder, target, keep)
         self.barrier()
         return target
@@ -304,7 +311,7 @@ class DeepSpeedEngine(LocalEngine):
         module = getattr(model, "module", model) if isinstance(model, deepspeed.DeepSpeedEngine) else model
         if not self._is_zero3(module):
             if self.is_main:
-                super().export_hf(module, tokenizer, target, in_place)
+                write_hf_folder(module, tokenizer, target, in_place)
             self.barrier()
             return target
         with deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=None):
@@ -313,6 +320,6 @@ class DeepSpeedEngine(LocalEngine):
         if self.is_main:
             plain = clone_for_export(module)  # same class and adapters, ordinary CPU tensors
             plain.load_state_dict(state)
-            super().export_hf(plain, tokenizer, target, in_place=True)
+            write_hf_folder(plain, tokenizer, target, in_place=True)
         self.barrier()
         return target

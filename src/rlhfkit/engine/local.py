@@ -1,25 +1,23 @@
 """The plain single-process engine: one device, torch AdamW, atomic checkpoints, HF export.
 
-The training loops only talk to the `Engine` / `Trainable` interface defined here; the DeepSpeed engine
-implements the same methods, so a loop never branches on the backend.
+It implements `engine.protocol.Engine` (and its `Trainable`), as the DeepSpeed engine does beside it; with one
+rank, sharding is the identity and reductions return their input.
 """
 
 from __future__ import annotations
 
 import contextlib
-import copy
-import json
 import math
-import os
-import random
-import shutil
+import sys
 from pathlib import Path
+from typing import Sequence
 
 import torch
 from safetensors.torch import load_model, save_model
 
 from rlhfkit.config.schema import TrainConfig
-from rlhfkit.models.lora import base_model, is_lora, merged
+from rlhfkit.engine.storage import (atomic_folder, latest_checkpoint, publish_checkpoint, rng_state, set_rng_state,
+                                    write_hf_folder)
 
 
 def lr_lambda(cfg: TrainConfig, total_steps: int):
@@ -61,7 +59,8 @@ def adamw(groups: list[dict], **kwargs) -> torch.optim.AdamW:
 
 
 class Trainable:
-    """A model with its optimizer and schedule. The loop calls forward on `.module`, then backward/step."""
+    """A model with its optimizer and schedule (`protocol.Trainable`). The loop calls forward on `.module`, then
+    backward / step."""
 
     def __init__(self, module: torch.nn.Module, cfg: TrainConfig, total_steps: int, lr: float | None = None):
         self.module = module
@@ -71,14 +70,14 @@ class Trainable:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(cfg, total_steps))
         self.bad = False  # a non-finite loss was seen since the last step
 
-    def backward(self, loss: torch.Tensor) -> None:
-        """`loss` must already be scaled for accumulation (the loop divides by the whole batch's size).
-
-        A non-finite loss is not back-propagated; the whole step is then skipped (see `step`)."""
-        if not torch.isfinite(loss.detach()).all():
+    def backward(self, loss_sum: torch.Tensor, total: float) -> None:
+        """Accumulate the gradient of `loss_sum / total`: `loss_sum` summed over this micro-batch, `total` the
+        count of the whole step (`engine.total`). A non-finite loss is not back-propagated; the whole step is
+        then skipped (see `step`)."""
+        if not torch.isfinite(loss_sum.detach()).all():
             self.bad = True
             return
-        loss.backward()
+        (loss_sum * 1 / total).backward()  # one rank: the world size is 1 (the DeepSpeed engine's form)
 
     def step(self) -> dict:
         """Clip, update, advance the schedule. A step with a non-finite loss or gradient changes nothing
@@ -113,54 +112,6 @@ class Trainable:
         state = torch.load(folder / f"{name}.optim.pt", weights_only=True, map_location="cpu")
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
-
-
-def rng_state() -> dict:
-    state = {"torch": torch.get_rng_state(), "python": random.getstate()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def set_rng_state(state: dict) -> None:
-    torch.set_rng_state(state["torch"])
-    random.setstate(state["python"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-
-
-def _fsync_dir(path: Path) -> None:
-    with contextlib.suppress(OSError):
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
-
-def atomic_folder(target: Path):
-    """Write a folder under a temporary name and rename it into place, so a crash never leaves it half-written."""
-
-    @contextlib.contextmanager
-    def writer():
-        tmp = target.with_name(target.name + ".tmp")
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-        try:
-            yield tmp
-            for f in tmp.iterdir():
-                if f.is_file():
-                    with open(f, "rb") as fh:
-                        os.fsync(fh.fileno())
-            if target.exists():
-                shutil.rmtree(target)
-            os.replace(tmp, target)
-            _fsync_dir(target.parent)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
-
-    return writer()
 
 
 class AutocastHooks:
@@ -201,7 +152,7 @@ class LocalEngine:
 
     name = "local"
 
-    def __init__(self, cfg=None):
+    def __init__(self, cfg=None, train: TrainConfig | None = None):
         self.cfg = cfg
         self.rank, self.world_size = 0, 1
         self.is_main = True
@@ -210,52 +161,12 @@ class LocalEngine:
         if cfg is not None and cfg.precision == "bf16":
             self.autocast = AutocastHooks(self.device.type, torch.bfloat16)
 
-    def _mixed(self, model: torch.nn.Module) -> torch.nn.Module:
-        return self.autocast.attach(model) if self.autocast is not None else model
+    # -- ranks: one ---------------------------------------------------------------------------------------
+    def shard(self, items: Sequence) -> list:
+        return list(items)
 
-    def prepare(self, model: torch.nn.Module, train: TrainConfig, total_steps: int, lr: float | None = None,
-                stage: int | None = None) -> Trainable:
-        """A trainable model: AdamW + warmup/decay schedule. `stage` is DeepSpeed's ZeRO stage (ignored here)."""
-        model.to(self.device)
-        model.train()
-        return Trainable(self._mixed(model), train, total_steps, lr)
-
-    def prepare_frozen(self, model: torch.nn.Module, stage: int | None = None) -> torch.nn.Module:
-        offload = self.cfg is not None and self.cfg.offload_reference_model
-        model.to("cpu" if offload else self.device)
-        model.eval()
-        model.requires_grad_(False)
-        return self._mixed(model)
-
-    def gathered(self, module: torch.nn.Module):
-        """A context giving the module to generate with, its full parameters at hand (ZeRO-3 gathers them;
-        here it is the module itself). Under bf16 autocast the whole rollout runs inside one autocast context,
-        so the trained weights are cast once per rollout instead of at every token step (autocast keeps its
-        casts of trainable weights until its outermost context ends)."""
-        if self.autocast is None:
-            return contextlib.nullcontext(module)
-        return _inside(torch.autocast(self.autocast.device_type, dtype=self.autocast.dtype), module)
-
-    def generation_kwargs(self, module: torch.nn.Module) -> dict:
-        """Extra generate() arguments the backend needs (ZeRO-3 ranks must keep stepping together)."""
-        return {}
-
-    def on_device(self, module):
-        """Context holding a frozen model on the compute device; with `offload_reference_model` it goes back
-        to CPU afterwards, so four models need not share accelerator memory at once."""
-        offload = self.cfg is not None and self.cfg.offload_reference_model and self.device.type != "cpu"
-        if module is None or not offload or hasattr(module, "ds_id") or _is_ds_engine(module):
-            return contextlib.nullcontext()
-
-        @contextlib.contextmanager
-        def moved():
-            module.to(self.device)
-            try:
-                yield
-            finally:
-                module.to("cpu")
-
-        return moved()
+    def total(self, local: float) -> float:
+        return max(1, local)
 
     def reduce_mean(self, metrics: dict) -> dict:
         return metrics
@@ -266,7 +177,48 @@ class LocalEngine:
     def barrier(self) -> None:
         pass
 
-    # checkpoints: folder/step-N/{name}.safetensors, {name}.optim.pt, state.pt; folder/latest names the newest
+    def say(self, text: str) -> None:
+        print(text, file=sys.stderr)
+
+    # -- models --------------------------------------------------------------------------------------------
+    def _mixed(self, model: torch.nn.Module) -> torch.nn.Module:
+        return self.autocast.attach(model) if self.autocast is not None else model
+
+    def prepare(self, model: torch.nn.Module, train: TrainConfig, total_steps: int, role: str = "policy",
+                lr: float | None = None) -> Trainable:
+        """A trainable model: AdamW + warmup/decay schedule (every role alike on one device)."""
+        model.to(self.device)
+        model.train()
+        return Trainable(self._mixed(model), train, total_steps, lr)
+
+    def prepare_frozen(self, model: torch.nn.Module, role: str = "reference") -> torch.nn.Module:
+        model.to("cpu" if self._offload() else self.device)
+        model.eval()
+        model.requires_grad_(False)
+        return self._mixed(model)
+
+    def _offload(self) -> bool:
+        return self.cfg is not None and self.cfg.offload_reference_model
+
+    def gathered(self, module: torch.nn.Module):
+        """A context giving the module to generate with: the module itself. Under bf16 autocast the whole
+        rollout runs inside one autocast context, so the trained weights are cast once per rollout instead of at
+        every token step (autocast keeps its casts of trainable weights until its outermost context ends)."""
+        if self.autocast is None:
+            return contextlib.nullcontext(module)
+        return _inside(torch.autocast(self.autocast.device_type, dtype=self.autocast.dtype), module)
+
+    def generation_kwargs(self, module: torch.nn.Module) -> dict:
+        return {}
+
+    def on_device(self, module):
+        """Context holding a frozen model on the compute device; with `offload_reference_model` it goes back
+        to CPU afterwards, so four models need not share accelerator memory at once."""
+        if module is None or not self._offload() or self.device.type == "cpu":
+            return contextlib.nullcontext()
+        return moved_to(module, self.device)
+
+    # -- checkpoints: folder/step-N/{name}.safetensors, {name}.optim.pt, state.pt; folder/latest names the newest
     def save_checkpoint(self, folder: Path, step: int, trainables: dict, state: dict, keep: int = 2) -> Path:
         target = folder / f"step-{step:08d}"
         with atomic_folder(target) as tmp:
@@ -286,42 +238,14 @@ class LocalEngine:
 
     def export_hf(self, model: torch.nn.Module, tokenizer, target: Path, in_place: bool = True) -> Path:
         """A plain transformers folder (safetensors, tokenizer, LoRA merged) that from_pretrained loads."""
-        if is_lora(model) and not in_place:
-            model = copy.deepcopy(model)
-        plain = merged(model)
-        with atomic_folder(target) as tmp:
-            base_model(plain).save_pretrained(tmp, safe_serialization=True)
-            if tokenizer is not None:
-                tokenizer.save_pretrained(tmp)
-        return target
+        return write_hf_folder(model, tokenizer, target, in_place)
 
 
-def _is_ds_engine(module) -> bool:
-    return type(module).__name__ in ("DeepSpeedEngine", "InferenceEngine")
-
-
-def publish_checkpoint(folder: Path, target: Path, keep: int) -> None:
-    """Point `latest` at a complete checkpoint (atomically, after it was written), then drop all but the
-    last `keep` ones: a crash at any moment leaves `latest` naming a loadable checkpoint."""
-    pointer = folder / "latest.tmp"
-    pointer.write_text(target.name)
-    os.replace(pointer, folder / "latest")
-    old = sorted(p for p in folder.glob("step-*") if p.is_dir() and not p.name.endswith(".tmp"))
-    for stale in old[:-keep] if keep > 0 else []:
-        shutil.rmtree(stale, ignore_errors=True)
-
-
-def latest_checkpoint(folder: Path) -> Path:
-    pointer = folder / "latest"
-    if not pointer.is_file():
-        raise FileNotFoundError(f"no checkpoint to resume from in '{folder}' (no 'latest' file)")
-    target = folder / pointer.read_text().strip()
-    if not target.is_dir():
-        raise FileNotFoundError(f"checkpoint '{target}' named by '{pointer}' is missing")
-    return target
-
-
-def write_json(path: Path, obj) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=2))
-    os.replace(tmp, path)
+@contextlib.contextmanager
+def moved_to(module: torch.nn.Module, device: torch.device):
+    """`module` on `device` for the block, back on the CPU after it."""
+    module.to(device)
+    try:
+        yield
+    finally:
+        module.to("cpu")

@@ -21,6 +21,8 @@ import platform
 import torch
 import torch.nn.functional as F
 
+from rlhfkit.engine.partition import is_partitioned, is_whole
+
 MIN_ROWS = 16  # below this many input rows (a few sequences decoding one token) MKL's lower overhead wins
 MIN_DIM = 64  # LoRA factors and scalar heads stay on F.linear
 
@@ -66,7 +68,7 @@ class FastCPULinear(torch.nn.Linear):
         if self.packed is not None and x.dtype == torch.float32 and not torch.is_grad_enabled():
             return _onednn(x, self.packed, self.bias)
         if (x.device.type != "cpu" or x.dtype != torch.float32 or weight.dtype != torch.float32
-                or hasattr(weight, "ds_id") or x.numel() < MIN_ROWS * x.size(-1)):
+                or is_partitioned(weight) or x.numel() < MIN_ROWS * x.size(-1)):
             return F.linear(x, weight, self.bias)
         bias_grad = self.bias is not None and self.bias.requires_grad
         if not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad or bias_grad)):
@@ -114,15 +116,6 @@ def use_fast_cpu_linear(model: torch.nn.Module, device: torch.device) -> int:
     return switched
 
 
-def _whole(weight: torch.Tensor) -> bool:
-    """Not a ZeRO-3 partition: a plain weight, or a ZeRO-3 one gathered in full (generation under
-    `engine.gathered`), whose values stay put while the packed copy is in use."""
-    if not hasattr(weight, "ds_id"):
-        return True
-    status = getattr(getattr(weight, "ds_status", None), "name", "")
-    return status == "AVAILABLE" and tuple(weight.shape) == tuple(getattr(weight, "ds_shape", ()))
-
-
 @contextlib.contextmanager
 def packed_weights(model: torch.nn.Module):
     """While active, `model`'s oneDNN linear layers multiply by a copy of their weight reordered once into
@@ -133,7 +126,7 @@ def packed_weights(model: torch.nn.Module):
     copy. A no-op for models without such layers (GPUs, Intel CPUs) and for ZeRO-3 weights not gathered in
     full (with `engine.gather_for_generation` they are, and decoding runs on oneDNN too)."""
     layers = [m for m in model.modules() if isinstance(m, FastCPULinear) and m.weight.device.type == "cpu"
-              and m.weight.dtype == torch.float32 and _whole(m.weight)]
+              and m.weight.dtype == torch.float32 and is_whole(m.weight)]
     try:
         with torch.no_grad():
             for layer in layers:

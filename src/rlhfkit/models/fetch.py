@@ -24,7 +24,7 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from rlhfkit.models.loading import ModelError
+from rlhfkit.errors import ModelError
 
 MARKER = "rlhfkit-source.json"  # written last: its presence means the folder is complete
 

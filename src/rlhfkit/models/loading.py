@@ -16,15 +16,12 @@ from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForSequence
                           GenerationConfig)
 
 from rlhfkit.config.schema import LoadConfig
+from rlhfkit.errors import ModelError
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "auto": "auto"}
 # A folder holding none of these has no tokenizer (fast, sentencepiece, BPE vocab, or a config naming one).
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "spiece.model",
                    "vocab.txt")
-
-
-class ModelError(ValueError):
-    """A model or tokenizer cannot be loaded; the message says which folder and why."""
 
 
 def _is_local(name: str) -> bool:

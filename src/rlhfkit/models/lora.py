@@ -43,9 +43,10 @@ def apply_lora(model, cfg: LoraConfig, task: str = "causal_lm"):
 
 
 def unwrap_engine(model):
-    """The model inside a DeepSpeed engine wrapper (which forwards calls but hides isinstance checks)."""
-    if "DeepSpeed" in type(model).__name__ and isinstance(getattr(model, "module", None), torch.nn.Module):
-        return model.module
+    """The model inside an engine's wrapper (DeepSpeed's engine, like torch's DDP, holds it as `.module` and
+    forwards calls to it, but hides it from isinstance checks)."""
+    while not isinstance(model, PeftModel) and isinstance(getattr(model, "module", None), torch.nn.Module):
+        model = model.module
     return model
 
 
@@ -69,8 +70,8 @@ def adapter_disabled(model):
 
 
 def base_model(model) -> torch.nn.Module:
-    """The underlying transformers model (config, generation_config live there), also from inside a
-    DeepSpeed engine wrapper (whose own `.config` is DeepSpeed's dict)."""
+    """The underlying transformers model (config, generation_config live there), also from inside an engine's
+    wrapper (DeepSpeed's own `.config` is its dict)."""
     model = unwrap_engine(model)
     if isinstance(model, PeftModel):
         return model.get_base_model()

@@ -20,7 +20,7 @@ from rlhfkit.data.templates import Template, encode_prompt, encode_response
 from rlhfkit.data.tokenize import pad_sequences
 from rlhfkit.models.cpu_linear import packed_weights
 from rlhfkit.models.forward import sequence_scores
-from rlhfkit.models.loading import ModelError
+from rlhfkit.errors import ModelError
 
 
 def is_function_spec(spec: str) -> bool:

@@ -1,4 +1,4 @@
-"""Experience making: the forwards over prompt + response, the shaped rewards and GAE advantages.
+"""Experience making: the forwards over prompt + response, the shaped rewards and the advantages.
 
 InstructGPT's objective (Ouyang et al. 2022, eq. 2) as a per-token reward: the sequence score r(x, y) on the
 last valid response token and -beta * KL(pi || pi_ref) on every token (Ziegler et al. 2019, section 2).
@@ -11,12 +11,13 @@ from dataclasses import replace
 
 import torch
 
-from rlhfkit.algos import compute_gae, kl_penalty, masked_mean, masked_whiten, shape_rewards, token_logprobs
+from rlhfkit.algos import kl_penalty, masked_mean, masked_whiten, shape_rewards, token_logprobs
 from rlhfkit.config.ppo_schema import PPOSection
 from rlhfkit.models.cpu_linear import packed_weights
 from rlhfkit.models.forward import causal_logits, token_scores
 from rlhfkit.models.lora import adapter_disabled
 from rlhfkit.rollout.batch import RolloutBatch
+from rlhfkit.rollout.estimators import ESTIMATORS
 
 
 def response_logits(model, batch: RolloutBatch, temperature: float = 1.0) -> torch.Tensor:
@@ -133,11 +134,16 @@ def add_rewards(batch: RolloutBatch, scores: torch.Tensor, kl_coef: float, cfg: 
     return replace(batch, scores=scores, kl=kl, rewards=shape_rewards(scores, kl, mask, kl_coef, cfg.score_clip))
 
 
+def kl_per_sequence(batch: RolloutBatch) -> float:
+    """This rank's mean over rows of the summed per-token KL (`add_rewards`): nats per sequence, what the
+    adaptive KL controller targets."""
+    return (batch.kl * batch.response_mask).sum(-1).mean().item()
+
+
 def finish_advantages(batch: RolloutBatch, advantages: torch.Tensor, returns: torch.Tensor, cfg: PPOSection):
-    """Store GAE advantages (whitened when configured) and returns. Returns (batch, metrics before whitening)."""
+    """Store advantages (whitened when configured) and returns. Returns (batch, metrics before whitening)."""
     mask = batch.response_mask
     metrics = {
-        "kl": (batch.kl * mask).sum(-1).mean().item(),  # nats per sequence, what the KL controller targets
         "return/mean": masked_mean(returns, mask).item(),
         "value/mean": masked_mean(batch.values, mask).item(),
         "advantage/mean": masked_mean(advantages, mask).item(),
@@ -148,7 +154,9 @@ def finish_advantages(batch: RolloutBatch, advantages: torch.Tensor, returns: to
 
 
 def add_advantages(batch: RolloutBatch, scores: torch.Tensor, kl_coef: float, cfg: PPOSection):
-    """Per-token rewards, GAE advantages and returns. Returns (batch, metrics before whitening)."""
+    """Per-token rewards, then the advantages and returns of `cfg.advantage_estimator` (GAE: `batch` carries the
+    critic's values). Returns (batch, metrics before whitening, with the KL per sequence)."""
     batch = add_rewards(batch, scores, kl_coef, cfg)
-    advantages, returns = compute_gae(batch.rewards, batch.values, batch.response_mask, cfg.gamma, cfg.lam)
-    return finish_advantages(batch, advantages, returns, cfg)
+    advantages, returns = ESTIMATORS[cfg.advantage_estimator].advantages(batch, cfg)
+    batch, metrics = finish_advantages(batch, advantages, returns, cfg)
+    return batch, {"kl": kl_per_sequence(batch), **metrics}

@@ -13,10 +13,7 @@ import torch
 from tqdm.auto import tqdm
 
 from rlhfkit.config.fields import dump_yaml
-
-
-class RunError(RuntimeError):
-    """A run cannot start or continue; the message says why and what to do."""
+from rlhfkit.errors import RunError
 
 
 def set_seed(seed: int) -> None:
@@ -103,8 +100,14 @@ class MetricsLogger:
         if self.enabled:
             self.bar.write(text, file=sys.stderr)
 
+    def __enter__(self) -> "MetricsLogger":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
     def close(self) -> None:
-        """Idempotent: loops close in a `finally`, also when a signal stopped them."""
+        """Idempotent: closed on leaving its `with` block, also when a signal or an error stopped the run."""
         self.bar.close()
         if self.file:
             self.file.close()

@@ -1,7 +1,7 @@
 """Keeping long runs safe: clean stops on SIGTERM/SIGINT, skipped non-finite steps, checkpoint write errors.
 
-Long RLHF runs die (preemption, OOM, full disks) and the anchors' users lose days to it (ANCHORS.md, pain
-10). Every loop wraps its steps in a `RunGuard`:
+Long RLHF runs die (preemption, OOM, full disks), and users of the established frameworks report losing days
+of compute to it. Every loop wraps its steps in a `RunGuard` (through `stages/loop.py`):
 - SIGTERM / SIGINT only set a flag; the loop finishes the current step, saves a checkpoint and raises
   `RunStopped`, whose message says how to resume. All ranks agree on the stop (one all-reduce per step).
 - A step whose loss or gradient is not finite is skipped by the engine (no optimizer update) and counted;
@@ -13,23 +13,14 @@ Long RLHF runs die (preemption, OOM, full disks) and the anchors' users lose day
 from __future__ import annotations
 
 import json
-import math
 import signal
 import sys
 import threading
 from pathlib import Path
 
-from rlhfkit.stages.common import RunError
+from rlhfkit.errors import RunError, RunStopped
 
 MAX_BAD_STEPS = 5
-
-
-class RunStopped(RuntimeError):
-    """A run stopped on request after saving a checkpoint; the message says how to resume."""
-
-    def __init__(self, message: str, signum: int):
-        super().__init__(message)
-        self.exit_code = 128 + signum
 
 
 def resume_command(stage: str) -> str:
@@ -124,7 +115,3 @@ def truncate_metrics(out: Path, step: int) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text("".join(k + "\n" for k in kept), encoding="utf-8")
     tmp.replace(path)
-
-
-def finite(value) -> bool:
-    return isinstance(value, (int, float)) and math.isfinite(value)

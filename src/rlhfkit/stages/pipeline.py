@@ -16,20 +16,18 @@ import time
 from pathlib import Path
 
 from rlhfkit.config.pipeline_schema import PipelineConfig, step_config
+from rlhfkit.engine.launch import is_main_process
+from rlhfkit.stages.ppo import run_ppo
+from rlhfkit.stages.reward import run_rm
+from rlhfkit.stages.sft import run_sft
 
-RUNNERS = {"sft": "rlhfkit.stages.sft:run_sft", "rm": "rlhfkit.stages.reward:run_rm",
-           "ppo": "rlhfkit.stages.ppo:run_ppo"}
+RUNNERS = {"sft": run_sft, "rm": run_rm, "ppo": run_ppo}
 # metrics worth a line in the summary: (step, metrics.jsonl key)
 HEADLINES = (("sft", "eval/loss"), ("rm", "eval/accuracy"), ("ppo", "eval/reward"), ("ppo", "eval/kl"))
 
 
-def _is_main() -> bool:
-    """Rank 0 under torchrun/deepspeed (the engines are created inside each step, so read the launcher's env)."""
-    return int(os.environ.get("RANK", "0")) == 0
-
-
 def _say(text: str) -> None:
-    if _is_main():
+    if is_main_process():
         print(text, file=sys.stderr)
 
 
@@ -63,7 +61,7 @@ class _Tee:
 @contextlib.contextmanager
 def step_log(folder: Path):
     """Copy stderr (the step's progress lines) into folder/log.txt, on the main rank."""
-    if not _is_main():
+    if not is_main_process():
         yield
         return
     folder.mkdir(parents=True, exist_ok=True)
@@ -106,13 +104,6 @@ def print_table(title: str, rows: list[dict], stream=None) -> None:
         print(f"  {r['name']:<{width}}  {value:>16}{target}  {mark}".rstrip(), file=stream)
 
 
-def _load(path: str):
-    import importlib
-
-    module, name = path.split(":")
-    return getattr(importlib.import_module(module), name)
-
-
 def run_pipeline(cfg: PipelineConfig, resume: bool = False, force: bool = False) -> dict:
     out = Path(cfg.output_dir)
     # 1. every step's config first: a bad key fails before anything trains (each step checks its data itself)
@@ -132,16 +123,16 @@ def run_pipeline(cfg: PipelineConfig, resume: bool = False, force: bool = False)
         tick = time.perf_counter()
         with step_log(folder):
             again = resume and (folder / "checkpoints" / "latest").is_file()
-            result = _load(RUNNERS[step])(configs[step], resume=again, force=force)
+            result = RUNNERS[step](configs[step], resume=again, force=force)
         seconds = time.perf_counter() - tick
-        if _is_main():
+        if is_main_process():
             _write_atomic(folder / "result.json", json.dumps(result, indent=2, default=str))
         steps[step] = {"status": "ran", "seconds": seconds, "result": result}
 
     # 3. summary.json in the report's format (`rlhfkit report OUTPUT_DIR` renders it) and a table on stdout
     rows = summary_rows(out, steps)
     summary = {"title": f"rlhfkit pipeline — {out.name}", "rows": rows, "steps": steps}
-    if _is_main():
+    if is_main_process():
         _write_atomic(out / "summary.json", json.dumps(summary, indent=2, default=str))
         print_table(summary["title"], rows)
     return {"output_dir": str(out), **{step: info["status"] for step, info in steps.items()},

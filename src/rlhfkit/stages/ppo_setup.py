@@ -15,14 +15,14 @@ import torch
 
 from rlhfkit.config.ppo_schema import PPOConfig
 from rlhfkit.data.templates import Template, end_token_ids
-from rlhfkit.models import ModelError, load_causal_lm, load_scalar_model, load_tokenizer
+from rlhfkit.errors import ModelError, RunError
+from rlhfkit.models import load_causal_lm, load_scalar_model, load_tokenizer
 from rlhfkit.models.cpu_linear import use_fast_cpu_linear
 from rlhfkit.models.loading import load_generation_config
 from rlhfkit.models.lora import apply_lora
 from rlhfkit.models.reward_fn import (FunctionReward, ModelReward, is_function_spec, load_reward_function,
                                      same_tokenization)
 from rlhfkit.rollout.generate import ignored_generation_settings
-from rlhfkit.stages.common import RunError
 
 
 @dataclass
@@ -52,7 +52,7 @@ def load_reward(cfg: PPOConfig, actor_tok, engine):
     if not any("SequenceClassification" in a for a in (model.config.architectures or [])):
         raise ModelError(f"reward '{cfg.reward}' is not a reward model (no trained score head in its config.json); "
                          f"train one with `rlhfkit rm` or pass a Python function module:function")
-    model = engine.prepare_frozen(model)
+    model = engine.prepare_frozen(model, role="reward")
     actor_ends = end_token_ids(actor_tok, load_generation_config(cfg.actor, cfg.load))  # where rollouts stop
     actor_template = Template.for_tokenizer(actor_tok, cfg.data.template, actor_ends)
     reward = ModelReward(model, rm_tok, actor_template, cfg.data.template, cfg.train.micro_batch_size,
@@ -96,11 +96,11 @@ def load_ppo_models(cfg: PPOConfig, tokenizer, engine, total_updates: int) -> PP
         if cfg.reference:
             _check_vocab(name, "reference", tokenizer, cfg.load)
         frozen_opts = dataclasses.replace(cfg.load, gradient_checkpointing=False)
-        reference = engine.prepare_frozen(load_causal_lm(name, frozen_opts, tokenizer))
+        reference = engine.prepare_frozen(load_causal_lm(name, frozen_opts, tokenizer), role="reference")
         notes.append(f"reference: {name}")
 
-    actor = engine.prepare(actor, cfg.train, total_updates)
-    critic = engine.prepare(critic, cfg.train, total_updates, lr=cfg.ppo.critic_lr, stage=cfg.engine.critic_zero_stage)
+    actor = engine.prepare(actor, cfg.train, total_updates, role="policy")
+    critic = engine.prepare(critic, cfg.train, total_updates, role="critic", lr=cfg.ppo.critic_lr)
     # on CPUs where oneDNN's float32 GEMM beats MKL's (AMD), ~2x faster linears for all four models
     models = (actor.module, critic.module, reference, getattr(reward, "model", None))
     if sum(use_fast_cpu_linear(m, engine.device) for m in models if m is not None):

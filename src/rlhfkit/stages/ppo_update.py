@@ -1,7 +1,8 @@
-"""Step 5 of a PPO iteration: optimise actor and critic on one rollout (and the PPO-ptx text mixed in).
+"""Step 4 of a PPO iteration, "optimise": actor and critic on one rollout (and the PPO-ptx text mixed in).
 
-Losses are normalised by the valid tokens of the whole mini-batch (over all ranks), not per micro-batch, so
-one optimizer step is the same for micro-batch 1 x accumulation k and micro-batch k x accumulation 1.
+Losses are normalised by the valid tokens of the whole mini-batch over all ranks (`engine.total`), not per
+micro-batch, so one optimizer step is the same for micro-batch 1 x accumulation k and micro-batch k x
+accumulation 1, on one rank or many.
 """
 
 from __future__ import annotations
@@ -11,14 +12,15 @@ from dataclasses import replace
 
 import torch
 
-from rlhfkit.algos import (compute_gae, entropy_from_logits, kl_penalty, lm_loss_sum, masked_mean, policy_loss,
+from rlhfkit.algos import (entropy_from_logits, kl_penalty, lm_loss_sum, masked_mean, policy_loss,
                            token_logprobs, value_loss)
 from rlhfkit.config.ppo_schema import PPOConfig, PPOSection
-from rlhfkit.data.errors import DataError
 from rlhfkit.data.readers import read_rows
 from rlhfkit.data.tokenize import collate_sft
+from rlhfkit.errors import DataError
 from rlhfkit.models.forward import causal_logits
 from rlhfkit.rollout.batch import RolloutBatch
+from rlhfkit.rollout.estimators import ESTIMATORS, Estimator
 from rlhfkit.rollout.experience import finish_advantages, length_sorted_chunks, response_logits, response_values
 from rlhfkit.stages.ppo_timing import untimed
 
@@ -52,21 +54,23 @@ def single_step(cfg: PPOConfig) -> bool:
     return cfg.ppo.epochs == 1 and (cfg.ppo.mini_batch_size or cfg.train.batch_size) == cfg.train.batch_size
 
 
-def critic_update_with_values(batch: RolloutBatch, critic, cfg: PPOConfig, engine, timer=untimed):
-    """The critic's values, the GAE advantages and the critic's optimizer step, from one forward per micro-batch.
+def critic_update_with_values(batch: RolloutBatch, critic, cfg: PPOConfig, engine, timer=untimed,
+                              estimator: Estimator = ESTIMATORS["gae"]):
+    """The critic's values, the advantages and the critic's optimizer step, from one forward per micro-batch.
 
     With one optimizer step per rollout (`single_step`), the critic's update forward would run at the very
     weights that gave the rollout's values, over the same tokens: the same numbers twice. Here each
-    micro-batch's forward (with grad) gives its rows' values; GAE needs only a row's own rewards and values,
-    so its returns and the value loss's gradient follow at once. `batch` carries the rewards
-    (`experience.add_rewards`); the loss is normalised by the batch's valid tokens, as in `ppo_update`.
+    micro-batch's forward (with grad) gives its rows' values; a row-local estimator (GAE) needs only a row's own
+    rewards and values, so its returns and the value loss's gradient follow at once. `batch` carries the
+    rewards (`experience.add_rewards`); the loss is normalised by the batch's valid tokens, as in `ppo_update`.
 
     Returns (batch with values, advantages and returns; advantage metrics; critic metrics).
     """
+    assert estimator.critic and estimator.row_local, estimator.name
     mask = batch.response_mask
     values, advantages, returns = (torch.zeros_like(mask) for _ in range(3))
     local_tokens = mask.sum().item()
-    n_tokens = max(1.0, engine.reduce_sum(local_tokens))
+    n_tokens = engine.total(local_tokens)
     stats = defaultdict(float)
     with timer("critic_update"):
         for rows in length_sorted_chunks(batch, cfg.train.micro_batch_size):
@@ -74,10 +78,10 @@ def critic_update_with_values(batch: RolloutBatch, critic, cfg: PPOConfig, engin
             part_mask = part.response_mask
             new = response_values(critic.module, part)  # (b, r), with grad
             old = torch.where(part_mask.bool(), new.detach(), torch.zeros_like(new))
-            part_advantages, part_returns = compute_gae(part.rewards, old, part_mask, cfg.ppo.gamma, cfg.ppo.lam)
+            part_advantages, part_returns = estimator.advantages(replace(part, values=old), cfg.ppo)
             loss, part_stats = value_loss(new, old, part_returns, part_mask, cfg.ppo.value_clip)
             part_tokens = part_mask.sum().item()
-            critic.backward(loss * part_tokens * engine.world_size / n_tokens)
+            critic.backward(loss * part_tokens, n_tokens)
             part_stats["value_loss"] = loss.item()
             for k, v in part_stats.items():
                 stats[k] += v * part_tokens / max(local_tokens, 1.0)
@@ -113,13 +117,13 @@ class PtxText:
 def ptx_backward(actor, rows: list[dict], coef: float, micro: int, pad_id: int, engine) -> float:
     """Accumulate coef * causal-LM loss (InstructGPT eq. 2, the gamma * E[log pi(x)] term) into the actor's
     gradients, normalised by the texts' token count. Returns the loss per token."""
-    n_tokens = max(1, engine.reduce_sum(sum(len(r["labels"]) - 1 for r in rows)))
+    n_tokens = engine.total(sum(len(r["labels"]) - 1 for r in rows))
     total = 0.0
     for start in range(0, len(rows), micro):
         batch = {k: v.to(engine.device) for k, v in collate_sft(rows[start:start + micro], pad_id).items()}
         logits = causal_logits(actor.module, batch["input_ids"], batch["attention_mask"])
         nll, _ = lm_loss_sum(logits[:, :-1], batch["labels"][:, 1:])
-        actor.backward(coef * nll * engine.world_size / n_tokens)
+        actor.backward(coef * nll, n_tokens)
         total += nll.item()
     return engine.reduce_sum(total) / n_tokens
 
@@ -132,8 +136,8 @@ def ppo_update(batch: RolloutBatch, actor, critic, cfg: PPOConfig, engine, itera
     Returns the metrics averaged over the optimizer steps (and ranks); `timer` splits the time between the
     actor_update and critic_update phases. `update_critic=False` when `critic_update_with_values` did it.
     """
-    world, micro = engine.world_size, cfg.train.micro_batch_size
-    mini = (cfg.ppo.mini_batch_size or cfg.train.batch_size) // world
+    micro = cfg.train.micro_batch_size
+    mini = (cfg.ppo.mini_batch_size or cfg.train.batch_size) // engine.world_size  # this rank's rows of one
     temperature = cfg.gen.temperature
     sums, steps = defaultdict(float), 0
     for epoch in range(cfg.ppo.epochs):
@@ -143,31 +147,31 @@ def ppo_update(batch: RolloutBatch, actor, critic, cfg: PPOConfig, engine, itera
         for start in range(0, batch.size, mini):
             rows = order[start:start + mini]
             local_tokens = batch.response_mask[rows].sum().item()
-            n_tokens = max(1.0, engine.reduce_sum(local_tokens))
+            n_tokens = engine.total(local_tokens)
             stats = defaultdict(float)
             # micro-batches of rows of similar length carry little padding; the mini-batch's gradient is the
             # same sum for any grouping of its rows
             for part_rows in length_sorted_chunks(batch, micro, rows):
                 part = batch.select(part_rows).to(engine.device)
                 part_tokens = part.response_mask.sum().item()
-                scale = part_tokens * world / n_tokens  # this micro-batch's share of the mini-batch's tokens
                 share = part_tokens / max(local_tokens, 1.0)  # for metrics: token-weighted means
                 if update_actor:
                     with timer("actor_update"):
                         loss, actor_stats = actor_loss(actor.module, part, cfg.ppo, temperature)
-                        actor.backward(loss * scale)
+                        actor.backward(loss * part_tokens, n_tokens)  # the token mean as a sum
                     for k, v in actor_stats.items():
                         stats[k] += v * share
                 if update_critic:
                     with timer("critic_update"):
                         loss, critic_stats = critic_loss(critic.module, part, cfg.ppo)
-                        critic.backward(loss * scale)
+                        critic.backward(loss * part_tokens, n_tokens)
                     for k, v in critic_stats.items():
                         stats[k] += v * share
             if update_actor:
                 with timer("actor_update"):
                     if ptx is not None:
-                        draw = ptx.draw(cfg.ptx.batch_size // world, (iteration * 1000 + steps) * world + engine.rank)
+                        # one seeded draw for the step over all ranks, each rank backpropagating its share
+                        draw = engine.shard(ptx.draw(cfg.ptx.batch_size, iteration * 1000 + steps))
                         stats["ptx_loss"] = ptx_backward(actor, draw, cfg.ptx.coef, micro, pad_id, engine)
                     actor_step = actor.step()
                 stats["actor_grad_norm"] = actor_step["grad_norm"]

@@ -23,8 +23,9 @@ from rlhfkit.models import load_scalar_model, load_tokenizer
 from rlhfkit.models.forward import sequence_scores
 from rlhfkit.models.loading import load_generation_config
 from rlhfkit.models.lora import apply_lora, base_model
-from rlhfkit.stages.common import MetricsLogger, batches, plan_steps, prepare_output_dir, set_seed
-from rlhfkit.stages.guard import RunGuard, resume_state
+from rlhfkit.stages.common import MetricsLogger, plan_steps, prepare_output_dir, set_seed
+from rlhfkit.stages.guard import resume_state
+from rlhfkit.stages.loop import TrainLoop
 
 # Keys written into final/config.json next to the weights; PPO and `rlhfkit score` read them back.
 MEAN_KEY, STD_KEY = "rlhfkit_reward_mean", "rlhfkit_reward_std"
@@ -94,84 +95,70 @@ def describe(info: dict) -> str:
             f"sides equal once truncated){'; skipped ' + skipped if skipped else ''}")
 
 
+def train_step(rm, rows: list, accum: int, micro_size: int, batch_size: int, pad_id: int, margin, engine) -> dict:
+    """One optimizer step over `rows` (this rank's share of `batch_size` pairs) in `accum` micro-batches."""
+    sums = dict.fromkeys(SUM_KEYS, 0.0)
+    for m in range(accum):
+        micro = rows[m * micro_size:(m + 1) * micro_size]
+        chosen, rejected = pair_scores(rm.module, micro, pad_id, engine.device)
+        # the micro-batch's summed loss over the pairs of the whole batch: micro 1 x accum 4 == micro 4 x accum 1
+        rm.backward(pairwise_loss(chosen, rejected, margin) * len(micro), batch_size)
+        for key, value in pair_sums(chosen, rejected, margin).items():
+            sums[key] += value
+    lr = rm.lr
+    return {**pair_means(sums, batch_size, engine), "lr": lr, **rm.step()}
+
+
 def run_rm(cfg: RMConfig, resume: bool = False, force: bool = False) -> dict:
-    engine = make_engine(cfg.engine)
+    engine = make_engine(cfg.engine, cfg.train)
     set_seed(cfg.train.seed)
 
     # 1. tokenizer and data first: bad input fails here, before any folder is written
     tokenizer = load_tokenizer(cfg.model, cfg.load)
     # responses end where the actor's rollouts will stop: EOS or the folder's generation_config end-of-turn ids
     end_ids = end_token_ids(tokenizer, load_generation_config(cfg.model, cfg.load))
-    data = load_stage_data("rm", cfg.data, tokenizer, cfg.train.seed, end_ids=end_ids)
+    data = load_stage_data("rm", cfg.data, tokenizer, cfg.train.seed, end_ids=end_ids, main=engine.is_main)
     set_seed(cfg.train.seed)  # the fresh score head is drawn from the torch RNG: same seed, same head
     model = load_scalar_model(cfg.model, cfg.load, tokenizer)
     model = apply_lora(model, cfg.lora, task="scalar")
-    per_rank, accum, total = plan_steps(len(data.train), cfg.train, engine.world_size)
+    _, accum, total = plan_steps(len(data.train), cfg.train, engine.world_size)
     out = prepare_output_dir(cfg, resume, force, engine.is_main)
 
     # 2. the optimizer (and the state of a resumed run)
-    rm = engine.prepare(model, cfg.train, total)
+    rm = engine.prepare(model, cfg.train, total, role="reward_model")
     start = resume_state(engine, out, {"model": rm})["step"] if resume else 0
-
-    log = MetricsLogger(out, "rm", total, cfg.log, engine.is_main, initial=start)
-    log.write(f"{describe(data.info)}; {total} steps of {cfg.train.batch_size} pairs (accumulation {accum})")
     pad_id, device, micro_size = tokenizer.pad_token_id, engine.device, cfg.train.micro_batch_size
     margin = cfg.rm.margin or None
-    eval_every, final_eval = cfg.train.eval_every, {}
-    if start == 0 and data.eval:  # the untrained head's accuracy (~0.5): curves show what training changed
-        log.log(0, evaluate_rm(rm.module, data.eval, pad_id, micro_size, device, engine, margin))
+    evaluate = (lambda: evaluate_rm(rm.module, data.eval, pad_id, micro_size, device, engine, margin)) \
+        if data.eval else None
 
-    # 3. the loop: each step sees batch_size pairs over all ranks, in micro-batches
-    guard = RunGuard(engine, out, "rm")
-    try:
-        for step, epoch, idx in batches(len(data.train), cfg.train.batch_size, cfg.train.seed, start):
-            if step >= total:
-                break
-            rows = [data.train[i] for i in idx[engine.rank * per_rank:(engine.rank + 1) * per_rank]]
-            tick = time.perf_counter()
-            sums = dict.fromkeys(SUM_KEYS, 0.0)
-            for m in range(accum):
-                micro = rows[m * micro_size:(m + 1) * micro_size]
-                chosen, rejected = pair_scores(rm.module, micro, pad_id, device)
-                # mean over the micro-batch * its size / pairs in the whole batch: micro 1 x accum 4 == micro 4 x
-                # accum 1; the world size undoes the engine's averaging of gradients over ranks
-                loss = pairwise_loss(chosen, rejected, margin) * len(micro)
-                rm.backward(loss * engine.world_size / cfg.train.batch_size)
-                for key, value in pair_sums(chosen, rejected, margin).items():
-                    sums[key] += value
-            lr = rm.lr
-            stats = rm.step()
-            done = step + 1
-            guard.check_step(done, stats, log)
-            metrics = {**pair_means(sums, cfg.train.batch_size, engine), "lr": lr, "epoch": epoch, **stats,
-                       "time/step": time.perf_counter() - tick}
-            if ((eval_every > 0 and done % eval_every == 0) or done == total) and data.eval:
-                final_eval = evaluate_rm(rm.module, data.eval, pad_id, micro_size, device, engine, margin)
-                metrics.update(final_eval)
-            if done % cfg.train.log_every == 0 or done == total or "eval/loss" in metrics:
-                log.log(done, metrics, show=("loss", "accuracy", "eval/accuracy"))
-            log.advance()
-            if cfg.train.save_every > 0 and done % cfg.train.save_every == 0 and done < total:
-                guard.save(done, {"model": rm}, {}, cfg.train.keep_checkpoints)
-            if guard.stop_requested() and done < total:
-                guard.stop(done, {"model": rm}, {}, cfg.train.keep_checkpoints)
-    finally:
-        guard.close()
+    with MetricsLogger(out, "rm", total, cfg.log, engine.is_main, initial=start) as log:
+        log.write(f"{describe(data.info)}; {total} steps of {cfg.train.batch_size} pairs (accumulation {accum})")
+        if start == 0 and evaluate:  # the untrained head's accuracy (~0.5): curves show what training changed
+            log.log(0, evaluate())
 
-    # 4. reward statistics and how inputs were rendered, stored in config.json for PPO and `rlhfkit score`
-    if not final_eval and data.eval:  # resumed from a run that had already finished its steps
-        final_eval = evaluate_rm(rm.module, data.eval, pad_id, micro_size, device, engine, margin)
-    config = base_model(rm.module).config
-    extra = {TEMPLATE_KEY: data.info["template"], END_IDS_KEY: end_ids, MAX_LENGTH_KEY: cfg.data.max_length}
-    if cfg.rm.norm_samples > 0:
-        extra.update(reward_stats(rm.module, data.train, pad_id, micro_size, device, cfg.rm.norm_samples,
-                                  cfg.train.seed))
-        log.write(f"rm: reward over {extra['rlhfkit_reward_samples']} training responses: mean "
-                  f"{extra[MEAN_KEY]:.4f}, std {extra[STD_KEY]:.4f}")
+        # 3. the loop: each step sees batch_size pairs over all ranks, in micro-batches
+        with TrainLoop(engine, out, "rm", total, cfg.train, log, {"model": rm}, evaluate=evaluate,
+                       show=("loss", "accuracy", "eval/accuracy")) as loop:
+            for step, epoch, rows in loop.steps(data.train, start):
+                tick = time.perf_counter()
+                metrics = train_step(rm, rows, accum, micro_size, cfg.train.batch_size, pad_id, margin, engine)
+                loop.end_step(step + 1, {**metrics, "epoch": epoch, "time/step": time.perf_counter() - tick})
+
+        # 4. reward statistics and how inputs were rendered, stored in config.json for PPO and `rlhfkit score`
+        final_eval = loop.last_eval
+        if not final_eval and evaluate:  # resumed from a run that had already finished its steps
+            final_eval = evaluate()
+        config = base_model(rm.module).config
+        extra = {TEMPLATE_KEY: data.info["template"], END_IDS_KEY: end_ids, MAX_LENGTH_KEY: cfg.data.max_length}
+        if cfg.rm.norm_samples > 0:
+            extra.update(reward_stats(rm.module, data.train, pad_id, micro_size, device, cfg.rm.norm_samples,
+                                      cfg.train.seed))
+            log.write(f"rm: reward over {extra['rlhfkit_reward_samples']} training responses: mean "
+                      f"{extra[MEAN_KEY]:.4f}, std {extra[STD_KEY]:.4f}")
     for key, value in extra.items():
         setattr(config, key, value)
     config.pad_token_id = tokenizer.pad_token_id  # plain transformers pools by it (batch size > 1 needs it)
-    log.close()
 
     # 5. export a plain transformers folder (LoRA merged, score head included, ZeRO-3 gathered)
     engine.export_hf(rm.module, tokenizer, out / "final")

@@ -17,8 +17,9 @@ from rlhfkit.models import load_causal_lm, load_tokenizer
 from rlhfkit.models.forward import causal_logits
 from rlhfkit.models.loading import load_generation_config
 from rlhfkit.models.lora import apply_lora
-from rlhfkit.stages.common import MetricsLogger, batches, plan_steps, prepare_output_dir, set_seed
-from rlhfkit.stages.guard import RunGuard, resume_state
+from rlhfkit.stages.common import MetricsLogger, plan_steps, prepare_output_dir, set_seed
+from rlhfkit.stages.guard import resume_state
+from rlhfkit.stages.loop import TrainLoop
 
 
 def lm_forward(model, batch: dict, device) -> tuple[torch.Tensor, int]:
@@ -49,70 +50,52 @@ def count_labels(rows: list) -> int:
 
 def train_step(actor, rows: list, accum: int, micro: int, pad_id: int, engine) -> dict:
     """One optimizer step over `rows` (this rank's share of the batch) in `accum` micro-batches."""
-    # normalise by the tokens of the whole batch, so micro 1 x accum 4 == micro 4 x accum 1
-    n_tokens = max(1, engine.reduce_sum(count_labels(rows)))
+    # normalise by the tokens of the whole batch over all ranks, so micro 1 x accum 4 == micro 4 x accum 1
+    n_tokens = engine.total(count_labels(rows))
     loss_sum = 0.0
     for m in range(accum):
         nll, _ = lm_forward(actor.module, collate_sft(rows[m * micro:(m + 1) * micro], pad_id), engine.device)
-        actor.backward(nll * engine.world_size / n_tokens)  # ranks' gradients are averaged
+        actor.backward(nll, n_tokens)
         loss_sum += nll.item()
     lr = actor.lr
     return {"loss": engine.reduce_sum(loss_sum) / n_tokens, "lr": lr, **actor.step()}
 
 
 def run_sft(cfg: SFTConfig, resume: bool = False, force: bool = False) -> dict:
-    engine = make_engine(cfg.engine)
+    engine = make_engine(cfg.engine, cfg.train)
     set_seed(cfg.train.seed)
 
     # 1. tokenizer and data first: bad input fails here, before any folder is written
     tokenizer = load_tokenizer(cfg.model, cfg.load)
     # responses end where PPO rollouts will stop: EOS or the folder's generation_config end-of-turn ids
     end_ids = end_token_ids(tokenizer, load_generation_config(cfg.model, cfg.load))
-    data = load_stage_data("sft", cfg.data, tokenizer, cfg.train.seed, end_ids=end_ids)
+    data = load_stage_data("sft", cfg.data, tokenizer, cfg.train.seed, end_ids=end_ids, main=engine.is_main)
     model = load_causal_lm(cfg.model, cfg.load, tokenizer)
     model = apply_lora(model, cfg.lora)
-    per_rank, accum, total = plan_steps(len(data.train), cfg.train, engine.world_size)
+    _, accum, total = plan_steps(len(data.train), cfg.train, engine.world_size)
     out = prepare_output_dir(cfg, resume, force, engine.is_main)
 
     # 2. the optimizer (and the state of a resumed run)
     actor = engine.prepare(model, cfg.train, total)
     start = resume_state(engine, out, {"model": actor})["step"] if resume else 0
-
-    log = MetricsLogger(out, "sft", total, cfg.log, engine.is_main, initial=start)
-    skipped = skipped_rows(data.info)
-    log.write(f"sft: {data.info['train_rows']} train / {data.info['eval_rows']} eval rows, template "
-              f"{data.info['template']}, {data.info['truncated']} truncated, {data.info['dropped']} dropped"
-              f"{'; skipped ' + skipped if skipped else ''}; {total} steps of {cfg.train.batch_size} "
-              f"(accumulation {accum})")
     pad_id, device, micro = tokenizer.pad_token_id, engine.device, cfg.train.micro_batch_size
-    eval_every, keep = cfg.train.eval_every, cfg.train.keep_checkpoints
-    if start == 0 and data.eval:  # the starting point, so curves show what training changed
-        log.log(0, evaluate_lm(actor.module, data.eval, pad_id, micro, device))
-    guard = RunGuard(engine, out, "sft")
+    evaluate = (lambda: evaluate_lm(actor.module, data.eval, pad_id, micro, device)) if data.eval else None
 
     # 3. the loop: each step sees batch_size rows over all ranks, in micro-batches
-    try:
-        for step, epoch, idx in batches(len(data.train), cfg.train.batch_size, cfg.train.seed, start):
-            if step >= total:
-                break
-            rows = [data.train[i] for i in idx[engine.rank * per_rank:(engine.rank + 1) * per_rank]]
-            tick = time.perf_counter()
-            metrics = {**train_step(actor, rows, accum, micro, pad_id, engine), "time/step": time.perf_counter() - tick}
-            done = step + 1
-            guard.check_step(done, metrics, log)
-            metrics["epoch"] = epoch
-            if ((eval_every > 0 and done % eval_every == 0) or done == total) and data.eval:
-                metrics.update(evaluate_lm(actor.module, data.eval, pad_id, micro, device))
-            if done % cfg.train.log_every == 0 or done == total or "eval/loss" in metrics:
-                log.log(done, metrics, show=("loss", "eval/loss", "lr"))
-            log.advance()
-            if cfg.train.save_every > 0 and done % cfg.train.save_every == 0 and done < total:
-                guard.save(done, {"model": actor}, {}, keep)
-            if guard.stop_requested() and done < total:
-                guard.stop(done, {"model": actor}, {}, keep)
-    finally:
-        guard.close()
-        log.close()
+    with MetricsLogger(out, "sft", total, cfg.log, engine.is_main, initial=start) as log:
+        skipped = skipped_rows(data.info)
+        log.write(f"sft: {data.info['train_rows']} train / {data.info['eval_rows']} eval rows, template "
+                  f"{data.info['template']}, {data.info['truncated']} truncated, {data.info['dropped']} dropped"
+                  f"{'; skipped ' + skipped if skipped else ''}; {total} steps of {cfg.train.batch_size} "
+                  f"(accumulation {accum})")
+        if start == 0 and evaluate:  # the starting point, so curves show what training changed
+            log.log(0, evaluate())
+        with TrainLoop(engine, out, "sft", total, cfg.train, log, {"model": actor}, evaluate=evaluate,
+                       show=("loss", "eval/loss", "lr")) as loop:
+            for step, epoch, rows in loop.steps(data.train, start):
+                tick = time.perf_counter()
+                metrics = train_step(actor, rows, accum, micro, pad_id, engine)
+                loop.end_step(step + 1, {**metrics, "time/step": time.perf_counter() - tick, "epoch": epoch})
 
     # 4. export a plain transformers folder (LoRA merged, ZeRO-3 gathered)
     engine.export_hf(actor.module, tokenizer, out / "final")

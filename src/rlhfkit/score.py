@@ -52,7 +52,7 @@ def add_score_parser(sub) -> argparse.ArgumentParser:
 
 
 def _fields(items: list[str]) -> dict:
-    from rlhfkit.data.errors import DataError
+    from rlhfkit.errors import DataError
 
     pairs = [item.split("=", 1) for item in items]
     if any(len(p) != 2 or not p[0] or not p[1] for p in pairs):
@@ -62,7 +62,7 @@ def _fields(items: list[str]) -> dict:
 
 def _task(rows, fields: dict, fmt: str) -> str:
     """"preference" when the rows are pairs (they are tried first: SFT reads pairs too, as their chosen side)."""
-    from rlhfkit.data.errors import DataError
+    from rlhfkit.errors import DataError
     from rlhfkit.data.formats import FORMATS, detect_format
 
     if fmt != "auto":
@@ -144,7 +144,7 @@ def run_score(args) -> dict:
     import torch
 
     from rlhfkit.config.schema import LoadConfig
-    from rlhfkit.data.errors import DataError
+    from rlhfkit.errors import DataError
     from rlhfkit.data.formats import to_preference_examples, to_sft_examples
     from rlhfkit.data.readers import read_rows
     from rlhfkit.data.templates import Template
@@ -198,11 +198,11 @@ def run_score(args) -> dict:
 
 def main(args) -> int:
     """Run `rlhfkit score`; print the summary as one JSON line, or one error line (exit 2)."""
-    from rlhfkit.cli import _errors
+    from rlhfkit.errors import USER_ERRORS
 
     try:
         result = run_score(args)
-    except _errors() as exc:
+    except USER_ERRORS as exc:
         print(f"rlhfkit score: error: {exc}", file=sys.stderr)
         return 2
     print(json.dumps(result))

@@ -1,0 +1,128 @@
+"""The DeepSpeed configs rlhfkit generates from `engine.*` and `train.*`, and the check of a user's
+`engine.deepspeed_config` against them. Pure dictionaries: no deepspeed import, so it is tested anywhere.
+
+rlhfkit owns the keys that say what `config.yaml` records (the ZeRO stage, offload, precision) and the ones its
+loop relies on (batching and accumulation, gradient clipping, the optimizer and schedule). A user JSON may add
+anything else (bucket sizes, communication overlap, ...); setting an owned key to another value than the one
+rlhfkit derives is a ConfigError naming both, never a silent override.
+"""
+
+from __future__ import annotations
+
+from rlhfkit.config.fields import deep_merge
+from rlhfkit.config.schema import EngineConfig, TrainConfig
+from rlhfkit.errors import ConfigError
+
+# DeepSpeed key (dotted) -> the rlhfkit key that decides it
+OWNED = {
+    "zero_optimization.stage": "engine.zero_stage",
+    "zero_optimization.offload_optimizer.device": "engine.offload_optimizer",
+    "zero_optimization.offload_param.device": "engine.offload_params",
+    "bf16.enabled": "engine.precision",
+    "fp16.enabled": "engine.precision",
+    "train_micro_batch_size_per_gpu": "train.micro_batch_size",
+    "train_batch_size": "train.batch_size (rlhfkit's loop accumulates micro-batches itself)",
+    "gradient_accumulation_steps": "train.batch_size (rlhfkit's loop accumulates micro-batches itself)",
+    "gradient_clipping": "train.max_grad_norm",
+}
+# sections rlhfkit builds itself: any value in the user JSON contradicts them
+BUILT = {"optimizer": "train.lr, train.betas, train.weight_decay (and engine.offload_optimizer)",
+         "scheduler": "train.scheduler, train.warmup_steps, train.min_lr_ratio"}
+
+
+def stage_of(cfg: EngineConfig, role: str) -> int:
+    """The ZeRO stage of a model role: the critic's own when `engine.critic_zero_stage` is set, else
+    `engine.zero_stage` (the policy's, which frozen models follow)."""
+    if role == "critic" and cfg.critic_zero_stage is not None:
+        return cfg.critic_zero_stage
+    return cfg.zero_stage
+
+
+def precision(cfg: EngineConfig) -> dict:
+    return {"bf16": {"enabled": cfg.precision == "bf16"},
+            "fp16": {"enabled": cfg.precision == "fp16", "auto_cast": False}}
+
+
+def train_config(cfg: EngineConfig, train: TrainConfig, stage: int, world_size: int, pin_memory: bool) -> dict:
+    """A trained model's config. Accumulation is the loop's (`managed_gradient_accumulation: false`): it calls
+    backward once per micro-batch with a normalised loss and step once per optimizer step."""
+    zero: dict = {"stage": stage}
+    if cfg.offload_optimizer and stage > 0:
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": pin_memory}
+    if cfg.offload_params and stage == 3:
+        zero["offload_param"] = {"device": "cpu", "pin_memory": pin_memory}
+    return {
+        "train_micro_batch_size_per_gpu": train.micro_batch_size,
+        "gradient_accumulation_steps": 1,
+        "train_batch_size": train.micro_batch_size * world_size,
+        "managed_gradient_accumulation": False,
+        "gradient_clipping": train.max_grad_norm if train.max_grad_norm > 0 else 0.0,
+        "zero_optimization": zero,
+        "steps_per_print": 10**12,
+        "wall_clock_breakdown": False,
+        **precision(cfg),
+    }
+
+
+def eval_config(cfg: EngineConfig, stage: int, world_size: int) -> dict:
+    """A frozen model's config: partitioned with ZeRO-3 when the trained models are, else whole on each rank."""
+    zero = {"stage": 3 if stage == 3 else 0}
+    if cfg.offload_params and stage == 3:
+        zero["offload_param"] = {"device": "cpu"}
+    return {"train_micro_batch_size_per_gpu": 1, "train_batch_size": world_size, "zero_optimization": zero,
+            "steps_per_print": 10**12, **precision(cfg)}
+
+
+def _get(config: dict, dotted: str):
+    node = config
+    for part in dotted.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return None
+        node = node[part]
+    return node
+
+
+def _same(ours, theirs) -> bool:
+    if isinstance(ours, bool) or isinstance(theirs, bool):
+        return bool(ours) == bool(theirs)
+    if isinstance(ours, (int, float)) and isinstance(theirs, (int, float)):
+        return float(ours) == float(theirs)
+    return ours == theirs
+
+
+def _offload_device(value) -> str:
+    return "none" if value in (None, "none") else str(value)
+
+
+def check_user_config(user: dict, source: str, cfg: EngineConfig, train: TrainConfig | None,
+                      world_size: int) -> None:
+    """ConfigError when the user's JSON sets an owned key to something else than what `engine.*` / `train.*`
+    give (for every trained role's stage); silent when it only adds other keys or repeats ours."""
+    problems = [f"'{key}' (rlhfkit builds it from {owner})" for key, owner in BUILT.items() if key in user]
+    roles = ("policy", "critic")
+    generated = [train_config(cfg, train, stage_of(cfg, role), world_size, False) if train is not None
+                 else {"zero_optimization": {"stage": stage_of(cfg, role)}, **precision(cfg)} for role in roles]
+    for key, owner in OWNED.items():
+        theirs = _get(user, key)
+        if theirs is None:
+            continue
+        for role, ours_config in zip(roles, generated):
+            ours = _get(ours_config, key)
+            if key.endswith(".device"):
+                ours, theirs = _offload_device(ours), _offload_device(theirs)
+            elif ours is None:
+                continue  # a training key when no train config is known
+            if not _same(ours, theirs):
+                name = "engine.critic_zero_stage" if role == "critic" and key == "zero_optimization.stage" \
+                    and cfg.critic_zero_stage is not None else owner
+                problems.append(f"{key} = {theirs!r}, but {name} gives {ours!r}")
+                break
+    if problems:
+        raise ConfigError(f"config key 'engine.deepspeed_config': {source} contradicts rlhfkit's settings: "
+                          f"{'; '.join(problems)}. Remove those keys from the JSON or change the rlhfkit keys "
+                          f"(config.yaml records the rlhfkit keys, so they must be what runs)")
+
+
+def merged_config(generated: dict, user: dict) -> dict:
+    """The user's JSON merged over a generated config (only keys `check_user_config` let through)."""
+    return deep_merge(generated, user)

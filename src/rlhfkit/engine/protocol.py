@@ -1,0 +1,122 @@
+"""The engine protocol: the one owner of devices, ranks, sharding, loss normalisation, ZeRO and checkpoints.
+
+Loops, data and models talk to an `Engine` and the `Trainable`s it prepares, and to nothing else that knows
+about processes or backends: no loop reads `RANK`, checks a ZeRO-3 parameter or names a DeepSpeed class. Two
+engines implement it side by side (`LocalEngine`: one process, one device; `DeepSpeedEngine`: ZeRO 0-3,
+offload, many ranks and nodes); `make_engine(cfg.engine)` picks one.
+
+The contract a loop relies on:
+- **Sharding.** A step's global batch is the same list on every rank; `engine.shard(rows)` is this rank's
+  contiguous share (the local engine: all of it).
+- **Loss normalisation.** `trainable.backward(loss_sum, total)` back-propagates `loss_sum / total`, where
+  `loss_sum` is this rank's summed loss over a micro-batch and `total` the count it is averaged over across
+  all ranks and micro-batches (`engine.total(local_count)`): the gradient of one optimizer step is the global
+  mean, whatever the micro-batch size, accumulation and number of ranks.
+- **Reductions.** `reduce_sum` (a number over ranks), `reduce_mean` (a metrics dict averaged over ranks).
+- **Main-rank output.** `is_main` says whether this process writes files and logs; `say(text)` prints a line
+  on the main rank only.
+- **Models per role.** `prepare(model, train, total_steps, role)` returns a `Trainable` (optimizer, schedule,
+  the role's ZeRO stage); `prepare_frozen(model, role)` an inference model (partitioned like the trained ones
+  under ZeRO-3). `gathered(module)` gives a module to generate with (ZeRO-3: parameters gathered once per
+  rollout) and `generation_kwargs(module)` what generate() needs on this backend; `on_device(module)` holds an
+  offloaded frozen model on the compute device for a block.
+- **Checkpoints and export.** `save_checkpoint` / `load_checkpoint` (atomic, `latest` pointer) and
+  `export_hf` (a plain transformers folder, LoRA merged, ZeRO-3 gathered, written by the main rank).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+from typing import Protocol, Sequence, TypeVar, runtime_checkable
+
+import torch
+
+from rlhfkit.config.schema import TrainConfig
+
+T = TypeVar("T")
+
+ROLES = ("policy", "critic", "reward_model")  # trained roles; frozen ones: "reference", "reward"
+
+
+@runtime_checkable
+class Trainable(Protocol):
+    """A model with its optimizer and schedule, prepared by an engine. Call `.module` for forward passes."""
+
+    module: torch.nn.Module
+
+    @property
+    def lr(self) -> float:
+        """The learning rate the next step uses."""
+
+    def backward(self, loss_sum: torch.Tensor, total: float) -> None:
+        """Accumulate the gradient of `loss_sum / total` (`total`: the global count, see the module doc).
+        A non-finite loss is not back-propagated and its step is skipped."""
+
+    def step(self) -> dict:
+        """Clip, update, advance the schedule, zero the gradients; returns {"grad_norm"} (+ "skipped": 1.0
+        when the step changed nothing because a loss or gradient was not finite)."""
+
+    def train(self, mode: bool = True) -> "Trainable":
+        """Train / eval mode of the module."""
+
+    def save(self, folder: Path, name: str) -> None:
+        """Weights, optimizer and schedule into `folder` under `name` (part of a checkpoint)."""
+
+    def load(self, folder: Path, name: str) -> None:
+        """The inverse of `save`."""
+
+
+@runtime_checkable
+class Engine(Protocol):
+    name: str
+    rank: int
+    world_size: int
+    is_main: bool
+    device: torch.device
+
+    # -- ranks -----------------------------------------------------------------------------------------
+    def shard(self, items: Sequence[T]) -> list[T]:
+        """This rank's contiguous share of a global batch (its length divides evenly over the ranks)."""
+
+    def total(self, local: float) -> float:
+        """A count summed over ranks, at least 1: what a summed loss is divided by in `Trainable.backward`."""
+
+    def reduce_sum(self, value: float) -> float:
+        """`value` summed over ranks."""
+
+    def reduce_mean(self, metrics: dict) -> dict:
+        """The numeric entries of `metrics` averaged over ranks (others unchanged)."""
+
+    def barrier(self) -> None:
+        """Wait for every rank."""
+
+    def say(self, text: str) -> None:
+        """Print a line to stderr on the main rank."""
+
+    # -- models ----------------------------------------------------------------------------------------
+    def prepare(self, model: torch.nn.Module, train: TrainConfig, total_steps: int, role: str = "policy",
+                lr: float | None = None) -> Trainable:
+        """A trainable model for `role` (its ZeRO stage), AdamW and the warmup/decay schedule of `train`."""
+
+    def prepare_frozen(self, model: torch.nn.Module, role: str = "reference") -> torch.nn.Module:
+        """An inference model (no gradients, eval mode) placed and partitioned for this backend."""
+
+    def gathered(self, module: torch.nn.Module) -> contextlib.AbstractContextManager:
+        """A context giving the module to generate with, its full parameters at hand."""
+
+    def generation_kwargs(self, module: torch.nn.Module) -> dict:
+        """Extra generate() arguments this backend needs (ZeRO-3 ranks must keep stepping together)."""
+
+    def on_device(self, module: torch.nn.Module | None) -> contextlib.AbstractContextManager:
+        """A context holding an offloaded frozen model on the compute device."""
+
+    # -- checkpoints and export --------------------------------------------------------------------------
+    def save_checkpoint(self, folder: Path, step: int, trainables: dict, state: dict, keep: int = 2) -> Path:
+        """folder/step-N with every trainable, `state` and the RNG states; `latest` names it once complete."""
+
+    def load_checkpoint(self, folder: Path, trainables: dict) -> dict:
+        """Load folder/latest into `trainables` and the RNG states; returns `state` (with "step")."""
+
+    def export_hf(self, model: torch.nn.Module, tokenizer, target: Path, in_place: bool = True) -> Path:
+        """A plain transformers folder that `from_pretrained` loads (LoRA merged, ZeRO-3 gathered)."""

@@ -1,0 +1,97 @@
+"""What both engines write the same way: atomic folders, the `latest` checkpoint pointer, RNG states and the
+plain transformers folder of an export."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import os
+import random
+import shutil
+from pathlib import Path
+
+import torch
+
+from rlhfkit.models.lora import base_model, is_lora, merged
+
+
+def rng_state() -> dict:
+    state = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def fsync_dir(path: Path) -> None:
+    with contextlib.suppress(OSError):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def atomic_folder(target: Path):
+    """Write a folder under a temporary name and rename it into place, so a crash never leaves it half-written."""
+
+    @contextlib.contextmanager
+    def writer():
+        tmp = target.with_name(target.name + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        try:
+            yield tmp
+            for f in tmp.iterdir():
+                if f.is_file():
+                    with open(f, "rb") as fh:
+                        os.fsync(fh.fileno())
+            if target.exists():
+                shutil.rmtree(target)
+            os.replace(tmp, target)
+            fsync_dir(target.parent)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+
+    return writer()
+
+
+def publish_checkpoint(folder: Path, target: Path, keep: int) -> None:
+    """Point `latest` at a complete checkpoint (atomically, after it was written), then drop all but the
+    last `keep` ones: a crash at any moment leaves `latest` naming a loadable checkpoint."""
+    pointer = folder / "latest.tmp"
+    pointer.write_text(target.name)
+    os.replace(pointer, folder / "latest")
+    old = sorted(p for p in folder.glob("step-*") if p.is_dir() and not p.name.endswith(".tmp"))
+    for stale in old[:-keep] if keep > 0 else []:
+        shutil.rmtree(stale, ignore_errors=True)
+
+
+def latest_checkpoint(folder: Path) -> Path:
+    pointer = folder / "latest"
+    if not pointer.is_file():
+        raise FileNotFoundError(f"no checkpoint to resume from in '{folder}' (no 'latest' file)")
+    target = folder / pointer.read_text().strip()
+    if not target.is_dir():
+        raise FileNotFoundError(f"checkpoint '{target}' named by '{pointer}' is missing")
+    return target
+
+
+def write_hf_folder(model: torch.nn.Module, tokenizer, target: Path, in_place: bool = True) -> Path:
+    """A plain transformers folder (safetensors, tokenizer, LoRA merged) that from_pretrained loads. LoRA is
+    merged into `model` itself unless `in_place=False` (then into a copy)."""
+    if is_lora(model) and not in_place:
+        model = copy.deepcopy(model)
+    plain = merged(model)
+    with atomic_folder(target) as tmp:
+        base_model(plain).save_pretrained(tmp, safe_serialization=True)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
+    return target

@@ -1,0 +1,64 @@
+"""The loop every stage shares: this rank's rows of each step, and the tail of a step (skipped-step count,
+evaluation, logging, checkpoint, clean stop on a signal).
+
+    with TrainLoop(engine, out, "sft", total, cfg.train, log, {"model": model}, evaluate=...) as loop:
+        for step, epoch, rows in loop.steps(data.train, start):
+            metrics = ...one optimizer step on rows...
+            loop.end_step(step + 1, metrics)
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable, Optional
+
+from rlhfkit.config.schema import TrainConfig
+from rlhfkit.stages.common import MetricsLogger, batches
+from rlhfkit.stages.guard import RunGuard
+
+
+class TrainLoop:
+    """`trainables` and `state()` are what a checkpoint holds; `evaluate()` (None: no eval data) returns the
+    eval metrics, run every `train.eval_every` steps and after the last; `show` are the metrics on the bar."""
+
+    def __init__(self, engine, out: Path, stage: str, total: int, train: TrainConfig, log: MetricsLogger,
+                 trainables: dict, state: Callable[[], dict] = dict, evaluate: Optional[Callable[[], dict]] = None,
+                 show: tuple[str, ...] = ()):
+        self.engine, self.total, self.train, self.log = engine, total, train, log
+        self.trainables, self.state, self.evaluate, self.show = trainables, state, evaluate, show
+        self.guard = RunGuard(engine, out, stage)
+        self.last_eval: dict = {}
+
+    def __enter__(self) -> "TrainLoop":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.guard.close()
+
+    def steps(self, rows: list, start: int = 0):
+        """(step, epoch, this rank's share of the step's rows) from `start` to the last step: every rank draws
+        the same global batch (a seeded permutation per epoch) and keeps its own slice."""
+        for step, epoch, idx in batches(len(rows), self.train.batch_size, self.train.seed, start):
+            if step >= self.total:
+                return
+            yield step, epoch, self.engine.shard([rows[i] for i in idx])
+
+    def due(self, every: int, done: int) -> bool:
+        return every > 0 and done % every == 0
+
+    def end_step(self, done: int, metrics: dict, skipped: bool = False) -> None:
+        """After optimizer step `done` (1-based): count a skipped step, evaluate, log, checkpoint, and stop
+        cleanly when a signal asked for it (RunStopped after saving)."""
+        self.guard.check_step(done, {"skipped": skipped or bool(metrics.get("skipped"))}, self.log)
+        last = done == self.total
+        if self.evaluate is not None and (self.due(self.train.eval_every, done) or last):
+            self.last_eval = self.evaluate()
+            metrics.update(self.last_eval)
+        if done % self.train.log_every == 0 or last or self.last_eval.keys() & metrics.keys():
+            self.log.log(done, metrics, show=self.show)
+        self.log.advance()
+        keep = self.train.keep_checkpoints
+        if self.due(self.train.save_every, done) and not last:
+            self.guard.save(done, self.trainables, self.state(), keep)
+        if self.guard.stop_requested() and not last:
+            self.guard.stop(done, self.trainables, self.state(), keep)

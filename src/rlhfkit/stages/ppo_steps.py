@@ -1,0 +1,177 @@
+"""The four steps of a PPO iteration, one call each, and the state they carry between iterations.
+
+1. `generate`: one response per prompt (KV cache, left padding, stop at EOS), keeping the sampled tokens'
+   log-probs: they are the old log-probs, so the actor needs no extra forward.
+2. `score`: the frozen reward model / function on prompt + response (normalised, missing-EOS penalty).
+3. `make_experience`: the reference's log-probs, the critic's values, per-token rewards (score on the last
+   valid token, -beta * KL everywhere; Ziegler et al. 2019) and the advantages of `ppo.advantage_estimator`
+   (a name in `rollout/estimators.py`).
+4. `optimise`: PPO epochs x mini-batches of clipped-surrogate actor steps (+ PPO-ptx) and clipped-value critic
+   steps. With one optimizer step per rollout the critic's values come out of its own update's forward
+   (`critic_update_with_values`): the same numbers as a separate values pass, computed once.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+import torch
+
+from rlhfkit.algos import AdaptiveKLController, FixedKLController
+from rlhfkit.config.ppo_schema import PPOConfig
+from rlhfkit.models.ema import EMA
+from rlhfkit.rollout.batch import RolloutBatch
+from rlhfkit.rollout.estimators import ESTIMATORS
+from rlhfkit.rollout.evaluate import evaluate_policy, generate_all
+from rlhfkit.rollout.experience import (add_model_outputs, add_rewards, adjust_scores, ended_with_eos,
+                                        finish_advantages, kl_per_sequence, sort_by_length)
+from rlhfkit.rollout.generate import eos_token_ids
+from rlhfkit.stages.guard import resume_state
+from rlhfkit.stages.ppo_setup import PPOModels
+from rlhfkit.stages.ppo_update import PtxText, critic_update_with_values, ppo_update, single_step
+
+
+def kl_controller(cfg: PPOConfig):
+    if cfg.ppo.adaptive_kl:
+        return AdaptiveKLController(cfg.ppo.kl_coef, cfg.ppo.kl_target, cfg.ppo.kl_horizon)
+    return FixedKLController(cfg.ppo.kl_coef)
+
+
+def updates_per_iteration(cfg: PPOConfig) -> int:
+    """Optimizer steps per iteration: PPO epochs x mini-batches."""
+    return cfg.ppo.epochs * (cfg.train.batch_size // (cfg.ppo.mini_batch_size or cfg.train.batch_size))
+
+
+@dataclass
+class Scored:
+    rollout: RolloutBatch  # rows sorted by length
+    raw: torch.Tensor  # (B,) the reward as returned
+    scores: torch.Tensor  # (B,) after normalisation and the missing-EOS penalty
+    finished: torch.Tensor  # (B,) bool: the response ended with EOS
+
+
+@dataclass
+class Experience:
+    batch: RolloutBatch  # + old / reference log-probs, KL, rewards (+ values, advantages, returns unless pending)
+    kl: float  # KL to the reference, nats per sequence, averaged over all ranks: what the KL controller follows
+    metrics: dict  # the rollout's metrics, averaged over ranks
+    pending: bool  # values and advantages come with the critic's update (one optimizer step per rollout)
+
+
+class PPOSteps:
+    def __init__(self, cfg: PPOConfig, models: PPOModels, tokenizer, engine, ptx: PtxText | None = None):
+        self.cfg, self.models, self.tokenizer, self.engine, self.ptx = cfg, models, tokenizer, engine, ptx
+        self.actor, self.critic = models.actor, models.critic
+        self.estimator = ESTIMATORS[cfg.ppo.advantage_estimator]
+        # one optimizer step per rollout: the critic's update forward gives the values (no separate pass)
+        self.fused = self.estimator.critic and self.estimator.row_local and single_step(cfg)
+        self.kl_ctl = kl_controller(cfg)
+        self.ema = EMA(self.actor.module, cfg.ema.beta) if cfg.ema.enabled else None
+        self.eos_ids = eos_token_ids(tokenizer, self.actor.module)
+
+    # -- 1. generate ---------------------------------------------------------------------------------------
+    def generate(self, rows: list[dict], timer) -> RolloutBatch:
+        with timer("generate"):
+            rollout = generate_all(self.actor.module, self.engine, self.tokenizer, rows, self.cfg.gen)
+        return sort_by_length(rollout)  # neighbours of similar length: each micro-batch trims its padding
+
+    # -- 2. score ------------------------------------------------------------------------------------------
+    def score(self, rollout: RolloutBatch, timer) -> Scored:
+        reward, engine = self.models.reward, self.engine
+        finished = ended_with_eos(rollout, self.eos_ids)
+        with timer("reward"), engine.on_device(getattr(reward, "model", None)):
+            raw = reward(rollout, finished).float().to(engine.device)
+        return Scored(rollout, raw, adjust_scores(raw, finished, self.cfg.ppo, reward.stats), finished)
+
+    # -- 3. make experience --------------------------------------------------------------------------------
+    def make_experience(self, scored: Scored, timer) -> Experience:
+        cfg, engine, reference = self.cfg, self.engine, self.models.reference
+        values_pass = self.estimator.critic and not self.fused
+        with engine.on_device(reference):
+            batch = add_model_outputs(scored.rollout.to(engine.device), self.actor.module,
+                                      self.critic.module if values_pass else None, reference, cfg.gen.temperature,
+                                      cfg.train.micro_batch_size, old_from_sampling=True, timer=timer)
+        batch = add_rewards(batch, scored.scores, self.kl_ctl.value, cfg.ppo)
+        metrics = {**self.rollout_metrics(scored), "kl": kl_per_sequence(batch)}
+        if not self.fused:
+            batch, advantage_metrics = finish_advantages(batch, *self.estimator.advantages(batch, cfg.ppo), cfg.ppo)
+            metrics.update(advantage_metrics)
+        metrics = engine.reduce_mean(metrics)
+        return Experience(batch, metrics["kl"], metrics, pending=self.fused)
+
+    def rollout_metrics(self, scored: Scored) -> dict:
+        """What the rollout looked like: reward (as returned), score (after normalisation/penalty), lengths."""
+        rollout, raw = scored.rollout, scored.raw
+        return {"reward/mean": raw.mean().item(), "reward/std": raw.std().item() if rollout.size > 1 else 0.0,
+                "score/mean": scored.scores.mean().item(), "kl_coef": self.kl_ctl.value,
+                "response_length": rollout.response_lengths.mean().item(),
+                "response/finished": scored.finished.float().mean().item()}
+
+    # -- 4. optimise ---------------------------------------------------------------------------------------
+    def optimise(self, experience: Experience, iteration: int, timer) -> dict:
+        """The iteration's optimizer steps; returns their metrics (averaged over steps and ranks), the
+        advantage metrics too when the critic's update computed the advantages."""
+        cfg, engine, batch, metrics = self.cfg, self.engine, experience.batch, {}
+        if experience.pending:  # values, advantages and the critic's step from one critic forward
+            batch, advantage_metrics, critic_metrics = critic_update_with_values(batch, self.critic, cfg, engine,
+                                                                                 timer, self.estimator)
+            metrics.update({**engine.reduce_mean(advantage_metrics), **critic_metrics})
+        update_actor = iteration >= cfg.ppo.critic_warmup_iters  # the actor waits while the critic warms up
+        metrics.update(ppo_update(batch, self.actor, self.critic, cfg, engine, iteration, update_actor, self.ptx,
+                                  self.ema, self.tokenizer.pad_token_id, timer, update_critic=not experience.pending))
+        return metrics
+
+    @staticmethod
+    def skipped(metrics: dict) -> bool:
+        return metrics.get("skipped_actor_steps", 0.0) + metrics.get("skipped_critic_steps", 0.0) > 0
+
+    def lrs(self) -> dict:
+        return {"lr": self.actor.lr, "critic_lr": self.critic.lr}
+
+    # -- around the steps ------------------------------------------------------------------------------------
+    def evaluate(self, rows: list[dict]) -> dict:
+        """Held-out eval/reward (one sampled response per prompt, fixed seed) and eval/kl."""
+        metrics, _ = evaluate_policy(self.actor.module, self.models.reference, self.models.reward, self.tokenizer,
+                                     rows, self.cfg.gen, self.engine, self.cfg.train.micro_batch_size,
+                                     self.cfg.train.seed, self.eos_ids)
+        return metrics
+
+    def write_samples(self, out, log, iteration: int, scored: Scored) -> None:
+        """Every ppo.sample_every iterations (and the first): a few (prompt, response, score) triples to
+        samples.jsonl and one line above the bar."""
+        every, n = self.cfg.ppo.sample_every, self.cfg.ppo.num_samples
+        if not log.enabled or n <= 0 or every <= 0 or not (iteration % every == 0 or iteration == 1):
+            return
+        rollout = scored.rollout
+        with open(out / "samples.jsonl", "a", encoding="utf-8") as f:
+            for i in range(min(n, rollout.size)):
+                f.write(json.dumps({"step": iteration, "prompt": rollout.prompt_texts[i],
+                                    "response": rollout.response_texts[i], "score": float(scored.raw[i])}) + "\n")
+        prompt = rollout.prompt_texts[0].replace("\n", " ")[-60:]
+        log.write(f"[{iteration}] {prompt!r} -> {rollout.response_texts[0][:120]!r} "
+                  f"(score {float(scored.raw[0]):.3g})")
+
+    def trainables(self) -> dict:
+        return {"actor": self.actor, "critic": self.critic}
+
+    def checkpoint_state(self) -> dict:
+        return {"kl_ctl": self.kl_ctl.state_dict(), "ema": self.ema.state_dict() if self.ema else None}
+
+    def restore(self, out) -> int:
+        """Models, optimizers, schedules, RNG, KL coefficient and EMA from checkpoints/latest; returns the step."""
+        state = resume_state(self.engine, out, self.trainables())
+        self.kl_ctl.load_state_dict(state["kl_ctl"])
+        if self.ema is not None and state.get("ema") is not None:
+            self.ema.load_state_dict(state["ema"])
+        return state["step"]
+
+    def export(self, out) -> None:
+        """Plain transformers folders (LoRA merged); final/ last, since its presence marks a finished run."""
+        engine, tokenizer = self.engine, self.tokenizer
+        if self.ema is not None:
+            with self.ema.swapped_in(self.actor.module):
+                engine.export_hf(self.actor.module, tokenizer, out / "final-ema", in_place=False)
+        # the critic reads the actor's token ids, so the actor's tokenizer goes with it
+        engine.export_hf(self.critic.module, tokenizer, out / "final-critic")
+        engine.export_hf(self.actor.module, tokenizer, out / "final")

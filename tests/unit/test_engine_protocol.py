@@ -1,0 +1,124 @@
+"""The engine protocol: both engines implement it side by side, the local engine's loss normalisation and
+sharding, the DeepSpeed config check (pure dictionaries), and where backend knowledge may live."""
+
+from __future__ import annotations
+
+import inspect
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from rlhfkit.config.schema import EngineConfig, TrainConfig
+from rlhfkit.engine import Engine, LocalEngine, Trainable
+from rlhfkit.engine import ds_config
+from rlhfkit.errors import ConfigError
+
+SRC = Path(__file__).resolve().parents[2] / "src" / "rlhfkit"
+
+
+def protocol_members(proto) -> list[str]:
+    return [name for name in dir(proto) if not name.startswith("_") and name not in ("register",)]
+
+
+def test_the_local_engine_and_its_trainable_implement_the_protocol():
+    engine = LocalEngine(EngineConfig())
+    assert isinstance(engine, Engine)
+    trainable = engine.prepare(torch.nn.Linear(3, 1), TrainConfig(), total_steps=2, role="critic")
+    assert isinstance(trainable, Trainable)
+
+
+def test_the_deepspeed_engine_implements_the_protocol_without_subclassing():
+    from rlhfkit.engine.deepspeed_engine import DeepSpeedEngine, DeepSpeedTrainable
+
+    assert not issubclass(DeepSpeedEngine, LocalEngine)
+    for proto, impls in ((Engine, (LocalEngine, DeepSpeedEngine)),
+                         (Trainable, (type(LocalEngine().prepare(torch.nn.Linear(2, 1), TrainConfig(), 1)),
+                                      DeepSpeedTrainable))):
+        for name in protocol_members(proto):
+            wanted = getattr(proto, name)
+            for impl in impls:
+                if callable(wanted) and not isinstance(wanted, property):
+                    got = getattr(impl, name, None)
+                    assert callable(got), (impl.__name__, name)
+                    assert list(inspect.signature(got).parameters) == list(inspect.signature(wanted).parameters), \
+                        (impl.__name__, name)
+
+
+def test_backward_takes_a_loss_sum_and_the_global_count():
+    """backward(sum over a micro-batch, count over the step) twice == one backward of the mean."""
+    torch.manual_seed(0)
+    x, w = torch.randn(6, 3), torch.randn(3, 1)
+
+    def grad(micro_batches: list) -> torch.Tensor:
+        layer = torch.nn.Linear(3, 1, bias=False)
+        layer.weight.data = w.T.clone()
+        trainable = LocalEngine().prepare(layer, TrainConfig(), total_steps=1)
+        for part in micro_batches:
+            trainable.backward((trainable.module(part) ** 2).sum(), LocalEngine().total(6))
+        return layer.weight.grad.clone()
+
+    mean = torch.nn.Linear(3, 1, bias=False)
+    mean.weight.data = w.T.clone()
+    (mean(x) ** 2).mean().backward()
+    torch.testing.assert_close(grad([x[:2], x[2:]]), mean.weight.grad)
+    torch.testing.assert_close(grad([x]), mean.weight.grad)
+
+
+def test_one_rank_keeps_every_row_and_counts_at_least_one():
+    engine = LocalEngine()
+    assert engine.shard([3, 1, 2]) == [3, 1, 2] and engine.total(0) == 1 and engine.total(7) == 7
+    assert engine.reduce_mean({"a": 1.0, "b": "x"}) == {"a": 1.0, "b": "x"}
+
+
+def test_roles_get_their_zero_stage():
+    cfg = EngineConfig(backend="deepspeed", zero_stage=3, critic_zero_stage=2)
+    assert [ds_config.stage_of(cfg, r) for r in ("policy", "critic", "reference", "reward")] == [3, 2, 3, 3]
+    assert ds_config.stage_of(EngineConfig(zero_stage=2), "critic") == 2
+
+
+def check(user: dict, **engine):
+    ds_config.check_user_config(user, "ds.json", EngineConfig(backend="deepspeed", **engine),
+                                TrainConfig(micro_batch_size=2, max_grad_norm=1.0), world_size=2)
+
+
+@pytest.mark.parametrize("user, engine, message", [
+    ({"zero_optimization": {"stage": 3}}, {"zero_stage": 2},
+     r"zero_optimization.stage = 3, but engine.zero_stage gives 2"),
+    ({"zero_optimization": {"stage": 2}}, {"zero_stage": 2, "critic_zero_stage": 3},
+     r"zero_optimization.stage = 2, but engine.critic_zero_stage gives 3"),
+    ({"zero_optimization": {"offload_optimizer": {"device": "cpu"}}}, {"zero_stage": 2},
+     r"offload_optimizer.device = 'cpu', but engine.offload_optimizer gives 'none'"),
+    ({"bf16": {"enabled": True}}, {}, r"bf16.enabled = True, but engine.precision gives False"),
+    ({"train_micro_batch_size_per_gpu": 8}, {}, r"= 8, but train.micro_batch_size gives 2"),
+    ({"gradient_clipping": 0.5}, {}, r"gradient_clipping = 0.5, but train.max_grad_norm gives 1.0"),
+    ({"optimizer": {"type": "Adam"}}, {}, r"'optimizer' \(rlhfkit builds it from train.lr"),
+])
+def test_a_deepspeed_json_contradicting_rlhfkit_keys_is_an_error_naming_both(user, engine, message):
+    with pytest.raises(ConfigError, match=r"^config key 'engine.deepspeed_config': ds.json contradicts .*" + message):
+        check(user, **engine)
+
+
+def test_a_deepspeed_json_adding_keys_or_repeating_ours_is_merged():
+    user = {"zero_optimization": {"stage": 2, "reduce_bucket_size": 1000, "offload_optimizer": {"device": "none"}},
+            "bf16": {"enabled": False}, "gradient_clipping": 1, "communication_data_type": "fp32"}
+    check(user, zero_stage=2)
+    generated = ds_config.train_config(EngineConfig(zero_stage=2), TrainConfig(micro_batch_size=2), 2, 2, False)
+    merged = ds_config.merged_config(generated, user)
+    assert merged["zero_optimization"] == {"stage": 2, "reduce_bucket_size": 1000, "offload_optimizer": {"device": "none"}}
+    assert merged["communication_data_type"] == "fp32" and merged["train_batch_size"] == 4
+
+
+def test_backend_knowledge_lives_in_engine_only():
+    """Nothing outside engine/ reads RANK, checks a ZeRO-3 parameter or names a DeepSpeed class."""
+    offenders = []
+    for path in SRC.rglob("*.py"):
+        if path.parent.name == "engine":
+            continue
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            code = line.split("#")[0]
+            if re.search(r"[\"']RANK[\"']|\bds_id\b|\bDeepSpeed(Engine|Trainable)\b|import deepspeed|from deepspeed",
+                         code):
+                offenders.append(f"{path.relative_to(SRC)}:{number}: {line.strip()}")
+    assert not offenders, offenders
