@@ -78,6 +78,19 @@ def test_one_rank_zero0_matches_local(tmp_path, sft_args, local_run):
     assert len(losses) == 12 and losses == pytest.approx(local, abs=1e-5)
 
 
+def test_a_deepspeed_json_contradicting_engine_keys_fails_before_anything_is_written(tmp_path, sft_args):
+    user = tmp_path / "ds.json"
+    user.write_text(json.dumps({"zero_optimization": {"stage": 3, "reduce_bucket_size": 1000}}))
+    out = tmp_path / "run"
+    res = run_cli("sft", *sft_args, f"output_dir={out}", "engine.backend=deepspeed", "engine.zero_stage=2",
+                  f"engine.deepspeed_config={user}")
+    assert res.returncode == 2, res.stderr[-2000:]
+    error = [line for line in res.stderr.splitlines() if "error:" in line]
+    assert len(error) == 1 and error[0].startswith("rlhfkit sft: error: config key 'engine.deepspeed_config': ")
+    assert "zero_optimization.stage = 3, but engine.zero_stage gives 2" in error[0]
+    assert not out.exists()
+
+
 def test_resume_from_deepspeed_checkpoint_continues_the_curve(tmp_path, sft_args):
     out = tmp_path / "run"
     args = [*sft_args, f"output_dir={out}", "engine.backend=deepspeed", "engine.zero_stage=2", "train.save_every=6"]

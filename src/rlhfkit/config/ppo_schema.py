@@ -10,47 +10,29 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from rlhfkit.config.fields import option
-from rlhfkit.config.schema import DataConfig, EngineConfig, LoadConfig, LogConfig, LoraConfig, TrainConfig
+from rlhfkit.config.schema import (DataConfig, EngineConfig, LoadConfig, LogConfig, LoraConfig, SourceOptions,
+                                   TrainConfig, source_options)
 from rlhfkit.errors import ConfigError
 
 
 @dataclass
-class PPODataConfig:
+class PPODataConfig(SourceOptions):
+    """The shared source options (`SourceOptions`, read for the prompts) plus the prompt and PPO-ptx sources."""
+
     prompts: Any = option(None, "prompts to roll out: a file, save_to_disk folder or hub name (any SFT or "
                                 "preference format, or {prompt}), or a list of {path, weight} to mix")
     ptx: Optional[str] = option(None, "PPO-ptx pretraining text: a .txt file (documents split by <|endoftext|> "
                                       "or blank lines) or rows with a `text` field; used when ptx.coef > 0")
     eval_prompts: Optional[str] = option(None, "held-out prompts for eval/reward; default: a split of prompts")
-    eval_fraction: float = option(0.05, "fraction of prompts held out for evaluation when eval_prompts is unset")
-    eval_max_rows: int = option(64, "at most this many evaluation prompts (each eval generates for all of them)")
     max_prompt_length: int = option(256, "prompt tokens; longer prompts keep their end")
-    format: str = option("auto", "row format of the prompt source: auto (detected) or a format name")
-    fields: dict = option({}, "rename fields, canonical->yours, e.g. {prompt: question}")
-    template: str = option("auto", "auto: the tokenizer's chat template if it has one, else plain; or chat|plain",
-                           choices=("auto", "chat", "plain"))
-    split: str = option("train", "split to read from a save_to_disk DatasetDict or a hub dataset")
-    max_rows: int = option(-1, "use at most this many training prompts (-1: all)")
-    preset: Optional[str] = option(None, "seed-dataset preset for a local prompt path, e.g. Dahoas/rm-static")
-    local_dir: Optional[str] = option(None, "folder of local dataset copies (owner/name inside); default: "
-                                            "$RLHFKIT_DATA_DIR")
-    split_fractions: list = option([], "DeepSpeed-Chat's data_split shares, e.g. [2, 4, 4]; ppo reads share "
-                                       "data.split_index")
+    # the two shared options whose default differs for prompts
+    eval_max_rows: int = option(64, "at most this many evaluation prompts (each eval generates for all of them)")
     split_index: int = option(2, "which share of data.split_fractions the prompts come from (pipeline: 2)")
-    strict_rows: bool = option(False, "a prompt row with nothing to answer (no user turn, an empty last turn, a "
-                                      "chat template that refuses it) is an error naming file:line, instead of "
-                                      "skipped and counted")
-    cache: bool = option(True, "cache tokenised prompts under data.cache_dir")
-    cache_dir: Optional[str] = option(None, "tokenised-data cache folder; default: $RLHFKIT_CACHE_DIR, else "
-                                            "~/.cache/rlhfkit")
 
     def as_prompt_data(self) -> DataConfig:
         """The DataConfig that `load_stage_data("prompts", ...)` reads (max_length = the prompt budget)."""
-        return DataConfig(train=self.prompts, eval=self.eval_prompts, eval_fraction=self.eval_fraction,
-                          eval_max_rows=self.eval_max_rows, max_length=self.max_prompt_length, format=self.format,
-                          fields=self.fields, template=self.template, split=self.split, max_rows=self.max_rows,
-                          preset=self.preset, local_dir=self.local_dir, split_fractions=self.split_fractions,
-                          split_index=self.split_index, strict_rows=self.strict_rows, cache=self.cache,
-                          cache_dir=self.cache_dir)
+        return DataConfig(train=self.prompts, eval=self.eval_prompts, max_length=self.max_prompt_length,
+                          **source_options(self))
 
 
 @dataclass

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -10,23 +11,21 @@ from rlhfkit.errors import ConfigError
 
 
 @dataclass
-class DataConfig:
-    train: Any = option(None, "training data: a .jsonl/.json/.parquet/.csv file, a save_to_disk folder, a hub "
-                              "name, or a list of {path, weight} to mix")
-    eval: Optional[str] = option(None, "evaluation data (same kinds as train); default: a split of train")
-    eval_fraction: float = option(0.05, "fraction of train held out for evaluation when data.eval is unset")
+class SourceOptions:
+    """How a stage reads its data source: one block shared by every stage's `data` section (SFT and RM rows in
+    DataConfig, PPO prompts in PPODataConfig); each adds its source keys and its token budget."""
+
+    eval_fraction: float = option(0.05, "fraction of the training rows held out for evaluation when no eval source "
+                                        "is set")
     eval_max_rows: int = option(512, "at most this many evaluation rows (keeps eval fast)")
-    max_length: int = option(512, "tokens per sequence (prompt + response); longer rows are truncated")
     format: str = option("auto", "row format: auto (detected) or a format name (see the README's data table)")
     fields: dict = option({}, "rename fields, canonical->yours, e.g. {prompt: question, response: answer}")
     template: str = option("auto", "auto: the tokenizer's chat template if it has one, else plain; or chat|plain",
                            choices=("auto", "chat", "plain"))
-    loss_on: str = option("response", "sft: train on response tokens only, or on the whole sequence",
-                          choices=("response", "all"))
     split: str = option("train", "split to read from a save_to_disk DatasetDict or a hub dataset")
     max_rows: int = option(-1, "use at most this many training rows (-1: all)")
     preset: Optional[str] = option(None, "seed-dataset preset for a local path, e.g. Dahoas/rm-static (README: "
-                                         "Seed datasets): sets format and eval split; implied when data.train is "
+                                         "Seed datasets): sets format and eval split; implied when the source is "
                                          "a preset's name")
     local_dir: Optional[str] = option(None, "folder of local dataset copies: hub name owner/name is read from "
                                             "<local_dir>/owner/name (folder) or <local_dir>/owner/name.jsonl when "
@@ -36,8 +35,6 @@ class DataConfig:
                                        "(fixed shuffle, same in every step); [] = all rows")
     split_index: int = option(0, "which share of data.split_fractions this step reads (0-based; pipeline: 0 sft, "
                                  "1 rm, 2 ppo)")
-    on_long_prompt: str = option("drop", "a row whose prompt alone fills max_length: drop it (counted in the log) "
-                                         "or error (names file:line)", choices=("drop", "error"))
     strict_rows: bool = option(False, "a row with nothing to learn from (no user turn, an empty turn to answer or "
                                       "reply, a chat template that refuses it) is an error naming file:line, "
                                       "instead of skipped and counted in the log")
@@ -45,6 +42,23 @@ class DataConfig:
                                "and data options skips reading and tokenising")
     cache_dir: Optional[str] = option(None, "tokenised-data cache folder; default: $RLHFKIT_CACHE_DIR, else "
                                             "~/.cache/rlhfkit")
+
+
+def source_options(cfg: SourceOptions) -> dict:
+    """The shared block's values, to build one data section from another."""
+    return {f.name: getattr(cfg, f.name) for f in dataclasses.fields(SourceOptions)}
+
+
+@dataclass
+class DataConfig(SourceOptions):
+    train: Any = option(None, "training data: a .jsonl/.json/.parquet/.csv file, a save_to_disk folder, a hub "
+                              "name, or a list of {path, weight} to mix")
+    eval: Optional[str] = option(None, "evaluation data (same kinds as train); default: a split of train")
+    max_length: int = option(512, "tokens per sequence (prompt + response); longer rows are truncated")
+    loss_on: str = option("response", "sft: train on response tokens only, or on the whole sequence",
+                          choices=("response", "all"))
+    on_long_prompt: str = option("drop", "a row whose prompt alone fills max_length: drop it (counted in the log) "
+                                         "or error (names file:line)", choices=("drop", "error"))
 
 
 @dataclass
