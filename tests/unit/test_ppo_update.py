@@ -16,6 +16,7 @@ from rlhfkit.models import load_causal_lm, load_scalar_model, load_tokenizer
 from rlhfkit.models.ema import EMA
 from rlhfkit.rollout import add_advantages, add_model_outputs, generate_all
 from rlhfkit.rollout.experience import add_rewards
+from rlhfkit.rollout.batch import RolloutBatch
 from rlhfkit.rollout.experience import response_logprobs
 from rlhfkit.stages.ppo_setup import load_ppo_models
 from rlhfkit.stages.ppo_update import PtxText, critic_update_with_values, ppo_update, single_step
@@ -170,3 +171,27 @@ def test_config_errors_name_the_key_and_help_lists_fields(tmp_path):
     fields = help_text(PPOConfig)
     for key in ("ppo.kl_coef", "ppo.critic_lr", "gen.top_p", "ptx.coef", "ema.beta", "data.max_prompt_length"):
         assert key in fields
+
+
+def test_advantage_estimators_are_a_table_the_config_names():
+    """`ppo.advantage_estimator` offers exactly the table's entries; GAE's entry is compute_gae on the batch."""
+    import dataclasses
+
+    from rlhfkit.algos import compute_gae
+    from rlhfkit.config.ppo_schema import PPOSection
+    from rlhfkit.rollout.estimators import ESTIMATORS
+
+    field = {f.name: f for f in dataclasses.fields(PPOSection)}["advantage_estimator"]
+    assert tuple(field.metadata["choices"]) == tuple(ESTIMATORS)
+    torch.manual_seed(0)
+    batch = RolloutBatch(prompt_ids=torch.ones(2, 1, dtype=torch.long), prompt_mask=torch.ones(2, 1),
+                         response_ids=torch.ones(2, 3, dtype=torch.long),
+                         response_mask=torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]]),
+                         prompt_texts=["a", "b"], response_texts=["c", "d"], messages=[None, None],
+                         rewards=torch.randn(2, 3), values=torch.randn(2, 3))
+    cfg = PPOSection(gamma=0.9, lam=0.8)
+    got = ESTIMATORS["gae"].advantages(batch, cfg)
+    want = compute_gae(batch.rewards, batch.values, batch.response_mask, 0.9, 0.8)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b)
+    assert ESTIMATORS["gae"].critic and ESTIMATORS["gae"].row_local
