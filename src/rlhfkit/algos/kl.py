@@ -9,7 +9,7 @@ from pi, using only the log-probabilities of the sampled token under both models
 
 from __future__ import annotations
 
-from typing import Callable, Dict
+from typing import Callable, Dict, Optional
 
 import torch
 
@@ -34,13 +34,18 @@ KL_ESTIMATORS: Dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] =
 }
 
 
-def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str = "k1") -> torch.Tensor:
+def kl_penalty(
+    logp: torch.Tensor, ref_logp: torch.Tensor, kind: str = "k1", *, clamp: Optional[float] = None
+) -> torch.Tensor:
     """Per-token estimate of KL(pi || ref) from tokens sampled from pi.
 
     Args:
         logp: ``(B, T)`` log-probabilities of the sampled tokens under the policy pi.
         ref_logp: ``(B, T)`` log-probabilities of the same tokens under the reference model.
         kind: ``"k1"``, ``"k2"`` or ``"k3"`` (see the module docstring).
+        clamp: if given, the estimate is clamped to ``[-clamp, clamp]``. Meant for k3, whose exp(ref - logp)
+            explodes on tokens the reference finds far likelier than the policy (verl clamps k3 at 10); it
+            applies to whichever ``kind`` is chosen. None (the default) leaves the estimate as is.
 
     Returns:
         ``(B, T)`` per-token estimates (not masked; the caller masks).
@@ -49,7 +54,10 @@ def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str = "k1") -> 
         estimator = KL_ESTIMATORS[kind]
     except KeyError:
         raise ValueError(f"unknown KL estimator {kind!r}; valid kinds: {sorted(KL_ESTIMATORS)}") from None
-    return estimator(logp, ref_logp)
+    if clamp is not None and clamp <= 0:
+        raise ValueError(f"KL clamp must be > 0, got {clamp}")
+    kl = estimator(logp, ref_logp)
+    return kl if clamp is None else kl.clamp(-clamp, clamp)
 
 
 class FixedKLController:

@@ -65,14 +65,34 @@ class PPOSection:
     kl_target: float = option(6.0, "adaptive KL: target KL per sequence, in nats")
     kl_horizon: float = option(10000.0, "adaptive KL: horizon in samples")
     kl_loss_coef: float = option(0.0, "coefficient of a k3 KL-to-reference term in the actor loss (0 = off)")
-    advantage_estimator: str = option("gae", "how advantages are estimated (rollout/estimators.py): gae = GAE "
-                                             "with the critic's values", choices=("gae",))
+    advantage_estimator: str = option("gae", "how advantages are estimated (rollout/estimators.py): gae (PPO: GAE "
+                                             "with a critic); critic-free, no critic loaded: grpo, rloo, "
+                                             "reinforce_pp, reinforce_pp_baseline",
+                                      choices=("gae", "grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline"))
+    n_samples_per_prompt: int = option(1, "responses sampled per prompt, kept together as a group (grpo, rloo and "
+                                          "reinforce_pp_baseline compare them; need >= 2); an iteration holds "
+                                          "train.batch_size x this many samples")
+    grpo_scale_by_std: bool = option(True, "grpo: divide by the group's std; false = Dr.GRPO (Liu et al. 2025)")
     gamma: float = option(1.0, "GAE discount")
     lam: float = option(0.95, "GAE lambda")
-    clip_eps: float = option(0.2, "policy ratio clip range")
+    clip_eps: float = option(0.2, "policy ratio clip range (the lower side when clip_eps_high is set)")
+    clip_eps_high: Optional[float] = option(None, "upper clip range, ratio <= 1 + clip_eps_high (DAPO's "
+                                                  "clip-higher, e.g. 0.28); null = clip_eps")
+    dual_clip: Optional[float] = option(None, "dual-clip constant c > 1: for negative advantages the token loss "
+                                              "is capped at -c * A (Ye et al. 2020); null = off")
+    ratio_level: str = option("token", "importance ratio per token, or per sequence (GSPO: exp of the mean "
+                                       "log-ratio of the response)", choices=("token", "sequence"))
+    loss_aggregation: str = option("token-mean", "how the policy loss averages: over all tokens of the batch, "
+                                                 "per sequence then over sequences (mean or sum of its tokens), "
+                                                 "or Dr.GRPO's sum / (sequences x gen.max_new_tokens)",
+                                   choices=("token-mean", "seq-mean-token-mean", "seq-mean-token-sum",
+                                            "seq-mean-token-sum-norm"))
+    log_ratio_clamp: Optional[float] = option(None, "clamp log(pi / pi_old) to [-x, x] before exp (verl: 20); "
+                                                    "null = off")
     value_clip: Optional[float] = option(0.2, "value clip range around the rollout's values (null = off)")
     epochs: int = option(1, "PPO epochs over each rollout (more than 1 is often unstable for LMs)")
-    mini_batch_size: int = option(0, "rollouts per optimizer step, over all ranks (0 = train.batch_size)")
+    mini_batch_size: int = option(0, "samples per optimizer step, over all ranks (0 = all of the iteration's: "
+                                     "train.batch_size x n_samples_per_prompt)")
     whiten_advantages: bool = option(True, "normalise advantages to mean 0, std 1 over valid tokens")
     score_clip: Optional[float] = option(5.0, "clamp reward scores to [-x, x] (null = off)")
     normalize_reward: bool = option(False, "standardise RM scores with the rlhfkit_reward_mean/std stored in "
@@ -90,8 +110,18 @@ class PPOSection:
             raise ConfigError(f"config key '{prefix}kl_target': adaptive KL needs kl_target > 0 and kl_horizon > 0")
         if self.epochs < 1:
             raise ConfigError(f"config key '{prefix}epochs': must be >= 1")
-        if self.clip_eps <= 0:
-            raise ConfigError(f"config key '{prefix}clip_eps': must be > 0")
+        if self.clip_eps <= 0 or (self.clip_eps_high is not None and self.clip_eps_high <= 0):
+            raise ConfigError(f"config key '{prefix}clip_eps': clip ranges must be > 0")
+        if self.dual_clip is not None and self.dual_clip <= 1:
+            raise ConfigError(f"config key '{prefix}dual_clip': must be > 1 (or null)")
+        if self.n_samples_per_prompt < 1:
+            raise ConfigError(f"config key '{prefix}n_samples_per_prompt': must be >= 1")
+        if self.advantage_estimator in ("grpo", "rloo", "reinforce_pp_baseline") and self.n_samples_per_prompt < 2:
+            raise ConfigError(f"config key '{prefix}n_samples_per_prompt': {self.advantage_estimator} compares the "
+                              f"samples of one prompt, so it needs at least 2 (got {self.n_samples_per_prompt})")
+        if self.advantage_estimator != "gae" and (self.critic_lr is not None or self.critic_warmup_iters):
+            raise ConfigError(f"config key '{prefix}critic_warmup_iters': {self.advantage_estimator} trains no "
+                              f"critic; unset ppo.critic_lr and ppo.critic_warmup_iters")
 
 
 @dataclass
@@ -147,10 +177,14 @@ class PPOConfig:
             raise ConfigError(f"config key '{prefix}data.prompts': required (a prompt file, folder or hub name)")
         if self.ptx.coef > 0 and not self.data.ptx:
             raise ConfigError(f"config key '{prefix}data.ptx': required when ptx.coef > 0")
+        if self.critic and self.ppo.advantage_estimator != "gae":
+            raise ConfigError(f"config key '{prefix}critic': {self.ppo.advantage_estimator} needs no critic; unset "
+                              f"critic (or use ppo.advantage_estimator=gae)")
         if self.train.max_steps < 1:
             raise ConfigError(f"config key '{prefix}train.max_steps': set the number of PPO iterations (>= 1)")
-        mini = self.ppo.mini_batch_size or self.train.batch_size
-        if self.train.batch_size % mini or mini % self.train.micro_batch_size:
-            raise ConfigError(f"config key '{prefix}ppo.mini_batch_size': {mini} must divide train.batch_size "
-                              f"{self.train.batch_size} and be a multiple of micro_batch_size "
-                              f"{self.train.micro_batch_size}")
+        samples = self.train.batch_size * self.ppo.n_samples_per_prompt
+        mini = self.ppo.mini_batch_size or samples
+        if samples % mini or mini % self.train.micro_batch_size:
+            raise ConfigError(f"config key '{prefix}ppo.mini_batch_size': {mini} must divide the iteration's "
+                              f"{samples} samples (train.batch_size x ppo.n_samples_per_prompt) and be a multiple "
+                              f"of micro_batch_size {self.train.micro_batch_size}")

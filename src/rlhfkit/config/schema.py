@@ -83,9 +83,6 @@ class TrainConfig:
     def validate(self, prefix: str = "") -> None:
         if self.batch_size < 1 or self.micro_batch_size < 1:
             raise ConfigError(f"config key '{prefix}batch_size': batch sizes must be >= 1")
-        if self.batch_size % self.micro_batch_size:
-            raise ConfigError(f"config key '{prefix}batch_size': {self.batch_size} is not a multiple of "
-                              f"micro_batch_size {self.micro_batch_size}")
         if self.lr < 0:
             raise ConfigError(f"config key '{prefix}lr': must be >= 0")
 
@@ -163,6 +160,9 @@ class SFTConfig:
             raise ConfigError(f"config key '{prefix}model': required (a model folder or hub id)")
         if self.data.train is None:
             raise ConfigError(f"config key '{prefix}data.train': required (a data file, folder or hub name)")
+        if self.train.batch_size % self.train.micro_batch_size:  # ppo counts samples, checked in PPOConfig
+            raise ConfigError(f"config key '{prefix}train.batch_size': {self.train.batch_size} is not a multiple of "
+                              f"micro_batch_size {self.train.micro_batch_size}")
 
 
 @dataclass

@@ -27,6 +27,8 @@ class RolloutBatch:
     messages: list = field(default_factory=list)  # B prompt message lists, to re-render for another tokenizer
     sample_logprobs: Optional[torch.Tensor] = None  # (B, R) log pi(token) recorded while sampling, at the
     #                                                 sampling temperature; 0 after EOS
+    group: Optional[torch.Tensor] = None  # (B,) long: which prompt of the iteration a row answers (rows of one
+    #                                       prompt, ppo.n_samples_per_prompt of them, share it; any row order)
     # ---- experience (rollout/experience.py); None until filled
     old_logprobs: Optional[torch.Tensor] = None  # (B, R) log pi_old(token) under the sampling temperature
     ref_logprobs: Optional[torch.Tensor] = None  # (B, R) log pi_ref(token), same temperature
@@ -34,8 +36,8 @@ class RolloutBatch:
     scores: Optional[torch.Tensor] = None  # (B,) reward after normalisation/penalty, before clipping
     kl: Optional[torch.Tensor] = None  # (B, R) per-token KL estimate log pi_old - log pi_ref (k1 by default)
     rewards: Optional[torch.Tensor] = None  # (B, R) score on the last valid token minus kl_coef * kl
-    advantages: Optional[torch.Tensor] = None  # (B, R) GAE advantages (whitened when configured)
-    returns: Optional[torch.Tensor] = None  # (B, R) value targets = GAE advantages + values
+    advantages: Optional[torch.Tensor] = None  # (B, R) advantages of ppo.advantage_estimator
+    returns: Optional[torch.Tensor] = None  # (B, R) returns (GAE: the critic's targets, advantages + values)
 
     @property
     def size(self) -> int:

@@ -140,15 +140,31 @@ def kl_per_sequence(batch: RolloutBatch) -> float:
     return (batch.kl * batch.response_mask).sum(-1).mean().item()
 
 
-def finish_advantages(batch: RolloutBatch, advantages: torch.Tensor, returns: torch.Tensor, cfg: PPOSection):
-    """Store advantages (whitened when configured) and returns. Returns (batch, metrics before whitening)."""
+def whiten_over_ranks(x: torch.Tensor, mask: torch.Tensor, engine, eps: float = 1e-8) -> torch.Tensor:
+    """`masked_whiten` with the mean and (unbiased) variance of the valid elements of every rank's batch."""
+    valid = mask.bool()
+    count = engine.reduce_sum(float(valid.sum()))
+    mean = engine.reduce_sum(float(torch.where(valid, x, torch.zeros_like(x)).sum())) / max(count, 1.0)
+    centred = torch.where(valid, x - mean, torch.zeros_like(x))
+    var = engine.reduce_sum(float((centred ** 2).sum())) / max(count - 1, 1.0)
+    return torch.where(valid, centred / (var + eps) ** 0.5, torch.zeros_like(x))
+
+
+def finish_advantages(batch: RolloutBatch, advantages: torch.Tensor, returns: torch.Tensor, cfg: PPOSection,
+                      whiten: str = "config", engine=None):
+    """Store advantages and returns, the advantages whitened as the estimator says (`estimators.Estimator`):
+    "config" over this rank's valid tokens when `ppo.whiten_advantages`, "global" over every rank's, "none".
+    Returns (batch, metrics before whitening)."""
     mask = batch.response_mask
     metrics = {
         "return/mean": masked_mean(returns, mask).item(),
-        "value/mean": masked_mean(batch.values, mask).item(),
+        **({"value/mean": masked_mean(batch.values, mask).item()} if batch.values is not None else {}),
         "advantage/mean": masked_mean(advantages, mask).item(),
     }
-    if cfg.whiten_advantages:
+    if whiten == "global":  # one process (no engine): the same as over this batch
+        advantages = whiten_over_ranks(advantages, mask, engine) if engine is not None else \
+            masked_whiten(advantages, mask)
+    elif whiten == "config" and cfg.whiten_advantages:
         advantages = masked_whiten(advantages, mask)
     return replace(batch, advantages=advantages, returns=returns), metrics
 
@@ -156,7 +172,8 @@ def finish_advantages(batch: RolloutBatch, advantages: torch.Tensor, returns: to
 def add_advantages(batch: RolloutBatch, scores: torch.Tensor, kl_coef: float, cfg: PPOSection):
     """Per-token rewards, then the advantages and returns of `cfg.advantage_estimator` (GAE: `batch` carries the
     critic's values). Returns (batch, metrics before whitening, with the KL per sequence)."""
+    estimator = ESTIMATORS[cfg.advantage_estimator]
     batch = add_rewards(batch, scores, kl_coef, cfg)
-    advantages, returns = ESTIMATORS[cfg.advantage_estimator].advantages(batch, cfg)
-    batch, metrics = finish_advantages(batch, advantages, returns, cfg)
+    advantages, returns = estimator.advantages(batch, cfg)
+    batch, metrics = finish_advantages(batch, advantages, returns, cfg, estimator.whiten)
     return batch, {"kl": kl_per_sequence(batch), **metrics}

@@ -22,13 +22,15 @@ from rlhfkit.models.loading import load_generation_config
 from rlhfkit.models.lora import apply_lora
 from rlhfkit.models.reward_fn import (FunctionReward, ModelReward, is_function_spec, load_reward_function,
                                      same_tokenization)
+from rlhfkit.rollout.estimators import ESTIMATORS
 from rlhfkit.rollout.generate import ignored_generation_settings
 
 
 @dataclass
 class PPOModels:
     actor: object  # Trainable: the policy
-    critic: object  # Trainable: a scalar-head model giving a value per token
+    critic: Optional[object]  # Trainable: a scalar-head model giving a value per token; None when the advantage
+    #                           estimator needs none (grpo, rloo, reinforce_pp): nothing loaded, trained or saved
     reference: Optional[torch.nn.Module]  # frozen; None = the actor with its LoRA adapter disabled
     reward: Callable  # FunctionReward or ModelReward: rollout batch -> (B,) scores
     notes: list  # which model each role got, for the log
@@ -73,15 +75,21 @@ def load_ppo_models(cfg: PPOConfig, tokenizer, engine, total_updates: int) -> PP
                                              if getattr(reward, "retokenize", False) else ""))
 
     # critic: the RM when it reads the actor's tokens, else the actor with a fresh value head (seeded)
-    if cfg.critic:
+    needs_critic = ESTIMATORS[cfg.ppo.advantage_estimator].critic
+    if not needs_critic:
+        critic_name = None
+        notes.append(f"no critic ({cfg.ppo.advantage_estimator}: {cfg.ppo.n_samples_per_prompt} samples per prompt)")
+    elif cfg.critic:
         _check_vocab(cfg.critic, "critic", tokenizer, cfg.load)
         critic_name = cfg.critic
     elif rm_tok is not None and same_tokenization(rm_tok, tokenizer):
         critic_name = cfg.reward
     else:
         critic_name = cfg.actor
-    critic = apply_lora(load_scalar_model(critic_name, cfg.load, tokenizer), cfg.lora, task="scalar")
-    notes.append(f"critic: {critic_name}" + (" (fresh value head)" if critic_name == cfg.actor else ""))
+    critic = None
+    if critic_name is not None:
+        critic = apply_lora(load_scalar_model(critic_name, cfg.load, tokenizer), cfg.lora, task="scalar")
+        notes.append(f"critic: {critic_name}" + (" (fresh value head)" if critic_name == cfg.actor else ""))
 
     actor = apply_lora(load_causal_lm(cfg.actor, cfg.load, tokenizer), cfg.lora)
     ignored = ignored_generation_settings(actor, cfg.gen)
@@ -100,9 +108,10 @@ def load_ppo_models(cfg: PPOConfig, tokenizer, engine, total_updates: int) -> PP
         notes.append(f"reference: {name}")
 
     actor = engine.prepare(actor, cfg.train, total_updates, role="policy")
-    critic = engine.prepare(critic, cfg.train, total_updates, role="critic", lr=cfg.ppo.critic_lr)
+    if critic is not None:
+        critic = engine.prepare(critic, cfg.train, total_updates, role="critic", lr=cfg.ppo.critic_lr)
     # on CPUs where oneDNN's float32 GEMM beats MKL's (AMD), ~2x faster linears for all four models
-    models = (actor.module, critic.module, reference, getattr(reward, "model", None))
+    models = (actor.module, critic.module if critic else None, reference, getattr(reward, "model", None))
     if sum(use_fast_cpu_linear(m, engine.device) for m in models if m is not None):
         notes.append("CPU linear layers: oneDNN (faster than MKL here)")
     return PPOModels(actor, critic, reference, reward, notes)

@@ -14,7 +14,7 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -29,7 +29,8 @@ from rlhfkit.rollout.experience import (add_model_outputs, add_rewards, adjust_s
 from rlhfkit.rollout.generate import eos_token_ids
 from rlhfkit.stages.guard import resume_state
 from rlhfkit.stages.ppo_setup import PPOModels
-from rlhfkit.stages.ppo_update import PtxText, critic_update_with_values, ppo_update, single_step
+from rlhfkit.stages.ppo_update import (PtxText, critic_update_with_values, mini_batch_size, ppo_update,
+                                      samples_per_iteration, single_step)
 
 
 def kl_controller(cfg: PPOConfig):
@@ -40,7 +41,14 @@ def kl_controller(cfg: PPOConfig):
 
 def updates_per_iteration(cfg: PPOConfig) -> int:
     """Optimizer steps per iteration: PPO epochs x mini-batches."""
-    return cfg.ppo.epochs * (cfg.train.batch_size // (cfg.ppo.mini_batch_size or cfg.train.batch_size))
+    return cfg.ppo.epochs * (samples_per_iteration(cfg) // mini_batch_size(cfg))
+
+
+def all_equal_groups(scores: torch.Tensor, group: torch.Tensor) -> float:
+    """This rank's share of prompts whose samples all got the same score (their group advantages are 0)."""
+    order = torch.argsort(group, stable=True)
+    grouped = scores[order].view(int(group.max()) + 1, -1)
+    return (grouped == grouped[:, :1]).all(1).float().mean().item()
 
 
 @dataclass
@@ -72,8 +80,12 @@ class PPOSteps:
 
     # -- 1. generate ---------------------------------------------------------------------------------------
     def generate(self, rows: list[dict], timer) -> RolloutBatch:
+        """ppo.n_samples_per_prompt responses to each prompt row; `group` says which prompt a row answers."""
+        n = self.cfg.ppo.n_samples_per_prompt
         with timer("generate"):
-            rollout = generate_all(self.actor.module, self.engine, self.tokenizer, rows, self.cfg.gen)
+            rollout = generate_all(self.actor.module, self.engine, self.tokenizer,
+                                   [row for row in rows for _ in range(n)], self.cfg.gen)
+        rollout = replace(rollout, group=torch.arange(len(rows)).repeat_interleave(n))
         return sort_by_length(rollout)  # neighbours of similar length: each micro-batch trims its padding
 
     # -- 2. score ------------------------------------------------------------------------------------------
@@ -95,8 +107,11 @@ class PPOSteps:
         batch = add_rewards(batch, scored.scores, self.kl_ctl.value, cfg.ppo)
         metrics = {**self.rollout_metrics(scored), "kl": kl_per_sequence(batch)}
         if not self.fused:
-            batch, advantage_metrics = finish_advantages(batch, *self.estimator.advantages(batch, cfg.ppo), cfg.ppo)
+            batch, advantage_metrics = finish_advantages(batch, *self.estimator.advantages(batch, cfg.ppo), cfg.ppo,
+                                                         self.estimator.whiten, engine)
             metrics.update(advantage_metrics)
+        if self.estimator.group:  # groups whose samples all scored the same carry no learning signal
+            metrics["group/all_equal"] = all_equal_groups(batch.scores, batch.group)
         metrics = engine.reduce_mean(metrics)
         return Experience(batch, metrics["kl"], metrics, pending=self.fused)
 
@@ -118,8 +133,9 @@ class PPOSteps:
                                                                                  timer, self.estimator)
             metrics.update({**engine.reduce_mean(advantage_metrics), **critic_metrics})
         update_actor = iteration >= cfg.ppo.critic_warmup_iters  # the actor waits while the critic warms up
+        update_critic = self.critic is not None and not experience.pending
         metrics.update(ppo_update(batch, self.actor, self.critic, cfg, engine, iteration, update_actor, self.ptx,
-                                  self.ema, self.tokenizer.pad_token_id, timer, update_critic=not experience.pending))
+                                  self.ema, self.tokenizer.pad_token_id, timer, update_critic=update_critic))
         return metrics
 
     @staticmethod
@@ -127,7 +143,7 @@ class PPOSteps:
         return metrics.get("skipped_actor_steps", 0.0) + metrics.get("skipped_critic_steps", 0.0) > 0
 
     def lrs(self) -> dict:
-        return {"lr": self.actor.lr, "critic_lr": self.critic.lr}
+        return {"lr": self.actor.lr, **({"critic_lr": self.critic.lr} if self.critic is not None else {})}
 
     # -- around the steps ------------------------------------------------------------------------------------
     def evaluate(self, rows: list[dict]) -> dict:
@@ -153,7 +169,7 @@ class PPOSteps:
                   f"(score {float(scored.raw[0]):.3g})")
 
     def trainables(self) -> dict:
-        return {"actor": self.actor, "critic": self.critic}
+        return {"actor": self.actor, **({"critic": self.critic} if self.critic is not None else {})}
 
     def checkpoint_state(self) -> dict:
         return {"kl_ctl": self.kl_ctl.state_dict(), "ema": self.ema.state_dict() if self.ema else None}
@@ -172,6 +188,6 @@ class PPOSteps:
         if self.ema is not None:
             with self.ema.swapped_in(self.actor.module):
                 engine.export_hf(self.actor.module, tokenizer, out / "final-ema", in_place=False)
-        # the critic reads the actor's token ids, so the actor's tokenizer goes with it
-        engine.export_hf(self.critic.module, tokenizer, out / "final-critic")
+        if self.critic is not None:  # the critic reads the actor's token ids, so the actor's tokenizer goes with it
+            engine.export_hf(self.critic.module, tokenizer, out / "final-critic")
         engine.export_hf(self.actor.module, tokenizer, out / "final")

@@ -25,12 +25,26 @@ from rlhfkit.rollout.experience import finish_advantages, length_sorted_chunks, 
 from rlhfkit.stages.ppo_timing import untimed
 
 
-def actor_loss(model, part: RolloutBatch, cfg: PPOSection, temperature: float) -> tuple[torch.Tensor, dict]:
-    """Clipped surrogate (Schulman et al. 2017, eq. 7), plus an optional k3 KL-to-reference loss term."""
+def loss_count(mask: torch.Tensor, aggregation: str, max_len: int) -> float:
+    """What a policy-loss aggregation averages over, in a (micro-)batch: valid tokens (token-mean), responses
+    (seq-mean-*), or responses x the longest response (Dr.GRPO's constant normaliser). The loss of a micro-batch
+    times its count is its share of the sum that the whole step divides by the global count."""
+    if aggregation == "token-mean":
+        return mask.sum().item()
+    rows = float((mask.sum(-1) > 0).sum()) if aggregation == "seq-mean-token-mean" else float(mask.size(0))
+    return rows * max_len if aggregation == "seq-mean-token-sum-norm" else rows
+
+
+def actor_loss(model, part: RolloutBatch, cfg: PPOSection, temperature: float,
+               max_len: int) -> tuple[torch.Tensor, dict]:
+    """Clipped surrogate (Schulman et al. 2017, eq. 7) with the configured clip ranges, ratio level and
+    aggregation, plus an optional k3 KL-to-reference loss term (token mean)."""
     logits = response_logits(model, part, temperature)  # (b, R, V)
     logp = token_logprobs(logits, part.response_ids)  # (b, R)
     mask = part.response_mask
-    loss, stats = policy_loss(logp, part.old_logprobs, part.advantages, mask, cfg.clip_eps)
+    loss, stats = policy_loss(logp, part.old_logprobs, part.advantages, mask, cfg.clip_eps,
+                              clip_eps_high=cfg.clip_eps_high, dual_clip=cfg.dual_clip, ratio_level=cfg.ratio_level,
+                              log_ratio_clamp=cfg.log_ratio_clamp, aggregation=cfg.loss_aggregation, max_len=max_len)
     stats["policy_loss"] = loss.item()
     if cfg.kl_loss_coef > 0:
         # KL as a loss instead of (or besides) the reward penalty; k3 is unbiased and >= 0 (verl's default)
@@ -49,9 +63,19 @@ def critic_loss(model, part: RolloutBatch, cfg: PPOSection) -> tuple[torch.Tenso
     return loss, stats
 
 
+def samples_per_iteration(cfg: PPOConfig) -> int:
+    """train.batch_size prompts x ppo.n_samples_per_prompt responses each, over all ranks."""
+    return cfg.train.batch_size * cfg.ppo.n_samples_per_prompt
+
+
+def mini_batch_size(cfg: PPOConfig) -> int:
+    """Samples per optimizer step, over all ranks."""
+    return cfg.ppo.mini_batch_size or samples_per_iteration(cfg)
+
+
 def single_step(cfg: PPOConfig) -> bool:
     """One optimizer step per rollout: one PPO epoch over one mini-batch (the default)."""
-    return cfg.ppo.epochs == 1 and (cfg.ppo.mini_batch_size or cfg.train.batch_size) == cfg.train.batch_size
+    return cfg.ppo.epochs == 1 and mini_batch_size(cfg) == samples_per_iteration(cfg)
 
 
 def critic_update_with_values(batch: RolloutBatch, critic, cfg: PPOConfig, engine, timer=untimed,
@@ -137,8 +161,8 @@ def ppo_update(batch: RolloutBatch, actor, critic, cfg: PPOConfig, engine, itera
     actor_update and critic_update phases. `update_critic=False` when `critic_update_with_values` did it.
     """
     micro = cfg.train.micro_batch_size
-    mini = (cfg.ppo.mini_batch_size or cfg.train.batch_size) // engine.world_size  # this rank's rows of one
-    temperature = cfg.gen.temperature
+    mini = mini_batch_size(cfg) // engine.world_size  # this rank's rows of one
+    temperature, aggregation, max_len = cfg.gen.temperature, cfg.ppo.loss_aggregation, cfg.gen.max_new_tokens
     sums, steps = defaultdict(float), 0
     for epoch in range(cfg.ppo.epochs):
         # seeded by iteration and epoch, so a resumed run shuffles the same way
@@ -148,6 +172,9 @@ def ppo_update(batch: RolloutBatch, actor, critic, cfg: PPOConfig, engine, itera
             rows = order[start:start + mini]
             local_tokens = batch.response_mask[rows].sum().item()
             n_tokens = engine.total(local_tokens)
+            # the actor's loss averages over the aggregation's count (tokens by default), the critic's over tokens
+            n_actor = n_tokens if aggregation == "token-mean" else \
+                engine.total(loss_count(batch.response_mask[rows], aggregation, max_len))
             stats = defaultdict(float)
             # micro-batches of rows of similar length carry little padding; the mini-batch's gradient is the
             # same sum for any grouping of its rows
@@ -157,8 +184,8 @@ def ppo_update(batch: RolloutBatch, actor, critic, cfg: PPOConfig, engine, itera
                 share = part_tokens / max(local_tokens, 1.0)  # for metrics: token-weighted means
                 if update_actor:
                     with timer("actor_update"):
-                        loss, actor_stats = actor_loss(actor.module, part, cfg.ppo, temperature)
-                        actor.backward(loss * part_tokens, n_tokens)  # the token mean as a sum
+                        loss, actor_stats = actor_loss(actor.module, part, cfg.ppo, temperature, max_len)
+                        actor.backward(loss * loss_count(part.response_mask, aggregation, max_len), n_actor)
                     for k, v in actor_stats.items():
                         stats[k] += v * share
                 if update_critic:

@@ -1,0 +1,101 @@
+"""Critic-free estimators end to end through `rlhfkit ppo` on the toy world: each learns, loads no critic and
+saves none, keeps its groups together, and resumes mid-run.
+
+The world (conftest.ppo_world): prompts "say NAME", the SFT policy answers NAME 1-4 times, the reward is
+1 - |words - 4| / 4 (SFT policy ~0.63, best 1).
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from transformers import AutoModelForCausalLM
+
+from conftest import read_metrics, run_cli
+
+pytestmark = pytest.mark.slow
+
+# 8 prompts x 4 samples: 32 responses per iteration; KL as a k3 loss (GRPO's default), none in the reward
+GROUP_RUN = ["train.batch_size=8", "ppo.n_samples_per_prompt=4", "train.micro_batch_size=16", "train.lr=5e-4",
+             "gen.max_new_tokens=12", "train.eval_every=0", "ppo.kl_coef=0", "ppo.kl_loss_coef=0.05",
+             "log.tensorboard=false", "ppo.sample_every=0", "train.save_every=0"]
+
+
+def run(world, out, *overrides):
+    proc = run_cli("ppo", f"actor={world / 'sft' / 'final'}", "reward=rewards.py:four_words",
+                   "data.prompts=prompts.jsonl", "data.eval_prompts=eval.jsonl", f"output_dir={world / out}",
+                   *GROUP_RUN, *overrides, cwd=world)
+    return proc
+
+
+@pytest.mark.parametrize("estimator, extra", [
+    ("grpo", []),
+    ("rloo", []),
+    ("reinforce_pp", ["ppo.n_samples_per_prompt=1", "train.batch_size=32", "ppo.kl_coef=0.01"]),
+    ("reinforce_pp_baseline", ["ppo.kl_coef=0.01"]),
+])
+def test_each_critic_free_estimator_learns_without_a_critic(ppo_world, estimator, extra):
+    proc = run(ppo_world, f"cf_{estimator}", f"ppo.advantage_estimator={estimator}", "train.max_steps=15", *extra)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["eval/reward_end"] > result["eval/reward_start"] + 0.15, result
+    out = ppo_world / f"cf_{estimator}"
+    assert f"no critic ({estimator}" in proc.stderr
+    assert not (out / "final-critic").exists()
+    AutoModelForCausalLM.from_pretrained(out / "final")
+    rows = [r for r in read_metrics(out / "metrics.jsonl") if "reward/mean" in r]
+    assert len(rows) == 15 and "value_loss" not in rows[-1] and "critic_lr" not in rows[-1]
+    if estimator != "reinforce_pp":
+        assert 0.0 <= rows[0]["group/all_equal"] <= 1.0
+
+
+def test_grpo_with_dr_grpo_dapo_and_gspo_loss_options_learns(ppo_world):
+    """Dr.GRPO (no std, constant-length normaliser), DAPO's clip-higher, dual-clip, GSPO's sequence ratio and a
+    clamped log-ratio, over 2 epochs of 2 mini-batches: the options run together and still learn."""
+    proc = run(ppo_world, "cf_options", "ppo.advantage_estimator=grpo", "ppo.grpo_scale_by_std=false",
+               "ppo.loss_aggregation=seq-mean-token-sum-norm", "ppo.clip_eps_high=0.28", "ppo.dual_clip=3.0",
+               "ppo.ratio_level=sequence", "ppo.log_ratio_clamp=20", "ppo.epochs=2", "ppo.mini_batch_size=16",
+               "train.max_steps=15", "train.lr=1e-3")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["eval/reward_end"] > result["eval/reward_start"] + 0.1, result
+
+
+def test_grpo_resume_continues_exactly_where_it_stopped(ppo_world, tmp_path):
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file
+
+    from rlhfkit.config.fields import load_config
+    from rlhfkit.config.ppo_schema import PPOConfig
+    from rlhfkit.stages.ppo import run_ppo
+
+    args = [f"actor={ppo_world / 'sft' / 'final'}", f"reward={ppo_world / 'rewards.py'}:four_words",
+            f"data.prompts={ppo_world / 'prompts.jsonl'}", f"data.eval_prompts={ppo_world / 'eval.jsonl'}",
+            f"output_dir={tmp_path / 'run'}", *GROUP_RUN, "ppo.advantage_estimator=grpo", "train.max_steps=4",
+            "train.save_every=2"]
+    cfg = load_config(PPOConfig, None, args)
+    run_ppo(cfg)
+    uninterrupted = load_file(str(tmp_path / "run" / "final" / "model.safetensors"))
+    assert sorted(p.name for p in (tmp_path / "run" / "checkpoints" / "step-00000002").iterdir()) == \
+        ["actor.optim.pt", "actor.safetensors", "state.pt"]  # no critic in the checkpoint either
+    shutil.rmtree(tmp_path / "run" / "final")
+    run_ppo(cfg, resume=True)  # restarts from checkpoints/step-2
+    resumed = load_file(str(tmp_path / "run" / "final" / "model.safetensors"))
+    for key, value in uninterrupted.items():
+        torch.testing.assert_close(resumed[key], value, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["ppo.advantage_estimator=grpo", "ppo.n_samples_per_prompt=1"],
+     "config key 'ppo.n_samples_per_prompt': grpo compares the samples of one prompt, so it needs at least 2"),
+    (["ppo.advantage_estimator=rloo", "critic=somewhere"], "config key 'critic': rloo needs no critic"),
+    (["ppo.advantage_estimator=grpo", "ppo.mini_batch_size=24"], "config key 'ppo.mini_batch_size': 24 must divide "
+                                                                  "the iteration's 32 samples"),
+])
+def test_group_settings_that_cannot_work_are_one_clear_error(ppo_world, overrides, message):
+    proc = run(ppo_world, "cf_bad", *overrides, "train.max_steps=1")
+    assert proc.returncode == 2 and message in proc.stderr, proc.stderr[-2000:]
+    assert not (ppo_world / "cf_bad").exists()

@@ -1,0 +1,57 @@
+"""The estimator table on rollout batches: group estimators find each prompt's samples in any row order,
+REINFORCE++'s baseline variant by hand, outcome scores clipped, and global whitening on one process."""
+
+from __future__ import annotations
+
+import torch
+
+from rlhfkit.algos import masked_whiten
+from rlhfkit.config.ppo_schema import PPOSection
+from rlhfkit.engine import LocalEngine
+from rlhfkit.rollout.batch import RolloutBatch
+from rlhfkit.rollout.estimators import ESTIMATORS
+from rlhfkit.rollout.experience import whiten_over_ranks
+
+
+def batch(scores, group, mask, rewards=None) -> RolloutBatch:
+    mask = torch.tensor(mask, dtype=torch.float32)
+    b, r = mask.shape
+    return RolloutBatch(prompt_ids=torch.ones(b, 1, dtype=torch.long), prompt_mask=torch.ones(b, 1, dtype=torch.long),
+                        response_ids=torch.ones(b, r, dtype=torch.long), response_mask=mask,
+                        prompt_texts=[""] * b, response_texts=[""] * b, group=torch.tensor(group),
+                        scores=torch.tensor(scores), rewards=torch.tensor(rewards) if rewards else None)
+
+
+def test_grpo_finds_groups_in_any_row_order_and_broadcasts_to_valid_tokens():
+    cfg = PPOSection(advantage_estimator="grpo", n_samples_per_prompt=2, score_clip=None)
+    # prompt 0: scores 1, 3 (mean 2, std sqrt(2)); prompt 1: 5, 5 (equal: 0); rows interleaved
+    b = batch([1.0, 5.0, 3.0, 5.0], [0, 1, 0, 1], [[1, 1, 0], [1, 0, 0], [1, 1, 1], [1, 1, 0]])
+    adv, _ = ESTIMATORS["grpo"].advantages(b, cfg)
+    a = 1 / (2 ** 0.5 + 1e-6)
+    torch.testing.assert_close(adv, torch.tensor([[-a, -a, 0], [0, 0, 0], [a, a, a], [0, 0, 0]]))
+    dr, _ = ESTIMATORS["grpo"].advantages(b, PPOSection(advantage_estimator="grpo", n_samples_per_prompt=2,
+                                                        grpo_scale_by_std=False, score_clip=None))
+    torch.testing.assert_close(dr[:, 0], torch.tensor([-1.0, 0.0, 1.0, 0.0]))
+
+
+def test_rloo_and_score_clipping():
+    cfg = PPOSection(advantage_estimator="rloo", n_samples_per_prompt=3, score_clip=5.0)
+    b = batch([9.0, 0.0, 1.0], [0, 0, 0], [[1], [1], [1]])  # 9 is clipped to 5
+    adv, _ = ESTIMATORS["rloo"].advantages(b, cfg)
+    torch.testing.assert_close(adv[:, 0], torch.tensor([5 - 0.5, 0 - 3.0, 1 - 2.5]))
+
+
+def test_reinforce_pp_baseline_subtracts_the_group_mean_at_the_score_token_then_sums_returns():
+    cfg = PPOSection(advantage_estimator="reinforce_pp_baseline", n_samples_per_prompt=2, gamma=1.0, score_clip=None)
+    # shaped rewards: -0.1 KL on each token, the score (2 or 0; group mean 1) on the last valid token
+    b = batch([2.0, 0.0], [0, 0], [[1, 1], [1, 0]], rewards=[[-0.1, 1.9], [-0.1, 0.0]])
+    returns, _ = ESTIMATORS["reinforce_pp_baseline"].advantages(b, cfg)
+    torch.testing.assert_close(returns, torch.tensor([[0.8, 0.9], [-1.1, 0.0]]))
+    plain, _ = ESTIMATORS["reinforce_pp"].advantages(b, cfg)
+    torch.testing.assert_close(plain, torch.tensor([[1.8, 1.9], [-0.1, 0.0]]))
+
+
+def test_whitening_over_ranks_on_one_process_is_masked_whiten():
+    torch.manual_seed(0)
+    x, mask = torch.randn(4, 5), (torch.rand(4, 5) > 0.3).float()
+    torch.testing.assert_close(whiten_over_ranks(x, mask, LocalEngine()), masked_whiten(x, mask))
