@@ -99,3 +99,23 @@ def test_group_settings_that_cannot_work_are_one_clear_error(ppo_world, override
     proc = run(ppo_world, "cf_bad", *overrides, "train.max_steps=1")
     assert proc.returncode == 2 and message in proc.stderr, proc.stderr[-2000:]
     assert not (ppo_world / "cf_bad").exists()
+
+
+def test_a_verifiable_reward_reads_the_answer_column_of_each_prompt_row(ppo_world, tmp_path):
+    """The reward is exact match against the row's own `answer` field (four repetitions of the name): the SFT
+    policy says the name 1-4 times, so about a quarter of its answers match at first; GRPO raises that."""
+    from conftest import NAMES, write_jsonl
+
+    def rows(names, repeat):
+        return [{"prompt": f"say {n}", "answer": " ".join([n] * 4)} for n in names] * repeat
+
+    write_jsonl(tmp_path / "prompts.jsonl", rows(NAMES[:16], 2))
+    write_jsonl(tmp_path / "eval.jsonl", rows(NAMES[16:], 8))
+    (tmp_path / "exact.py").write_text("def exact(prompts, responses, answer):\n"
+                                      "    return [float(r.split() == a.split()) for r, a in zip(responses, answer)]\n")
+    proc = run_cli("ppo", f"actor={ppo_world / 'sft' / 'final'}", f"reward={tmp_path / 'exact.py'}:exact",
+                   f"data.prompts={tmp_path / 'prompts.jsonl'}", f"data.eval_prompts={tmp_path / 'eval.jsonl'}",
+                   f"output_dir={tmp_path / 'run'}", *GROUP_RUN, "ppo.advantage_estimator=grpo", "train.max_steps=15")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["eval/reward_start"] < 0.5 and result["eval/reward_end"] > result["eval/reward_start"] + 0.2, result

@@ -55,3 +55,34 @@ def test_whitening_over_ranks_on_one_process_is_masked_whiten():
     torch.manual_seed(0)
     x, mask = torch.randn(4, 5), (torch.rand(4, 5) > 0.3).float()
     torch.testing.assert_close(whiten_over_ranks(x, mask, LocalEngine()), masked_whiten(x, mask))
+
+
+def test_reward_functions_get_the_dataset_columns_they_name():
+    import pytest
+
+    from rlhfkit.errors import ModelError
+    from rlhfkit.models.reward_fn import FunctionReward
+
+    b = batch([0.0, 0.0], [0, 1], [[1], [1]])
+    b.response_texts, b.fields = ["4", "5"], [{"answer": "4", "level": 1}, {"answer": "6", "level": 2}]
+
+    def exact(prompts, responses, answer):
+        return [float(r == a) for r, a in zip(responses, answer)]
+
+    seen = {}
+
+    def everything(prompts, responses, **columns):
+        seen.update(columns)
+        return [0.0, 0.0]
+
+    assert FunctionReward(exact, "exact").__call__(b).tolist() == [1.0, 0.0]
+    FunctionReward(everything, "everything")(b)
+    assert seen == {"answer": ["4", "6"], "level": [1, 2]}
+    assert FunctionReward(lambda p, r: [1.0, 2.0], "two")(b).tolist() == [1.0, 2.0]  # no columns asked for
+
+    def needs_solution(prompts, responses, solution):
+        return [0.0, 0.0]
+
+    with pytest.raises(ModelError, match=r"reward 'x' takes solution, which the prompt rows do not have "
+                                         r"\(their fields: answer, level\)"):
+        FunctionReward(needs_solution, "x")(b)

@@ -20,9 +20,10 @@ always errors.
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from rlhfkit.data.readers import Row
 from rlhfkit.errors import DataError, where
@@ -52,6 +53,19 @@ class PromptExample:
     prompt: list[dict]
     source: str
     line: int | None
+    fields: dict = field(default_factory=dict)  # the row's own fields (e.g. a reference `answer`) for rewards
+
+
+def _json_fields(data: dict) -> dict:
+    """The row's fields that survive JSON (the tokenised-data cache), for reward functions to read."""
+    out = {}
+    for key, value in data.items():
+        try:
+            json.dumps(value)
+        except (TypeError, ValueError):
+            continue
+        out[str(key)] = value
+    return out
 
 
 # stats key -> why a well-formed row was left out: what `strict` turns into an error
@@ -495,6 +509,6 @@ def to_prompt_examples(
     (unusable rows are counted in `stats` under their ROW_SKIPS key, or a DataError when `strict`)."""
     stats = {} if stats is None else stats
     return [
-        PromptExample(prompt, row.source, row.line)
+        PromptExample(prompt, row.source, row.line, _json_fields(row.data))
         for row, prompt in _parse_rows(rows, fields, format, "prompt", stats, strict)
     ]

@@ -95,9 +95,9 @@ def tokenize_preferences(examples, tokenizer, template: Template, max_length: in
 
 def tokenize_prompts(examples, tokenizer, template: Template, max_prompt_length: int, skipped: dict | None = None,
                      strict: bool = False):
-    """-> (list of {"prompt_ids", "prompt_text", "messages"}, stats). Long prompts keep their end (the question).
-
-    `messages` are kept so PPO can re-render a prompt for a reward model with another tokenizer/template."""
+    """-> (list of {"prompt_ids", "prompt_text", "messages", "fields"}, stats). Long prompts keep their end (the
+    question). `messages` are kept so PPO can re-render a prompt for a reward model with another
+    tokenizer/template; `fields` (the row's own fields) so a reward function can check against them."""
     out, truncated = [], 0
     for ex in examples:
         text = _rendered(_prompt_text, template, ex, skipped, strict)
@@ -107,7 +107,7 @@ def tokenize_prompts(examples, tokenizer, template: Template, max_prompt_length:
         if len(ids) > max_prompt_length:
             truncated += 1
             ids = ids[-max_prompt_length:]
-        out.append({"prompt_ids": ids, "prompt_text": text, "messages": ex.prompt})
+        out.append({"prompt_ids": ids, "prompt_text": text, "messages": ex.prompt, "fields": ex.fields})
     return out, {"rows": len(out), "truncated": truncated, "dropped": 0}
 
 

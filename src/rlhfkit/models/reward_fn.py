@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import inspect
 import math
 import os
 import sys
@@ -57,17 +58,44 @@ def load_reward_function(spec: str) -> Callable:
     return fn
 
 
+def field_parameters(fn: Callable) -> tuple[list[str], bool]:
+    """The keyword parameters `fn` takes after (prompts, responses), and whether it takes **kwargs."""
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):  # a builtin or C function: call it with the two lists only
+        return [], False
+    named = [p.name for p in params[2:] if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    return named, any(p.kind == p.VAR_KEYWORD for p in params)
+
+
 class FunctionReward:
-    """Calls `fn(prompts, responses)` with the rendered prompts and the decoded responses (special tokens
-    skipped) and checks it returned one finite number per response."""
+    """Calls `fn(prompts, responses, **fields)` with the rendered prompts, the decoded responses (special tokens
+    skipped) and, for each further parameter the function names (or all of them for **kwargs), that column of
+    the prompt rows as a list (e.g. `answer=[...]`: a verifiable reward checks against the dataset's answer).
+    Checks it returned one finite number per response."""
 
     def __init__(self, fn: Callable, spec: str):
         self.fn, self.spec = fn, spec
         self.stats = None  # no stored mean/std to normalise with
+        self.wanted, self.takes_all = field_parameters(fn)
+
+    def columns(self, batch) -> dict:
+        rows = batch.fields or [{} for _ in range(batch.size)]
+        names = sorted({k for row in rows for k in row}) if self.takes_all else self.wanted
+        required = [p.name for p in list(inspect.signature(self.fn).parameters.values())[2:]
+                    if p.default is p.empty and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)] \
+            if self.wanted else []
+        missing = [name for name in required if not any(name in row for row in rows)]
+        if missing:
+            known = sorted({k for row in rows for k in row})
+            raise ModelError(f"reward '{self.spec}' takes {', '.join(missing)}, which the prompt rows do not have "
+                             f"(their fields: {', '.join(known) or 'none'})")
+        return {name: [row.get(name) for row in rows] for name in names if any(name in row for row in rows)}
 
     def __call__(self, batch, finished: torch.Tensor | None = None) -> torch.Tensor:
+        columns = self.columns(batch)
         try:
-            scores = self.fn(list(batch.prompt_texts), list(batch.response_texts))
+            scores = self.fn(list(batch.prompt_texts), list(batch.response_texts), **columns)
         except Exception as exc:  # the user's code: one clear error naming it, not a traceback from our loop
             raise ModelError(f"reward '{self.spec}' raised {type(exc).__name__}: {exc}") from exc
         try:

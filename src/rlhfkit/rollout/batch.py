@@ -25,6 +25,7 @@ class RolloutBatch:
     prompt_texts: list  # B rendered prompts (what the actor saw)
     response_texts: list  # B decoded responses (special tokens skipped)
     messages: list = field(default_factory=list)  # B prompt message lists, to re-render for another tokenizer
+    fields: list = field(default_factory=list)  # B dicts: each prompt row's dataset fields, for reward functions
     sample_logprobs: Optional[torch.Tensor] = None  # (B, R) log pi(token) recorded while sampling, at the
     #                                                 sampling temperature; 0 after EOS
     group: Optional[torch.Tensor] = None  # (B,) long: which prompt of the iteration a row answers (rows of one

@@ -233,5 +233,5 @@ def generate_rollout(model, engine, tokenizer, rows: list[dict], cfg: GenConfig,
     texts = tokenizer.batch_decode(response_ids, skip_special_tokens=True)
     return RolloutBatch(prompt_ids=prompt_ids, prompt_mask=prompt_mask, response_ids=response_ids,
                         response_mask=mask, prompt_texts=[r["prompt_text"] for r in rows], response_texts=texts,
-                        messages=[r.get("messages") for r in rows],
+                        messages=[r.get("messages") for r in rows], fields=[r.get("fields", {}) for r in rows],
                         sample_logprobs=torch.where(mask.bool(), logprobs, torch.zeros_like(logprobs)))
