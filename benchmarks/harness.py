@@ -37,25 +37,26 @@ MARK = "@@BENCH "
 # ------------------------------------------------------------------------------------------ TRL's venv
 
 
-def trl_python() -> Path:
-    return TRL_VENV / "bin" / "python"
+def trl_python(venv: Path = TRL_VENV) -> Path:
+    return Path(venv) / "bin" / "python"
 
 
-def ensure_trl_venv(log=print) -> Path:
-    """Create benchmarks/.venv-trl with torch (pinned, first) and TRL 1.12.0 when it is missing."""
-    python = trl_python()
+def ensure_trl_venv(log=print, venv: Path = TRL_VENV, version: str = TRL_VERSION) -> Path:
+    """Create `venv` (default benchmarks/.venv-trl) with torch (pinned, first) and TRL `version` (default 1.12.0)
+    when it is missing or holds another TRL."""
+    python = trl_python(venv)
     probe = [str(python), "-c", "import trl, torch; print(trl.__version__, torch.__version__)"]
     if python.exists():
         done = subprocess.run(probe, capture_output=True, text=True)
-        if done.returncode == 0 and done.stdout.split()[0] == TRL_VERSION:
+        if done.returncode == 0 and done.stdout.split()[0] == version:
             return python
-    log(f"installing TRL {TRL_VERSION} into {TRL_VENV} (once) ...")
+    log(f"installing TRL {version} into {venv} (once) ...")
     if not python.exists():
-        subprocess.run([sys.executable if _has_venv() else "python3", "-m", "venv", str(TRL_VENV)], check=True)
+        subprocess.run([sys.executable if _has_venv() else "python3", "-m", "venv", str(venv)], check=True)
     pip = [str(python), "-m", "pip", "install", "--quiet", "--disable-pip-version-check"]
     # torch first and pinned: trl's dependencies would otherwise pull the newest (GPU) wheel
     subprocess.run(pip + [f"torch=={TORCH_VERSION}"], check=True)
-    subprocess.run(pip + [f"trl=={TRL_VERSION}"], check=True)  # pip picks the transformers TRL accepts
+    subprocess.run(pip + [f"trl=={version}"], check=True)  # pip picks the transformers TRL accepts
     done = subprocess.run(probe, capture_output=True, text=True, check=True)
     log(f"TRL venv ready: trl {done.stdout.strip()}")
     return python

@@ -119,3 +119,23 @@ def test_a_verifiable_reward_reads_the_answer_column_of_each_prompt_row(ppo_worl
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["eval/reward_start"] < 0.5 and result["eval/reward_end"] > result["eval/reward_start"] + 0.2, result
+
+
+def test_weighted_rewards_are_logged_by_name_and_unjudged_responses_are_left_out(ppo_world, tmp_path):
+    """Two reward functions summed with weights; the second cannot judge one-word answers (None): those are
+    counted, masked out of the update, and the run still learns."""
+    (tmp_path / "picky.py").write_text("def picky(prompts, responses):\n"
+                                      "    return [None if len(r.split()) == 1 else 1.0 for r in responses]\n")
+    config = tmp_path / "rewards.yaml"
+    config.write_text(f"reward:\n  - {{reward: '{ppo_world / 'rewards.py'}:four_words', weight: 1.0}}\n"
+                      f"  - {{reward: '{tmp_path / 'picky.py'}:picky', weight: 0.5, name: picky}}\n")
+    proc = run_cli("ppo", "--config", str(config), f"actor={ppo_world / 'sft' / 'final'}",
+                   f"data.prompts={ppo_world / 'prompts.jsonl'}", f"data.eval_prompts={ppo_world / 'eval.jsonl'}",
+                   f"output_dir={tmp_path / 'run'}", *GROUP_RUN, "ppo.advantage_estimator=grpo", "train.max_steps=12")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "x 0.5 as picky" in proc.stderr
+    rows = [r for r in read_metrics(tmp_path / "run" / "metrics.jsonl") if "reward/mean" in r]
+    assert rows[0]["reward/unjudged"] > 0  # the SFT policy answers with one word about a quarter of the time
+    assert rows[0]["reward/picky"] == 1.0 and 0.0 < rows[0]["reward/four_words"] < 1.0
+    words = [r["reward/four_words"] for r in rows]
+    assert sum(words[-3:]) / 3 > sum(words[:3]) / 3 + 0.1, words  # it learned what the summed reward favours

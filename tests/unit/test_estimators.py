@@ -86,3 +86,29 @@ def test_reward_functions_get_the_dataset_columns_they_name():
     with pytest.raises(ModelError, match=r"reward 'x' takes solution, which the prompt rows do not have "
                                          r"\(their fields: answer, level\)"):
         FunctionReward(needs_solution, "x")(b)
+
+
+def test_unjudged_responses_and_weighted_parts():
+    import math
+
+    import pytest
+
+    from rlhfkit.errors import ModelError
+    from rlhfkit.models.reward_fn import CombinedReward, FunctionReward
+    from rlhfkit.stages.ppo_steps import fill_unjudged
+
+    b = batch([0.0] * 3, [0, 0, 1], [[1]] * 3)
+    b.response_texts = ["a", "bb", "ccc"]
+    lengths = FunctionReward(lambda p, r: [float(len(x)) for x in r], "lengths")
+    picky = FunctionReward(lambda p, r: [None if len(x) == 1 else 1.0 for x in r], "picky")
+    assert math.isnan(picky(b)[0].item()) and picky(b)[1:].tolist() == [1.0, 1.0]
+    with pytest.raises(ModelError, match="reward 'nan' returned 3 values for 3 responses \\(all must be finite"):
+        FunctionReward(lambda p, r: [float("nan"), 1.0, 1.0], "nan")(b)
+    both = CombinedReward([("lengths", lengths, 1.0), ("picky", picky, 0.5)])
+    total = both(b)
+    assert math.isnan(total[0].item()) and total[1:].tolist() == [2.5, 3.5]
+    assert both.last == {"lengths": 2.0, "picky": 1.0}  # each part's mean over what it judged
+    # row 0 unjudged: its group's judged mean (row 1: 2.5); a group with none judged gets 0
+    filled = fill_unjudged(torch.tensor([float("nan"), 2.5, float("nan")]), torch.tensor([False, True, False]),
+                           torch.tensor([0, 0, 1]))
+    assert filled.tolist() == [2.5, 2.5, 0.0]

@@ -147,11 +147,19 @@ class EMAConfig:
             raise ConfigError(f"config key '{prefix}beta': must be in (0, 1)")
 
 
+@dataclass(frozen=True)
+class RewardPart:
+    spec: str  # a reward-model folder or module:function / file.py:function
+    weight: float
+    name: str  # metrics: reward/<name>
+
+
 @dataclass
 class PPOConfig:
     actor: Optional[str] = option(None, "the policy to train: an SFT output folder or hub id")
-    reward: Optional[str] = option(None, "a reward-model folder, or a Python function module:function or "
-                                         "path/file.py:function taking (prompts, responses) -> list[float]")
+    reward: Any = option(None, "a reward-model folder, or a Python function module:function or path/file.py:function "
+                               "taking (prompts, responses[, dataset columns]) -> list[float | None]; or a list "
+                               "of {reward: one of those, weight: w, name: n} summed with their weights")
     critic: Optional[str] = option(None, "value model folder; default: the reward model when it is a folder "
                                          "with the actor's tokenizer, else the actor with a fresh value head")
     reference: Optional[str] = option(None, "frozen KL reference; default: the actor (with LoRA: the actor "
@@ -169,10 +177,38 @@ class PPOConfig:
     engine: EngineConfig = option(EngineConfig(), "backend")
     log: LogConfig = option(LogConfig(), "logging")
 
+    def reward_parts(self, prefix: str = "") -> list[RewardPart]:
+        """`reward` as a list of (spec, weight, name); a single spec has weight 1 and its own name."""
+        items = self.reward if isinstance(self.reward, list) else [{"reward": self.reward}]
+        parts = []
+        for i, item in enumerate(items):
+            key = f"{prefix}reward" + (f"[{i}]" if isinstance(self.reward, list) else "")
+            if isinstance(item, str):
+                item = {"reward": item}
+            if not isinstance(item, dict) or not isinstance(item.get("reward"), str) or not item["reward"] \
+                    or set(item) - {"reward", "weight", "name"}:
+                raise ConfigError(f"config key '{key}': expected a reward folder or module:function, or "
+                                  f"{{reward: ..., weight: w, name: n}}, got {item!r}")
+            weight = item.get("weight", 1.0)
+            if isinstance(weight, bool) or not isinstance(weight, (int, float)):
+                raise ConfigError(f"config key '{key}.weight': expected a number, got {weight!r}")
+            spec = item["reward"]
+            name = str(item.get("name") or spec.rstrip("/").split(":")[-1].split("/")[-1])
+            parts.append(RewardPart(spec, float(weight), name))
+        names = [p.name for p in parts]
+        if len(set(names)) != len(names):
+            raise ConfigError(f"config key '{prefix}reward': two rewards are named alike ({', '.join(names)}); "
+                              f"give each a `name`")
+        return parts
+
     def validate(self, prefix: str = "") -> None:
         for key in ("actor", "reward"):
             if not getattr(self, key):
                 raise ConfigError(f"config key '{prefix}{key}': required")
+        parts = self.reward_parts(prefix)
+        if self.ppo.normalize_reward and len(parts) > 1:
+            raise ConfigError(f"config key '{prefix}ppo.normalize_reward': needs a single reward model (its stored "
+                              f"mean/std), not {len(parts)} rewards")
         if self.data.prompts is None:
             raise ConfigError(f"config key '{prefix}data.prompts': required (a prompt file, folder or hub name)")
         if self.ptx.coef > 0 and not self.data.ptx:

@@ -98,14 +98,36 @@ class FunctionReward:
             scores = self.fn(list(batch.prompt_texts), list(batch.response_texts), **columns)
         except Exception as exc:  # the user's code: one clear error naming it, not a traceback from our loop
             raise ModelError(f"reward '{self.spec}' raised {type(exc).__name__}: {exc}") from exc
-        try:
-            values = [float(s) for s in scores]
+        try:  # None: a response the function cannot judge (NaN here; left out of the update, counted)
+            values = [math.nan if s is None else float(s) for s in scores]
         except (TypeError, ValueError):
-            raise ModelError(f"reward '{self.spec}' must return a list of numbers, got {scores!r:.200}") from None
-        if len(values) != batch.size or not all(math.isfinite(v) for v in values):
+            raise ModelError(f"reward '{self.spec}' must return a list of numbers (or None), got {scores!r:.200}") \
+                from None
+        if len(values) != batch.size or not all(math.isfinite(v) or s is None for v, s in zip(values, scores)):
             raise ModelError(f"reward '{self.spec}' returned {len(values)} values for {batch.size} responses "
-                             f"(all must be finite numbers)")
+                             f"(all must be finite numbers, or None for a response it cannot judge)")
         return torch.tensor(values, dtype=torch.float32)
+
+
+class CombinedReward:
+    """Several rewards (models and functions) summed with their weights: `parts` are (name, reward, weight).
+    A response any part cannot judge (NaN) stays unjudged. `last` holds each part's mean over the responses it
+    judged, for the metrics (reward/<name>)."""
+
+    def __init__(self, parts: list[tuple[str, Callable, float]]):
+        self.parts = parts
+        self.stats = parts[0][1].stats if len(parts) == 1 else None
+        self.models = [getattr(reward, "model", None) for _, reward, _ in parts]
+        self.last: dict = {}
+
+    def __call__(self, batch, finished: torch.Tensor | None = None) -> torch.Tensor:
+        total, self.last = None, {}
+        for name, reward, weight in self.parts:
+            scores = reward(batch, finished).float().cpu()
+            judged = torch.isfinite(scores)
+            self.last[name] = scores[judged].mean().item() if judged.any() else math.nan
+            total = weight * scores if total is None else total + weight * scores
+        return total
 
 
 def same_tokenization(a, b) -> bool:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from rlhfkit.config.ppo_schema import GenConfig
@@ -17,6 +19,15 @@ def generate_all(model, engine, tokenizer, rows: list[dict], cfg: GenConfig, gre
     parts = [generate_rollout(model, engine, tokenizer, rows[i:i + size], cfg, greedy)
              for i in range(0, len(rows), size)]
     return cat_rollouts(parts, tokenizer.pad_token_id)
+
+
+@contextlib.contextmanager
+def reward_on_device(engine, reward):
+    """Every reward model of `reward` on the compute device for the block (`engine.on_device`)."""
+    with contextlib.ExitStack() as stack:
+        for model in getattr(reward, "models", [getattr(reward, "model", None)]):
+            stack.enter_context(engine.on_device(model))
+        yield
 
 
 @torch.no_grad()
@@ -48,8 +59,10 @@ def evaluate_policy(actor, reference, reward, tokenizer, rows: list[dict], cfg: 
         torch.manual_seed(seed)
         batch = generate_all(actor, engine, tokenizer, rows, cfg, greedy=cfg.eval_greedy)
     finished = ended_with_eos(batch, eos_ids)
-    with engine.on_device(getattr(reward, "model", None)):
+    with reward_on_device(engine, reward):
         scores = reward(batch, finished).float().cpu()
+    judged = torch.isfinite(scores)  # a reward function may leave a response unjudged (None)
+    scores = scores[judged] if judged.any() else torch.zeros(1)
     with engine.on_device(reference):
         kl = sequence_kl(actor, reference, batch.to(engine.device), cfg.temperature, micro)
     metrics = {"eval/reward": scores.mean().item(), "eval/reward_std": scores.std().item() if len(scores) > 1 else 0.0,

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 
@@ -20,8 +20,8 @@ from rlhfkit.models import load_causal_lm, load_scalar_model, load_tokenizer
 from rlhfkit.models.cpu_linear import use_fast_cpu_linear
 from rlhfkit.models.loading import load_generation_config
 from rlhfkit.models.lora import apply_lora
-from rlhfkit.models.reward_fn import (FunctionReward, ModelReward, is_function_spec, load_reward_function,
-                                     same_tokenization)
+from rlhfkit.models.reward_fn import (CombinedReward, FunctionReward, ModelReward, is_function_spec,
+                                     load_reward_function, same_tokenization)
 from rlhfkit.rollout.estimators import ESTIMATORS
 from rlhfkit.rollout.generate import ignored_generation_settings
 
@@ -32,7 +32,7 @@ class PPOModels:
     critic: Optional[object]  # Trainable: a scalar-head model giving a value per token; None when the advantage
     #                           estimator needs none (grpo, rloo, reinforce_pp): nothing loaded, trained or saved
     reference: Optional[torch.nn.Module]  # frozen; None = the actor with its LoRA adapter disabled
-    reward: Callable  # FunctionReward or ModelReward: rollout batch -> (B,) scores
+    reward: CombinedReward  # the weighted reward parts: rollout batch -> (B,) scores (NaN: unjudged)
     notes: list  # which model each role got, for the log
 
 
@@ -44,15 +44,25 @@ def _check_vocab(name: str, role: str, actor_tok, opts) -> None:
                          f"actor's token ids, so it must share its vocabulary")
 
 
-def load_reward(cfg: PPOConfig, actor_tok, engine):
+def load_reward(cfg: PPOConfig, actor_tok, engine) -> tuple[CombinedReward, list]:
+    """-> (the weighted sum of every `reward` part, the tokenizer of each part: None for a Python function)."""
+    parts, tokenizers = [], []
+    for part in cfg.reward_parts():
+        reward, tok = load_one_reward(part.spec, cfg, actor_tok, engine)
+        parts.append((part.name, reward, part.weight))
+        tokenizers.append(tok)
+    return CombinedReward(parts), tokenizers
+
+
+def load_one_reward(spec: str, cfg: PPOConfig, actor_tok, engine):
     """-> (reward callable, reward tokenizer or None for a Python function)."""
-    if is_function_spec(cfg.reward):
-        return FunctionReward(load_reward_function(cfg.reward), cfg.reward), None
+    if is_function_spec(spec):
+        return FunctionReward(load_reward_function(spec), spec), None
     frozen_opts = dataclasses.replace(cfg.load, tokenizer=None, gradient_checkpointing=False)
-    rm_tok = load_tokenizer(cfg.reward, frozen_opts)
-    model = load_scalar_model(cfg.reward, frozen_opts, rm_tok)
+    rm_tok = load_tokenizer(spec, frozen_opts)
+    model = load_scalar_model(spec, frozen_opts, rm_tok)
     if not any("SequenceClassification" in a for a in (model.config.architectures or [])):
-        raise ModelError(f"reward '{cfg.reward}' is not a reward model (no trained score head in its config.json); "
+        raise ModelError(f"reward '{spec}' is not a reward model (no trained score head in its config.json); "
                          f"train one with `rlhfkit rm` or pass a Python function module:function")
     model = engine.prepare_frozen(model, role="reward")
     actor_ends = end_token_ids(actor_tok, load_generation_config(cfg.actor, cfg.load))  # where rollouts stop
@@ -60,19 +70,24 @@ def load_reward(cfg: PPOConfig, actor_tok, engine):
     reward = ModelReward(model, rm_tok, actor_template, cfg.data.template, cfg.train.micro_batch_size,
                          engine.device)
     if cfg.ppo.normalize_reward and reward.stats is None:
-        raise RunError(f"ppo.normalize_reward is true but '{cfg.reward}/config.json' has no rlhfkit_reward_mean/"
+        raise RunError(f"ppo.normalize_reward is true but '{spec}/config.json' has no rlhfkit_reward_mean/"
                        f"rlhfkit_reward_std; set ppo.normalize_reward=false")
     return reward, rm_tok
 
 
 def load_ppo_models(cfg: PPOConfig, tokenizer, engine, total_updates: int) -> PPOModels:
     notes = []
-    if cfg.ppo.normalize_reward and is_function_spec(cfg.reward):
+    parts = cfg.reward_parts()
+    if cfg.ppo.normalize_reward and is_function_spec(parts[0].spec):
         raise RunError("ppo.normalize_reward needs a reward-model folder (its stored mean/std); the reward is a "
                        "Python function")
-    reward, rm_tok = load_reward(cfg, tokenizer, engine)
-    notes.append(f"reward: {cfg.reward}" + (" (re-tokenised: its tokenizer differs)"
-                                             if getattr(reward, "retokenize", False) else ""))
+    reward, reward_toks = load_reward(cfg, tokenizer, engine)
+    for part, (_, one, _) in zip(parts, reward.parts):
+        notes.append(f"reward: {part.spec}" + (f" x {part.weight:g} as {part.name}" if len(parts) > 1 else "")
+                     + (" (re-tokenised: its tokenizer differs)" if getattr(one, "retokenize", False) else ""))
+    # the critic may start from a reward model that reads the actor's tokens: the first such part
+    rm_spec = next((part.spec for part, tok in zip(parts, reward_toks)
+                    if tok is not None and same_tokenization(tok, tokenizer)), None)
 
     # critic: the RM when it reads the actor's tokens, else the actor with a fresh value head (seeded)
     needs_critic = ESTIMATORS[cfg.ppo.advantage_estimator].critic
@@ -82,8 +97,8 @@ def load_ppo_models(cfg: PPOConfig, tokenizer, engine, total_updates: int) -> PP
     elif cfg.critic:
         _check_vocab(cfg.critic, "critic", tokenizer, cfg.load)
         critic_name = cfg.critic
-    elif rm_tok is not None and same_tokenization(rm_tok, tokenizer):
-        critic_name = cfg.reward
+    elif rm_spec is not None:
+        critic_name = rm_spec
     else:
         critic_name = cfg.actor
     critic = None
@@ -111,7 +126,7 @@ def load_ppo_models(cfg: PPOConfig, tokenizer, engine, total_updates: int) -> PP
     if critic is not None:
         critic = engine.prepare(critic, cfg.train, total_updates, role="critic", lr=cfg.ppo.critic_lr)
     # on CPUs where oneDNN's float32 GEMM beats MKL's (AMD), ~2x faster linears for all four models
-    models = (actor.module, critic.module if critic else None, reference, getattr(reward, "model", None))
+    models = (actor.module, critic.module if critic else None, reference, *reward.models)
     if sum(use_fast_cpu_linear(m, engine.device) for m in models if m is not None):
         notes.append("CPU linear layers: oneDNN (faster than MKL here)")
     return PPOModels(actor, critic, reference, reward, notes)

@@ -23,7 +23,7 @@ from rlhfkit.config.ppo_schema import PPOConfig
 from rlhfkit.models.ema import EMA
 from rlhfkit.rollout.batch import RolloutBatch
 from rlhfkit.rollout.estimators import ESTIMATORS
-from rlhfkit.rollout.evaluate import evaluate_policy, generate_all
+from rlhfkit.rollout.evaluate import evaluate_policy, generate_all, reward_on_device
 from rlhfkit.rollout.experience import (add_model_outputs, add_rewards, adjust_scores, ended_with_eos,
                                         finish_advantages, kl_per_sequence, sort_by_length)
 from rlhfkit.rollout.generate import eos_token_ids
@@ -44,6 +44,15 @@ def updates_per_iteration(cfg: PPOConfig) -> int:
     return cfg.ppo.epochs * (samples_per_iteration(cfg) // mini_batch_size(cfg))
 
 
+def fill_unjudged(raw: torch.Tensor, judged: torch.Tensor, group: torch.Tensor) -> torch.Tensor:
+    """Unjudged scores replaced by the mean of their group's judged ones (0 when none is judged)."""
+    out = raw.clone()
+    for g in group[~judged].unique().tolist():
+        members = (group == g) & judged
+        out[(group == g) & ~judged] = raw[members].mean() if members.any() else 0.0
+    return out
+
+
 def all_equal_groups(scores: torch.Tensor, group: torch.Tensor) -> float:
     """This rank's share of prompts whose samples all got the same score (their group advantages are 0)."""
     order = torch.argsort(group, stable=True)
@@ -57,6 +66,7 @@ class Scored:
     raw: torch.Tensor  # (B,) the reward as returned
     scores: torch.Tensor  # (B,) after normalisation and the missing-EOS penalty
     finished: torch.Tensor  # (B,) bool: the response ended with EOS
+    judged: torch.Tensor  # (B,) bool: every reward judged it (unjudged ones are masked out of the update)
 
 
 @dataclass
@@ -90,11 +100,19 @@ class PPOSteps:
 
     # -- 2. score ------------------------------------------------------------------------------------------
     def score(self, rollout: RolloutBatch, timer) -> Scored:
+        """The reward of each response. One a reward function left unjudged (None) is left out of the update:
+        its tokens are masked, and its score (for the group statistics of the others) is its group's mean
+        over the judged ones."""
         reward, engine = self.models.reward, self.engine
         finished = ended_with_eos(rollout, self.eos_ids)
-        with timer("reward"), engine.on_device(getattr(reward, "model", None)):
+        with timer("reward"), reward_on_device(engine, reward):
             raw = reward(rollout, finished).float().to(engine.device)
-        return Scored(rollout, raw, adjust_scores(raw, finished, self.cfg.ppo, reward.stats), finished)
+        judged = torch.isfinite(raw)
+        if not judged.all():
+            raw = fill_unjudged(raw, judged, rollout.group.to(raw.device))
+            rollout = replace(rollout, response_mask=rollout.response_mask * judged[:, None].to(
+                rollout.response_mask.dtype))
+        return Scored(rollout, raw, adjust_scores(raw, finished, self.cfg.ppo, reward.stats), finished, judged)
 
     # -- 3. make experience --------------------------------------------------------------------------------
     def make_experience(self, scored: Scored, timer) -> Experience:
@@ -118,7 +136,12 @@ class PPOSteps:
     def rollout_metrics(self, scored: Scored) -> dict:
         """What the rollout looked like: reward (as returned), score (after normalisation/penalty), lengths."""
         rollout, raw = scored.rollout, scored.raw
-        return {"reward/mean": raw.mean().item(), "reward/std": raw.std().item() if rollout.size > 1 else 0.0,
+        parts = getattr(self.models.reward, "last", {})
+        named = {f"reward/{name}": value for name, value in parts.items()} if len(parts) > 1 else {}
+        judged = scored.judged
+        raw = raw[judged] if judged.any() else raw.new_zeros(1)
+        return {"reward/mean": raw.mean().item(), "reward/std": raw.std().item() if raw.numel() > 1 else 0.0,
+                **named, "reward/unjudged": float((~judged).sum()),
                 "score/mean": scored.scores.mean().item(), "kl_coef": self.kl_ctl.value,
                 "response_length": rollout.response_lengths.mean().item(),
                 "response/finished": scored.finished.float().mean().item()}
