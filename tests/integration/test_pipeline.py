@@ -91,3 +91,17 @@ def test_a_wrong_key_in_a_later_section_fails_before_anything_runs(tmp_path, tin
     assert not (out / "sft").exists()
     res = run_cli("pipeline", "--config", str(path), "data_split=[1, 1]")
     assert res.returncode == 2 and "data_split" in res.stderr
+
+
+def test_pipeline_sft_then_grpo_with_a_python_reward_and_no_rm_step(tmp_path, tiny_model_dir):
+    (tmp_path / "rewards.py").write_text("def three(prompts, responses):\n"
+                                        "    return [1 - abs(len(r.split()) - 3) / 3 for r in responses]\n")
+    path, out = write_config(tmp_path, tiny_model_dir, steps=["sft", "ppo"])
+    res = run_cli("pipeline", "--config", str(path), f"ppo.reward={tmp_path / 'rewards.py'}:three",
+                  "ppo.ppo.advantage_estimator=grpo", "ppo.ppo.n_samples_per_prompt=2", "ppo.ppo.kl_coef=0")
+    assert res.returncode == 0, res.stderr[-3000:]
+    result = json.loads(res.stdout.strip().splitlines()[-1])
+    assert result["sft"] == result["ppo"] == "ran" and "rm" not in result
+    log = (out / "ppo" / "log.txt").read_text()
+    assert "no critic (grpo: 2 samples per prompt)" in log and not (out / "ppo" / "final-critic").exists()
+    assert not (out / "rm").exists()
