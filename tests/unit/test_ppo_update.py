@@ -195,3 +195,48 @@ def test_advantage_estimators_are_a_table_the_config_names():
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b)
     assert ESTIMATORS["gae"].critic and ESTIMATORS["gae"].row_local
+
+
+def test_entropy_bonus_and_kl_clamp_enter_the_actor_loss_as_written(rollout):
+    from rlhfkit.algos import entropy_from_logits, kl_penalty, masked_mean
+    from rlhfkit.rollout.experience import response_logits
+    from rlhfkit.stages.ppo_update import actor_loss
+
+    tok, actor, _, batch = rollout
+    plain, stats = actor_loss(actor, batch, ppo_config().ppo, 0.8, 6)
+    bonus, _ = actor_loss(actor, batch, ppo_config(ppo={"entropy_coef": 0.3}).ppo, 0.8, 6)
+    entropy = masked_mean(entropy_from_logits(response_logits(actor, batch, 0.8)), batch.response_mask)
+    assert bonus.item() == pytest.approx(plain.item() - 0.3 * entropy.item(), abs=1e-6)
+    assert stats["entropy"] == pytest.approx(entropy.item(), abs=1e-6)
+    # the k3 loss term with its estimate clamped at 0.01 per token
+    clamped, cstats = actor_loss(actor, batch, ppo_config(ppo={"kl_loss_coef": 2.0, "kl_clamp": 0.01}).ppo, 0.8, 6)
+    logp = token_logprobs_of(actor, batch)
+    want = masked_mean(kl_penalty(logp, batch.ref_logprobs, "k3").clamp(-0.01, 0.01), batch.response_mask)
+    assert cstats["kl_loss"] == pytest.approx(want.item(), abs=1e-6) and cstats["kl_loss"] <= 0.01
+    assert clamped.item() == pytest.approx(plain.item() + 2.0 * want.item(), abs=1e-6)
+
+
+def token_logprobs_of(actor, batch):
+    from rlhfkit.rollout.experience import response_logprobs
+
+    return response_logprobs(actor, batch, 0.8)
+
+
+def test_a_zero_value_head_starts_every_value_at_zero_and_bf16_recomputes_old_logprobs(tmp_path, tiny_model_dir,
+                                                                                      rollout):
+    from rlhfkit.rollout.experience import response_values
+    from rlhfkit.stages.ppo_steps import PPOSteps
+
+    (tmp_path / "r.py").write_text("def f(prompts, responses):\n    return [0.0] * len(responses)\n")
+    tok, _, _, batch = rollout
+    cfg = ppo_config(actor=str(tiny_model_dir), reward=f"{tmp_path / 'r.py'}:f", ppo={"value_head_init": "zero"})
+    models = load_ppo_models(cfg, tok, LocalEngine(), 10)
+    assert any("fresh value head" in n for n in models.notes)
+    with torch.no_grad():
+        assert response_values(models.critic.module, batch).abs().max().item() == 0.0
+    assert not PPOSteps(cfg, models, tok, LocalEngine()).recompute_old  # float32: the sampling log-probs
+    bf16 = ppo_config(actor=str(tiny_model_dir), reward=f"{tmp_path / 'r.py'}:f", engine={"precision": "bf16"})
+    assert PPOSteps(bf16, models, tok, LocalEngine()).recompute_old
+    forced = ppo_config(actor=str(tiny_model_dir), reward=f"{tmp_path / 'r.py'}:f", ppo={"old_logprobs": "sampling"},
+                        engine={"precision": "bf16"})
+    assert not PPOSteps(forced, models, tok, LocalEngine()).recompute_old

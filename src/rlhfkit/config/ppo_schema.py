@@ -65,6 +65,16 @@ class PPOSection:
     kl_target: float = option(6.0, "adaptive KL: target KL per sequence, in nats")
     kl_horizon: float = option(10000.0, "adaptive KL: horizon in samples")
     kl_loss_coef: float = option(0.0, "coefficient of a k3 KL-to-reference term in the actor loss (0 = off)")
+    kl_clamp: Optional[float] = option(None, "clamp each token's KL estimate (reward and loss) to [-x, x] (verl: 10 "
+                                             "for k3); null = off")
+    entropy_coef: float = option(0.0, "entropy bonus: subtract coef x the policy's mean token entropy from the "
+                                      "actor loss (0 = off)")
+    old_logprobs: str = option("auto", "the rollout policy's log-probs: from sampling (no extra forward), from a "
+                                       "forward after it, or auto: forward under engine.precision=bf16 (sampling "
+                                       "and training forwards round differently, ~4e-3, a fake KL at step 0), "
+                                       "sampling otherwise", choices=("auto", "sampling", "forward"))
+    value_head_init: str = option("random", "a fresh value head (critic from the actor): random (seeded) or zero "
+                                            "(every value starts at 0)", choices=("random", "zero"))
     advantage_estimator: str = option("gae", "how advantages are estimated (rollout/estimators.py): gae (PPO: GAE "
                                              "with a critic); critic-free, no critic loaded: grpo, rloo, "
                                              "reinforce_pp, reinforce_pp_baseline",

@@ -129,8 +129,8 @@ def adjust_scores(raw: torch.Tensor, finished: torch.Tensor, cfg: PPOSection, st
 def add_rewards(batch: RolloutBatch, scores: torch.Tensor, kl_coef: float, cfg: PPOSection) -> RolloutBatch:
     """Per-token KL and rewards (the score on the last valid token, -kl_coef * KL on every token)."""
     mask = batch.response_mask
-    kl = torch.where(mask.bool(), kl_penalty(batch.old_logprobs, batch.ref_logprobs, cfg.kl_estimator),
-                     torch.zeros_like(mask))
+    kl = torch.where(mask.bool(), kl_penalty(batch.old_logprobs, batch.ref_logprobs, cfg.kl_estimator,
+                                             clamp=cfg.kl_clamp), torch.zeros_like(mask))
     return replace(batch, scores=scores, kl=kl, rewards=shape_rewards(scores, kl, mask, kl_coef, cfg.score_clip))
 
 
@@ -153,19 +153,18 @@ def whiten_over_ranks(x: torch.Tensor, mask: torch.Tensor, engine, eps: float = 
 def finish_advantages(batch: RolloutBatch, advantages: torch.Tensor, returns: torch.Tensor, cfg: PPOSection,
                       whiten: str = "config", engine=None):
     """Store advantages and returns, the advantages whitened as the estimator says (`estimators.Estimator`):
-    "config" over this rank's valid tokens when `ppo.whiten_advantages`, "global" over every rank's, "none".
-    Returns (batch, metrics before whitening)."""
+    "config" when `ppo.whiten_advantages`, "global" always, "none" never; over the valid tokens of every rank's
+    batch (`engine`; without one, this batch's), so N ranks whiten as one process would. Returns (batch,
+    metrics before whitening)."""
     mask = batch.response_mask
     metrics = {
         "return/mean": masked_mean(returns, mask).item(),
         **({"value/mean": masked_mean(batch.values, mask).item()} if batch.values is not None else {}),
         "advantage/mean": masked_mean(advantages, mask).item(),
     }
-    if whiten == "global":  # one process (no engine): the same as over this batch
-        advantages = whiten_over_ranks(advantages, mask, engine) if engine is not None else \
-            masked_whiten(advantages, mask)
-    elif whiten == "config" and cfg.whiten_advantages:
-        advantages = masked_whiten(advantages, mask)
+    if whiten == "global" or (whiten == "config" and cfg.whiten_advantages):
+        advantages = whiten_over_ranks(advantages, mask, engine) if engine is not None and engine.world_size > 1 \
+            else masked_whiten(advantages, mask)
     return replace(batch, advantages=advantages, returns=returns), metrics
 
 

@@ -75,6 +75,17 @@ def load_one_reward(spec: str, cfg: PPOConfig, actor_tok, engine):
     return reward, rm_tok
 
 
+def zero_value_head(model) -> None:
+    """Every value of a fresh value head starts at 0 (its output layer's weights and bias zeroed)."""
+    head = getattr(model, "score", None)
+    if not isinstance(head, torch.nn.Linear):
+        raise ModelError(f"ppo.value_head_init=zero: {type(model).__name__} has no linear `score` head to zero")
+    with torch.no_grad():
+        head.weight.zero_()
+        if head.bias is not None:
+            head.bias.zero_()
+
+
 def load_ppo_models(cfg: PPOConfig, tokenizer, engine, total_updates: int) -> PPOModels:
     notes = []
     parts = cfg.reward_parts()
@@ -103,7 +114,10 @@ def load_ppo_models(cfg: PPOConfig, tokenizer, engine, total_updates: int) -> PP
         critic_name = cfg.actor
     critic = None
     if critic_name is not None:
-        critic = apply_lora(load_scalar_model(critic_name, cfg.load, tokenizer), cfg.lora, task="scalar")
+        critic = load_scalar_model(critic_name, cfg.load, tokenizer)
+        if critic_name == cfg.actor and cfg.ppo.value_head_init == "zero":
+            zero_value_head(critic)
+        critic = apply_lora(critic, cfg.lora, task="scalar")
         notes.append(f"critic: {critic_name}" + (" (fresh value head)" if critic_name == cfg.actor else ""))
 
     actor = apply_lora(load_causal_lm(cfg.actor, cfg.load, tokenizer), cfg.lora)

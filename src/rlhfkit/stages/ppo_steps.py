@@ -87,6 +87,9 @@ class PPOSteps:
         self.kl_ctl = kl_controller(cfg)
         self.ema = EMA(self.actor.module, cfg.ema.beta) if cfg.ema.enabled else None
         self.eos_ids = eos_token_ids(tokenizer, self.actor.module)
+        # the old log-probs from a forward after sampling, not from sampling itself (auto: under bf16 autocast)
+        self.recompute_old = cfg.ppo.old_logprobs == "forward" or (cfg.ppo.old_logprobs == "auto"
+                                                                    and cfg.engine.precision == "bf16")
 
     # -- 1. generate ---------------------------------------------------------------------------------------
     def generate(self, rows: list[dict], timer) -> RolloutBatch:
@@ -121,7 +124,8 @@ class PPOSteps:
         with engine.on_device(reference):
             batch = add_model_outputs(scored.rollout.to(engine.device), self.actor.module,
                                       self.critic.module if values_pass else None, reference, cfg.gen.temperature,
-                                      cfg.train.micro_batch_size, old_from_sampling=True, timer=timer)
+                                      cfg.train.micro_batch_size, old_from_sampling=not self.recompute_old,
+                                      timer=timer)
         batch = add_rewards(batch, scored.scores, self.kl_ctl.value, cfg.ppo)
         metrics = {**self.rollout_metrics(scored), "kl": kl_per_sequence(batch)}
         if not self.fused:

@@ -48,11 +48,16 @@ def actor_loss(model, part: RolloutBatch, cfg: PPOSection, temperature: float,
     stats["policy_loss"] = loss.item()
     if cfg.kl_loss_coef > 0:
         # KL as a loss instead of (or besides) the reward penalty; k3 is unbiased and >= 0 (verl's default)
-        kl = masked_mean(kl_penalty(logp, part.ref_logprobs, "k3"), mask)
+        kl = masked_mean(kl_penalty(logp, part.ref_logprobs, "k3", clamp=cfg.kl_clamp), mask)
         loss = loss + cfg.kl_loss_coef * kl
         stats["kl_loss"] = kl.item()
-    with torch.no_grad():
-        stats["entropy"] = masked_mean(entropy_from_logits(logits), mask).item()
+    if cfg.entropy_coef > 0:  # an entropy bonus keeps exploration up (with gradient through the logits)
+        entropy = masked_mean(entropy_from_logits(logits), mask)
+        loss = loss - cfg.entropy_coef * entropy
+        stats["entropy"] = entropy.item()
+    else:
+        with torch.no_grad():
+            stats["entropy"] = masked_mean(entropy_from_logits(logits), mask).item()
     return loss, stats
 
 
@@ -114,7 +119,8 @@ def critic_update_with_values(batch: RolloutBatch, critic, cfg: PPOConfig, engin
                 part_returns
         step = critic.step()
     stats.update(critic_grad_norm=step["grad_norm"], skipped_critic_steps=step.get("skipped", 0.0))
-    batch, advantage_metrics = finish_advantages(replace(batch, values=values), advantages, returns, cfg.ppo)
+    batch, advantage_metrics = finish_advantages(replace(batch, values=values), advantages, returns, cfg.ppo,
+                                                 estimator.whiten, engine)
     return batch, advantage_metrics, engine.reduce_mean(dict(stats))
 
 
