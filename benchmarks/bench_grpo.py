@@ -107,7 +107,8 @@ def rlhfkit_worker(args) -> None:
         def log(self, it, metrics, show=()):
             super().log(it, metrics, show)
             phases = {k.split("/", 1)[1]: v for k, v in metrics.items() if k.startswith("time/")}
-            step.report(phases=phases, reward=metrics.get("reward/mean"))
+            step.report(phases=phases, reward=metrics.get("reward/mean"),
+                        response_length=metrics.get("response_length"))
             step.wait()
 
     ppo_stage.MetricsLogger = TimedLogger
@@ -179,17 +180,21 @@ def trl_worker(args) -> None:
 
     step = harness.Lockstep()
 
+    trainer = None
+
     class Timing(TrainerCallback):
         def on_train_begin(self, *a, **kw):
             step.wait()
 
         def on_step_end(self, *a, **kw):
-            step.report()
+            metrics = trainer._metrics["train"]  # this step's, until the log() that follows on_step_end
+            step.report(reward=metrics["reward"][-1], response_length=metrics["completions/mean_length"][-1])
             step.wait()
 
     samples = args.prompts * args.group
     config = trl_config(args, args.out, MICRO, samples // MICRO)
-    trl_trainer(args, config, [Timing()]).train()
+    trainer = trl_trainer(args, config, [Timing()])
+    trainer.train()
 
 
 # ------------------------------------------------------------------------------------------ --check workers
@@ -274,7 +279,7 @@ def trl_check(args) -> None:
     loss.backward()
     metrics = trainer._metrics["train"]
     report_check(loss=loss.item(), kl=metrics["kl"][-1], grad_norm=grad_norm(trainer.model),
-                 rewards=trainer._logs["rewards"]["length_reward"][-samples:],
+                 rewards=list(trainer._logs["rewards"]["length_reward"])[-samples:],
                  advantages=batch["advantages"].tolist())
 
 
@@ -350,6 +355,11 @@ def compare(world: Path, trl_python: Path, size: str, args, tmp: Path) -> dict:
            "response": args.response, "threads": args.threads, "trl_version": TRL_VERSION, "rlhfkit": mine,
            "trl": theirs, "time_ratio": mine["seconds"] / theirs["seconds"],
            "memory_ratio": mine["peak_mb"] / theirs["peak_mb"]}
+    work = {name: {k: harness.median(r[k] for r in results[name] if r.get(k) is not None)
+                   for k in ("response_length", "reward")} for name in results}
+    print(f"  the work (medians): response tokens rlhfkit {work['rlhfkit']['response_length']:.1f}, TRL "
+          f"{work['trl']['response_length']:.1f}; mean reward rlhfkit {work['rlhfkit']['reward']:.3f}, TRL "
+          f"{work['trl']['reward']:.3f}")
     phases = mine["phases"]
     if phases:
         total = phases.get("iteration", mine["seconds"])
