@@ -139,3 +139,15 @@ def test_weighted_rewards_are_logged_by_name_and_unjudged_responses_are_left_out
     assert rows[0]["reward/picky"] == 1.0 and 0.0 < rows[0]["reward/four_words"] < 1.0
     words = [r["reward/four_words"] for r in rows]
     assert sum(words[-3:]) / 3 > sum(words[:3]) / 3 + 0.1, words  # it learned what the summed reward favours
+
+
+def test_dapo_dynamic_sampling_and_overlong_masking_are_counted_and_still_learn(ppo_world):
+    proc = run(ppo_world, "cf_dapo", "ppo.advantage_estimator=grpo", "ppo.filter_equal_groups=true",
+               "ppo.mask_truncated=true", "gen.max_new_tokens=4", "ppo.clip_eps_high=0.28", "train.max_steps=15")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [r for r in read_metrics(ppo_world / "cf_dapo" / "metrics.jsonl") if "reward/mean" in r]
+    # 4 tokens: "NAME NAME NAME NAME" (8 tokens with spaces) cannot finish, so truncated answers are common
+    assert sum(r["response/masked_truncated"] for r in rows) > 0
+    assert all(0 <= r["group/filtered"] <= 8 for r in rows)
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["eval/reward_end"] > result["eval/reward_start"], result

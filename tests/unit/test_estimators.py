@@ -112,3 +112,10 @@ def test_unjudged_responses_and_weighted_parts():
     filled = fill_unjudged(torch.tensor([float("nan"), 2.5, float("nan")]), torch.tensor([False, True, False]),
                            torch.tensor([0, 0, 1]))
     assert filled.tolist() == [2.5, 2.5, 0.0]
+
+
+def test_rows_of_groups_that_scored_alike():
+    from rlhfkit.stages.ppo_steps import equal_group_rows
+
+    scores, group = torch.tensor([1.0, 2.0, 3.0, 3.0, 0.5]), torch.tensor([0, 0, 1, 1, 2])
+    assert equal_group_rows(scores, group).tolist() == [False, False, True, True, True]

@@ -83,6 +83,11 @@ class PPOSection:
                                           "reinforce_pp_baseline compare them; need >= 2); an iteration holds "
                                           "train.batch_size x this many samples")
     grpo_scale_by_std: bool = option(True, "grpo: divide by the group's std; false = Dr.GRPO (Liu et al. 2025)")
+    filter_equal_groups: bool = option(False, "leave out of the update the groups whose samples all got the same "
+                                              "reward (DAPO's dynamic sampling, Yu et al. 2025; counted as "
+                                              "group/filtered)")
+    mask_truncated: bool = option(False, "leave out of the update responses cut at gen.max_new_tokens without EOS "
+                                         "(DAPO's overlong filtering; counted as response/masked_truncated)")
     gamma: float = option(1.0, "GAE discount")
     lam: float = option(0.95, "GAE lambda")
     clip_eps: float = option(0.2, "policy ratio clip range (the lower side when clip_eps_high is set)")
@@ -129,6 +134,8 @@ class PPOSection:
         if self.advantage_estimator in ("grpo", "rloo", "reinforce_pp_baseline") and self.n_samples_per_prompt < 2:
             raise ConfigError(f"config key '{prefix}n_samples_per_prompt': {self.advantage_estimator} compares the "
                               f"samples of one prompt, so it needs at least 2 (got {self.n_samples_per_prompt})")
+        if self.filter_equal_groups and self.n_samples_per_prompt < 2:
+            raise ConfigError(f"config key '{prefix}filter_equal_groups': needs groups (n_samples_per_prompt >= 2)")
         if self.advantage_estimator != "gae" and (self.critic_lr is not None or self.critic_warmup_iters):
             raise ConfigError(f"config key '{prefix}critic_warmup_iters': {self.advantage_estimator} trains no "
                               f"critic; unset ppo.critic_lr and ppo.critic_warmup_iters")

@@ -53,6 +53,15 @@ def fill_unjudged(raw: torch.Tensor, judged: torch.Tensor, group: torch.Tensor) 
     return out
 
 
+def equal_group_rows(scores: torch.Tensor, group: torch.Tensor) -> torch.Tensor:
+    """(B,) bool: the row's group scored all alike."""
+    alike = torch.zeros_like(scores, dtype=torch.bool)
+    for g in group.unique().tolist():
+        members = group == g
+        alike[members] = bool((scores[members] == scores[members][0]).all())
+    return alike
+
+
 def all_equal_groups(scores: torch.Tensor, group: torch.Tensor) -> float:
     """This rank's share of prompts whose samples all got the same score (their group advantages are 0)."""
     order = torch.argsort(group, stable=True)
@@ -67,6 +76,7 @@ class Scored:
     scores: torch.Tensor  # (B,) after normalisation and the missing-EOS penalty
     finished: torch.Tensor  # (B,) bool: the response ended with EOS
     judged: torch.Tensor  # (B,) bool: every reward judged it (unjudged ones are masked out of the update)
+    dropped: dict  # counts of rows masked out by ppo.filter_equal_groups / ppo.mask_truncated
 
 
 @dataclass
@@ -111,11 +121,22 @@ class PPOSteps:
         with timer("reward"), reward_on_device(engine, reward):
             raw = reward(rollout, finished).float().to(engine.device)
         judged = torch.isfinite(raw)
+        group = rollout.group.to(raw.device)
         if not judged.all():
-            raw = fill_unjudged(raw, judged, rollout.group.to(raw.device))
-            rollout = replace(rollout, response_mask=rollout.response_mask * judged[:, None].to(
+            raw = fill_unjudged(raw, judged, group)
+        keep, dropped = judged.clone(), {}
+        if self.cfg.ppo.filter_equal_groups:  # DAPO: a group that scored all alike has no signal to learn from
+            alike = equal_group_rows(raw, group)
+            keep &= ~alike
+            dropped["group/filtered"] = float(alike.sum()) / self.cfg.ppo.n_samples_per_prompt
+        if self.cfg.ppo.mask_truncated:  # DAPO: a response cut at the token limit is not judged by its ending
+            keep &= finished.to(keep.device)
+            dropped["response/masked_truncated"] = float((~finished).sum())
+        if not keep.all():  # masked rows: no tokens in any loss, metric or count of the update
+            rollout = replace(rollout, response_mask=rollout.response_mask * keep[:, None].to(
                 rollout.response_mask.dtype))
-        return Scored(rollout, raw, adjust_scores(raw, finished, self.cfg.ppo, reward.stats), finished, judged)
+        return Scored(rollout, raw, adjust_scores(raw, finished, self.cfg.ppo, reward.stats), finished, judged,
+                      dropped)
 
     # -- 3. make experience --------------------------------------------------------------------------------
     def make_experience(self, scored: Scored, timer) -> Experience:
@@ -145,7 +166,7 @@ class PPOSteps:
         judged = scored.judged
         raw = raw[judged] if judged.any() else raw.new_zeros(1)
         return {"reward/mean": raw.mean().item(), "reward/std": raw.std().item() if raw.numel() > 1 else 0.0,
-                **named, "reward/unjudged": float((~judged).sum()),
+                **named, "reward/unjudged": float((~judged).sum()), **scored.dropped,
                 "score/mean": scored.scores.mean().item(), "kl_coef": self.kl_ctl.value,
                 "response_length": rollout.response_lengths.mean().item(),
                 "response/finished": scored.finished.float().mean().item()}
