@@ -19,6 +19,9 @@ def add_demo_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--task", choices=("arithmetic",), default=None,
                    help="instead of the toy world: SmolLM2-135M-Instruct (rlhfkit fetch) learns this task with a "
                         "verifiable reward by RL (~10 minutes on 2 cores; --quick: a shorter run)")
+    p.add_argument("--algo", choices=("ppo", "grpo", "rloo", "reinforce_pp"), default="ppo",
+                   help="with --task: the RL algorithm (ppo: a critic; grpo, rloo: groups of 4 samples per prompt, "
+                        "no critic; reinforce_pp: no critic); output runs/demo-TASK-ALGO")
     p.add_argument("overrides", nargs="*", metavar="key=value",
                    help="dotted overrides of the pipeline config, e.g. ppo.ppo.kl_coef=0.1 (with --task: of the "
                         "ppo config, e.g. train.lr=2e-5)")
@@ -32,8 +35,9 @@ def main(args) -> int:
 
     try:
         if args.task:
-            output = f"runs/demo-{args.task}" if args.output == "runs/demo" else args.output
-            return run_task_demo(output, args.task, args.quick, args.overrides, args.force, args.seed)
+            suffix = "" if args.algo == "ppo" else f"-{args.algo}"
+            output = f"runs/demo-{args.task}{suffix}" if args.output == "runs/demo" else args.output
+            return run_task_demo(output, args.task, args.quick, args.overrides, args.force, args.seed, args.algo)
         return run_demo(args.output, args.quick, args.overrides, args.force, args.seed)
     except USER_ERRORS as exc:
         print(f"rlhfkit demo: error: {exc}", file=sys.stderr)

@@ -32,10 +32,27 @@ SIZES = {"full": {"iterations": 40, "lr": 1.0e-5, "eval_samples": EVAL_SAMPLES},
          "quick": {"iterations": 10, "lr": 3.0e-5, "eval_samples": 4}}
 
 
-def ppo_dict(out: Path, model: Path, task_name: str, size: dict, seed: int) -> dict:
+ALGOS = ("ppo", "grpo", "rloo", "reinforce_pp")
+GROUP = 4  # samples per prompt of the critic-free algorithms (8 prompts x 4 per iteration)
+
+
+def algo_dict(algo: str) -> dict:
+    """What `--algo` changes in the config: PPO's critic and KL penalty, or a critic-free estimator with groups
+    of GROUP samples (grpo and rloo: KL as a k3 loss; reinforce_pp: KL in the reward, whitened returns)."""
+    if algo == "ppo":
+        return {}
+    group = {"n_samples_per_prompt": GROUP, "critic_lr": None} if algo != "reinforce_pp" else {"critic_lr": None}
+    kl = {"kl_coef": 0.0, "kl_loss_coef": 0.05} if algo in ("grpo", "rloo") else {"kl_coef": 0.05}
+    batch = 32 // GROUP if algo != "reinforce_pp" else 32
+    return {"ppo": {"advantage_estimator": algo, **group, **kl}, "train": {"batch_size": batch}}
+
+
+def ppo_dict(out: Path, model: Path, task_name: str, size: dict, seed: int, algo: str = "ppo") -> dict:
     """The `rlhfkit ppo` config of the demo (resolved, it lands in OUT/ppo/config.yaml)."""
+    from rlhfkit.config.fields import deep_merge
+
     data = out / "data"
-    return {
+    return deep_merge({
         "actor": str(model), "reward": TASKS[task_name].reward, "output_dir": str(out / "ppo"),
         "data": {"prompts": str(data / "train_prompts.jsonl"), "eval_prompts": str(data / "heldout_prompts.jsonl"),
                  "max_prompt_length": 64, "cache": False},
@@ -45,7 +62,7 @@ def ppo_dict(out: Path, model: Path, task_name: str, size: dict, seed: int) -> d
         # a fresh value head learns faster than the policy may move; the reward is 0/1, so no clipping needed
         "ppo": {"kl_coef": 0.05, "critic_lr": 1.0e-4, "sample_every": 5},
         "log": {"tensorboard": False},
-    }
+    }, algo_dict(algo))
 
 
 def accuracy_rows(gold: dict, kl: dict, wall: float, reused: bool) -> list[dict]:
@@ -70,7 +87,7 @@ def accuracy_rows(gold: dict, kl: dict, wall: float, reused: bool) -> list[dict]
 
 
 def run_task_demo(output: str, task_name: str, quick: bool = False, overrides: list[str] | None = None,
-                  force: bool = False, seed: int = 0) -> int:
+                  force: bool = False, seed: int = 0, algo: str = "ppo") -> int:
     """The whole task demo; returns the exit code (0 when every bar passes, 1 otherwise)."""
     import shutil
 
@@ -86,7 +103,7 @@ def run_task_demo(output: str, task_name: str, quick: bool = False, overrides: l
     task, size, out = TASKS[task_name], SIZES["quick" if quick else "full"], Path(output)
     # 1. the model (fetched once, then cached) and the prompt files; the config is checked before any training
     model = fetch(MODEL, log=lambda line: print(line, file=sys.stderr))
-    base = ppo_dict(out, model, task_name, size, seed)
+    base = ppo_dict(out, model, task_name, size, seed, algo)
     cfg = from_dict(PPOConfig, deep_merge(base, parse_overrides(list(overrides or []))))
     if force:
         shutil.rmtree(out / "ppo", ignore_errors=True)
@@ -108,8 +125,9 @@ def run_task_demo(output: str, task_name: str, quick: bool = False, overrides: l
 
     # 5. the bar, summary.json, gold.json, samples.jsonl and the report
     rows = accuracy_rows(gold, kl, wall, reused)
-    title = f"rlhfkit demo --task {task_name}{' (quick)' if quick else ''} — SmolLM2-135M-Instruct learns by RL"
-    summary = {"title": title, "rows": rows, "seed": seed, "task": task_name, "model": str(model),
+    title = (f"rlhfkit demo --task {task_name}{' --algo ' + algo if algo != 'ppo' else ''}{' (quick)' if quick else ''}"
+             f" — SmolLM2-135M-Instruct learns by RL")
+    summary = {"title": title, "rows": rows, "seed": seed, "task": task_name, "algo": algo, "model": str(model),
                "iterations": cfg.train.max_steps, "prompts_per_iteration": cfg.train.batch_size,
                "heldout_questions": len(heldout), "samples_per_question": size["eval_samples"], "kl": kl,
                "reused": ["ppo"] if reused else []}
