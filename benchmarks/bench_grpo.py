@@ -89,32 +89,10 @@ def length_reward(prompts, completions, **kwargs) -> list[float]:
 
 
 def rlhfkit_worker(args) -> None:
-    """rlhfkit's real loop (run_ppo, GRPO estimator); the metrics logger waits for "go" and reports."""
-    import torch
-
-    torch.set_num_threads(args.threads)
-    import rlhfkit.stages.ppo as ppo_stage
-    from rlhfkit.config.fields import load_config
-    from rlhfkit.config.ppo_schema import PPOConfig
-
-    step = harness.Lockstep()
-
-    class TimedLogger(ppo_stage.MetricsLogger):
-        def __init__(self, *a, **kw):
-            super().__init__(*a, **kw)
-            step.wait()  # models are loaded: the first iteration starts on the parent's word
-
-        def log(self, it, metrics, show=()):
-            super().log(it, metrics, show)
-            phases = {k.split("/", 1)[1]: v for k, v in metrics.items() if k.startswith("time/")}
-            step.report(phases=phases, reward=metrics.get("reward/mean"),
-                        response_length=metrics.get("response_length"))
-            step.wait()
-
-    ppo_stage.MetricsLogger = TimedLogger
+    """rlhfkit's real loop (run_ppo, GRPO estimator), in lock-step with the parent (harness.rlhfkit_lockstep)."""
     overrides = rlhfkit_overrides(Path(args.world), args.size, args.prompts, args.group, args.response, args.out)
-    cfg = load_config(PPOConfig, None, overrides + args.extra)
-    ppo_stage.run_ppo(cfg, force=True)
+    harness.rlhfkit_lockstep(overrides + args.extra, args.threads,
+                             report={"reward": "reward/mean", "response_length": "response_length"})
 
 
 def rlhfkit_overrides(world: Path, size: str, prompts: int, group: int, response: int, out) -> list[str]:

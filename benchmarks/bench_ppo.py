@@ -45,31 +45,9 @@ ZERO3_BATCH, ZERO3_RESPONSE = 16, 32
 
 
 def rlhfkit_worker(args) -> None:
-    """rlhfkit's real PPO loop; the metrics logger is the hook that waits for "go" and reports each iteration."""
-    import torch
-
-    torch.set_num_threads(args.threads)
-    import rlhfkit.stages.ppo as ppo_stage
-    from rlhfkit.config.fields import load_config
-    from rlhfkit.config.ppo_schema import PPOConfig
-
-    step = harness.Lockstep()
-
-    class TimedLogger(ppo_stage.MetricsLogger):
-        def __init__(self, *a, **kw):
-            super().__init__(*a, **kw)
-            step.wait()  # models are loaded: the first iteration starts on the parent's word
-
-        def log(self, it, metrics, show=()):
-            super().log(it, metrics, show)
-            phases = {k.split("/", 1)[1]: v for k, v in metrics.items() if k.startswith("time/")}
-            step.report(phases=phases)
-            step.wait()
-
-    ppo_stage.MetricsLogger = TimedLogger
+    """rlhfkit's real PPO loop, in lock-step with the parent (harness.rlhfkit_lockstep)."""
     overrides = rlhfkit_overrides(Path(args.world), args.size, args.batch, args.response, args.out, 100000)
-    cfg = load_config(PPOConfig, None, overrides + args.extra)
-    ppo_stage.run_ppo(cfg, force=True)
+    harness.rlhfkit_lockstep(overrides + args.extra, args.threads)
 
 
 def rlhfkit_overrides(world: Path, size: str, batch: int, response: int, out, steps: int) -> list[str]:

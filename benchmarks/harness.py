@@ -284,6 +284,34 @@ class Worker:
         self.stderr.close()
 
 
+def rlhfkit_lockstep(overrides: list[str], threads: int, report: dict | None = None) -> None:
+    """Worker side: rlhfkit's real loop (`stages.ppo.run_ppo` on `overrides`) with its metrics logger as the hook
+    that waits for the parent's "go" and reports each iteration's `time/*` phases, plus `report` (report key ->
+    metrics key)."""
+    import torch
+
+    torch.set_num_threads(threads)
+    import rlhfkit.stages.ppo as ppo_stage
+    from rlhfkit.config.fields import load_config
+    from rlhfkit.config.ppo_schema import PPOConfig
+
+    step = Lockstep()
+
+    class TimedLogger(ppo_stage.MetricsLogger):
+        def __init__(self, *a, **kw):
+            super().__init__(*a, **kw)
+            step.wait()  # models are loaded: the first iteration starts on the parent's word
+
+        def log(self, it, metrics, show=()):
+            super().log(it, metrics, show)
+            phases = {k.split("/", 1)[1]: v for k, v in metrics.items() if k.startswith("time/")}
+            step.report(phases=phases, **{name: metrics.get(key) for name, key in (report or {}).items()})
+            step.wait()
+
+    ppo_stage.MetricsLogger = TimedLogger
+    ppo_stage.run_ppo(load_config(PPOConfig, None, overrides), force=True)
+
+
 def run_lockstep(workers: list[Worker], warmup: int, iters: int, log=print) -> dict[str, list[dict]]:
     """Alternate the workers iteration by iteration; returns each one's measured (post-warm-up) reports."""
     results = {w.name: [] for w in workers}
