@@ -82,7 +82,11 @@ def one_update(tmp_path, rollout, micro: int, **sections) -> tuple[dict, list, l
     {},
     {"ppo": {"kl_loss_coef": 0.5, "epochs": 2, "mini_batch_size": 2}, "ptx": {"coef": 0.5, "batch_size": 4},
      "data": {"ptx": "ptx.txt"}},
-], ids=["plain", "kl_loss+epochs+minibatches+ptx"])
+    {"ppo": {"loss_aggregation": "seq-mean-token-mean", "clip_eps_high": 0.3, "dual_clip": 3.0}},
+    {"ppo": {"loss_aggregation": "seq-mean-token-sum-norm", "ratio_level": "sequence"}},
+    {"ppo": {"loss_aggregation": "seq-mean-token-sum"}},
+], ids=["plain", "kl_loss+epochs+minibatches+ptx", "seq-mean-token-mean+clip-higher+dual-clip", "dr-grpo-norm+gspo",
+        "seq-mean-token-sum"])
 def test_micro_batch_times_accumulation_invariance(tmp_path, rollout, sections):
     m1, actor1, critic1 = one_update(tmp_path, rollout, 1, **sections)  # micro 1 x accumulation 4 (or 2)
     m4, actor4, critic4 = one_update(tmp_path, rollout, sections.get("ppo", {}).get("mini_batch_size", 4), **sections)

@@ -19,6 +19,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from rlhfkit.algos import AdaptiveKLController, FixedKLController
+from rlhfkit.algos.group import group_filter_mask
 from rlhfkit.config.ppo_schema import PPOConfig
 from rlhfkit.models.ema import EMA
 from rlhfkit.rollout.batch import RolloutBatch
@@ -53,20 +54,12 @@ def fill_unjudged(raw: torch.Tensor, judged: torch.Tensor, group: torch.Tensor) 
     return out
 
 
-def equal_group_rows(scores: torch.Tensor, group: torch.Tensor) -> torch.Tensor:
-    """(B,) bool: the row's group scored all alike."""
-    alike = torch.zeros_like(scores, dtype=torch.bool)
-    for g in group.unique().tolist():
-        members = group == g
-        alike[members] = bool((scores[members] == scores[members][0]).all())
-    return alike
-
-
-def all_equal_groups(scores: torch.Tensor, group: torch.Tensor) -> float:
-    """This rank's share of prompts whose samples all got the same score (their group advantages are 0)."""
+def equal_group_rows(scores: torch.Tensor, group: torch.Tensor, n: int) -> torch.Tensor:
+    """(B,) bool: the row's group (n rows sharing `group`, in any order) scored all alike."""
     order = torch.argsort(group, stable=True)
-    grouped = scores[order].view(int(group.max()) + 1, -1)
-    return (grouped == grouped[:, :1]).all(1).float().mean().item()
+    alike = torch.empty_like(group, dtype=torch.bool)
+    alike[order] = ~group_filter_mask(scores[order], n)
+    return alike
 
 
 @dataclass
@@ -113,7 +106,7 @@ class PPOSteps:
 
     # -- 2. score ------------------------------------------------------------------------------------------
     def score(self, rollout: RolloutBatch, timer) -> Scored:
-        """The reward of each response. One a reward function left unjudged (None) is left out of the update:
+        """The reward of each response. A response a reward function left unjudged (None) is left out of the update:
         its tokens are masked, and its score (for the group statistics of the others) is its group's mean
         over the judged ones."""
         reward, engine = self.models.reward, self.engine
@@ -126,7 +119,7 @@ class PPOSteps:
             raw = fill_unjudged(raw, judged, group)
         keep, dropped = judged.clone(), {}
         if self.cfg.ppo.filter_equal_groups:  # DAPO: a group that scored all alike has no signal to learn from
-            alike = equal_group_rows(raw, group)
+            alike = equal_group_rows(raw, group, self.cfg.ppo.n_samples_per_prompt)
             keep &= ~alike
             dropped["group/filtered"] = float(alike.sum()) / self.cfg.ppo.n_samples_per_prompt
         if self.cfg.ppo.mask_truncated:  # DAPO: a response cut at the token limit is not judged by its ending
@@ -154,7 +147,8 @@ class PPOSteps:
                                                          self.estimator.whiten, engine)
             metrics.update(advantage_metrics)
         if self.estimator.group:  # groups whose samples all scored the same carry no learning signal
-            metrics["group/all_equal"] = all_equal_groups(batch.scores, batch.group)
+            alike = equal_group_rows(batch.scores, batch.group.to(batch.scores.device), cfg.ppo.n_samples_per_prompt)
+            metrics["group/all_equal"] = alike.float().mean().item()
         metrics = engine.reduce_mean(metrics)
         return Experience(batch, metrics["kl"], metrics, pending=self.fused)
 

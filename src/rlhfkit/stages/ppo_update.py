@@ -179,8 +179,8 @@ def ppo_update(batch: RolloutBatch, actor, critic, cfg: PPOConfig, engine, itera
             local_tokens = batch.response_mask[rows].sum().item()
             n_tokens = engine.total(local_tokens)
             # the actor's loss averages over the aggregation's count (tokens by default), the critic's over tokens
-            n_actor = n_tokens if aggregation == "token-mean" else \
-                engine.total(loss_count(batch.response_mask[rows], aggregation, max_len))
+            local_count = loss_count(batch.response_mask[rows], aggregation, max_len)
+            n_actor = n_tokens if aggregation == "token-mean" else engine.total(local_count)
             stats = defaultdict(float)
             # micro-batches of rows of similar length carry little padding; the mini-batch's gradient is the
             # same sum for any grouping of its rows
@@ -191,9 +191,10 @@ def ppo_update(batch: RolloutBatch, actor, critic, cfg: PPOConfig, engine, itera
                 if update_actor:
                     with timer("actor_update"):
                         loss, actor_stats = actor_loss(actor.module, part, cfg.ppo, temperature, max_len)
-                        actor.backward(loss * loss_count(part.response_mask, aggregation, max_len), n_actor)
-                    for k, v in actor_stats.items():
-                        stats[k] += v * share
+                        count = loss_count(part.response_mask, aggregation, max_len)
+                        actor.backward(loss * count, n_actor)
+                    for k, v in actor_stats.items():  # token means; the loss by the aggregation's own count
+                        stats[k] += v * (count / max(local_count, 1.0) if k == "policy_loss" else share)
                 if update_critic:
                     with timer("critic_update"):
                         loss, critic_stats = critic_loss(critic.module, part, cfg.ppo)
