@@ -49,6 +49,11 @@ def rows(model: Path, steps: int, prompts: Path, rewards: Path) -> dict:
             "time/iteration", [*ppo, "reward=rlhfkit.demo.tasks:arithmetic_reward", f"data.prompts={prompts}",
                                "train.batch_size=16", "train.micro_batch_size=8", "gen.max_new_tokens=12",
                                "data.eval_fraction=0"]),
+        "grpo: 4 prompts x 4 samples x 12 new tokens (task demo), micro 8, no critic": (
+            "time/iteration", [*ppo, "reward=rlhfkit.demo.tasks:arithmetic_reward", f"data.prompts={prompts}",
+                               "train.batch_size=4", "ppo.n_samples_per_prompt=4", "ppo.advantage_estimator=grpo",
+                               "ppo.kl_coef=0", "ppo.kl_loss_coef=0.05", "train.micro_batch_size=8",
+                               "gen.max_new_tokens=12", "data.eval_fraction=0"]),
         "ppo: 8 HH prompts <= 128 tokens x 64 new tokens, micro 4": (
             "time/iteration", [*ppo, f"reward={rewards}:length", f"data.prompts={hh}",
                                "data.max_prompt_length=128", "train.batch_size=8", "train.micro_batch_size=4",
