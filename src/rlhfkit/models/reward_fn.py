@@ -58,14 +58,16 @@ def load_reward_function(spec: str) -> Callable:
     return fn
 
 
-def field_parameters(fn: Callable) -> tuple[list[str], bool]:
-    """The keyword parameters `fn` takes after (prompts, responses), and whether it takes **kwargs."""
+def field_parameters(fn: Callable) -> tuple[list[str], list[str], bool]:
+    """The keyword parameters `fn` takes after (prompts, responses), those of them without a default, and
+    whether it takes **kwargs."""
     try:
         params = list(inspect.signature(fn).parameters.values())
     except (TypeError, ValueError):  # a builtin or C function: call it with the two lists only
-        return [], False
-    named = [p.name for p in params[2:] if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
-    return named, any(p.kind == p.VAR_KEYWORD for p in params)
+        return [], [], False
+    named = [p for p in params[2:] if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    return ([p.name for p in named], [p.name for p in named if p.default is p.empty],
+            any(p.kind == p.VAR_KEYWORD for p in params))
 
 
 class FunctionReward:
@@ -77,15 +79,12 @@ class FunctionReward:
     def __init__(self, fn: Callable, spec: str):
         self.fn, self.spec = fn, spec
         self.stats = None  # no stored mean/std to normalise with
-        self.wanted, self.takes_all = field_parameters(fn)
+        self.wanted, self.required, self.takes_all = field_parameters(fn)
 
     def columns(self, batch) -> dict:
         rows = batch.fields or [{} for _ in range(batch.size)]
         names = sorted({k for row in rows for k in row}) if self.takes_all else self.wanted
-        required = [p.name for p in list(inspect.signature(self.fn).parameters.values())[2:]
-                    if p.default is p.empty and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)] \
-            if self.wanted else []
-        missing = [name for name in required if not any(name in row for row in rows)]
+        missing = [name for name in self.required if not any(name in row for row in rows)]
         if missing:
             known = sorted({k for row in rows for k in row})
             raise ModelError(f"reward '{self.spec}' takes {', '.join(missing)}, which the prompt rows do not have "
