@@ -236,3 +236,93 @@ def test_generation_config_settings_the_rollout_ignores_are_named(tiny, tiny_mod
     config.temperature, config.top_p = 1.0, 0.95  # the same values as gen.*: nothing ignored
     config.repetition_penalty, config.no_repeat_ngram_size = 1.3, 3
     assert ignored_generation_settings(model, cfg) == ["repetition_penalty=1.3", "no_repeat_ngram_size=3"]
+
+
+# ---------------------------------------------------------------- prompts shared by a group of samples
+
+def grouped_batch(tok, model, n: int = 3) -> RolloutBatch:
+    """Two prompts of different lengths (so one is left-padded), n samples each, one response cut short."""
+    rows = prompt_rows(tok, ["say apple", "say a very long river stone cloud green"])
+    torch.manual_seed(0)
+    batch = generate_rollout(model, CPU(), tok, [r for r in rows for _ in range(n)], GenConfig(max_new_tokens=6))
+    batch.response_mask[1, 3:] = 0
+    batch.response_ids[1, 3:] = tok.pad_token_id
+    return RolloutBatch(**{**batch.__dict__, "group": torch.arange(2).repeat_interleave(n)})
+
+
+def test_prompt_shared_by_a_group_is_computed_once_with_the_same_logprobs_and_gradients(tiny, tiny_model_dir):
+    """shared_prefix_logits (each distinct prompt once, its KV cache indexed out to the group) gives the full
+    forward's logits on every valid response token, and the same parameter gradients."""
+    from rlhfkit.models.forward import causal_logits, shared_prefix_logits, unique_rows
+
+    tok, _ = tiny
+    model = load_causal_lm(str(tiny_model_dir), tokenizer=tok).train()
+    batch = grouped_batch(tok, model)
+    first, inverse = unique_rows(batch.prompt_ids, batch.prompt_mask)
+    assert first.tolist() == [0, 3] and inverse.tolist() == [0, 0, 0, 1, 1, 1]
+    width = batch.response_ids.size(1)
+    valid = batch.response_mask.bool()[..., None]
+    weights = torch.randn(*batch.response_ids.shape, len(tok), generator=torch.Generator().manual_seed(1)) * valid
+
+    def run(fn):
+        model.zero_grad()
+        logits = fn()
+        (logits * weights).sum().backward()
+        return logits.detach(), [p.grad.clone() for p in model.parameters()]
+
+    full, full_grads = run(lambda: causal_logits(model, batch.input_ids, batch.attention_mask,
+                                                 keep=width + 1)[:, -(width + 1):-1])
+    shared, shared_grads = run(lambda: shared_prefix_logits(model, batch.prompt_ids, batch.prompt_mask,
+                                                            batch.response_ids, batch.response_mask))
+    torch.testing.assert_close(shared * valid, full * valid, atol=1e-5, rtol=1e-5)
+    for a, b in zip(shared_grads, full_grads):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+    # distinct prompts: nothing to share, the caller runs the plain forward
+    assert shared_prefix_logits(model, batch.prompt_ids[[0, 3]], batch.prompt_mask[[0, 3]],
+                                batch.response_ids[[0, 3]], batch.response_mask[[0, 3]]) is None
+    # under gradient checkpointing transformers drops the cache in every layer: no sharing while training
+    model.gradient_checkpointing_enable()
+    assert shared_prefix_logits(model, batch.prompt_ids, batch.prompt_mask, batch.response_ids,
+                                batch.response_mask) is None
+    with torch.no_grad():
+        assert shared_prefix_logits(model, batch.prompt_ids, batch.prompt_mask, batch.response_ids,
+                                    batch.response_mask) is not None
+
+
+def test_group_rows_share_micro_batches_and_give_the_same_experience(tiny):
+    """With groups, micro-batches hold whole groups (their prompt computed once); the log-probs equal
+    those of the ungrouped, length-sorted micro-batches."""
+    from dataclasses import replace
+
+    from rlhfkit.rollout.experience import length_sorted_chunks
+
+    tok, model = tiny
+    batch = grouped_batch(tok, model, n=2)
+    chunks = length_sorted_chunks(batch, 2)
+    assert sorted(sorted(batch.group[c].tolist()) for c in chunks) == [[0, 0], [1, 1]]
+    grouped = add_model_outputs(batch, model, None, model, temperature=0.7, micro_batch_size=2)
+    plain = add_model_outputs(replace(batch, group=None), model, None, model, temperature=0.7, micro_batch_size=2)
+    torch.testing.assert_close(grouped.old_logprobs, plain.old_logprobs, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(grouped.ref_logprobs, plain.ref_logprobs, atol=1e-5, rtol=1e-5)
+
+
+def test_generation_prefills_a_shared_prompt_once_and_samples_the_same(tiny, monkeypatch):
+    """Prefilling each distinct prompt once and indexing its KV cache out to the group samples exactly what
+    prefilling every row does (the draws come after the prefill, from the same generator state)."""
+    import rlhfkit.rollout.generate as generate
+
+    tok, model = tiny
+    rows = prompt_rows(tok, ["say apple", "say a very long river stone cloud green"])
+    rows = [r for r in rows for _ in range(3)]
+    cfg = GenConfig(max_new_tokens=6)
+    calls = []
+    real_unique = generate.unique_rows
+    monkeypatch.setattr(generate, "unique_rows", lambda *a: calls.append(real_unique(*a)) or calls[-1])
+    torch.manual_seed(0)
+    shared = generate_rollout(model, CPU(), tok, rows, cfg)
+    assert calls and calls[0][0].tolist() == [0, 3]  # two prompts prefilled, not six
+    monkeypatch.setattr(generate, "unique_rows", lambda *a: None)
+    torch.manual_seed(0)
+    every_row = generate_rollout(model, CPU(), tok, rows, cfg)
+    assert torch.equal(shared.response_ids, every_row.response_ids)
+    torch.testing.assert_close(shared.sample_logprobs, every_row.sample_logprobs, atol=1e-5, rtol=1e-5)

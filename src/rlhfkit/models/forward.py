@@ -10,6 +10,7 @@ Two rules make results independent of padding side and of pad == EOS:
 from __future__ import annotations
 
 import torch
+from transformers.cache_utils import DynamicCache, DynamicLayer
 
 from rlhfkit.algos import last_valid_index
 from rlhfkit.models.lora import base_model
@@ -38,6 +39,76 @@ def causal_logits(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, 
         if "logits_to_keep" not in str(exc):
             raise
         return model(**kwargs).logits[:, -keep:]
+
+
+def shares_prefixes(model) -> bool:
+    """Whether a forward may compute a prompt shared by several rows once and reuse its KV cache: not while
+    gradient checkpointing trains the model (transformers then drops the cache inside every layer)."""
+    plain = base_model(model)
+    if not (torch.is_grad_enabled() and plain.training):
+        return True
+    name = "is_activation_checkpointing" if hasattr(type(plain), "is_activation_checkpointing") else \
+        "is_gradient_checkpointing"  # transformers < 5.x's name
+    return not getattr(plain, name, False)
+
+
+def full_attention_cache(model) -> DynamicCache | None:
+    """An empty transformers DynamicCache for `model` when every layer of it is plain full attention (a cache
+    whose rows can be indexed and extended freely); None for sliding windows, hybrids and unusual configs."""
+    try:
+        cache = DynamicCache(config=base_model(model).config)
+    except Exception:  # noqa: BLE001 - an unusual config: let the model choose its cache
+        return None
+    if not cache.layers or any(type(layer) is not DynamicLayer for layer in cache.layers):
+        return None
+    return cache
+
+
+def unique_rows(ids: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """`(first, inverse)` when some rows of (ids, mask) are identical: `first` indexes one row of each distinct
+    value, and `inverse[i]` is the position in `first` of row i's value. None when every row is distinct."""
+    keys = torch.cat([ids, mask.to(ids.dtype)], dim=1)
+    values, inverse = torch.unique(keys, dim=0, return_inverse=True)
+    if values.size(0) == keys.size(0):
+        return None
+    first = torch.full((values.size(0),), keys.size(0), dtype=torch.long, device=ids.device)
+    first = first.scatter_reduce(0, inverse, torch.arange(keys.size(0), device=ids.device), reduce="amin")
+    return first, inverse
+
+
+def shared_prefix_logits(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, response_ids: torch.Tensor,
+                         response_mask: torch.Tensor) -> torch.Tensor | None:
+    """(B, R, V) logits predicting each response token, with every distinct prompt computed once.
+
+    GRPO and RLOO sample several responses of one prompt, and the prompt is often the longer part. The distinct
+    prompts (left-padded, identical rows merged) run one forward that fills the KV cache and gives the logits of
+    each response's first token; the cache is then indexed out to every row, and the responses run against it.
+    Gradients flow through the shared cache into the prompt's forward, so the result and its gradient equal
+    the full forward's (up to float rounding). None when no two rows share a prompt, or when the model cannot
+    take a cache here (`shares_prefixes`, or a model class without `past_key_values` / `logits_to_keep`).
+    """
+    unique = unique_rows(prompt_ids, prompt_mask) if shares_prefixes(model) else None
+    cache = full_attention_cache(model) if unique is not None else None
+    if cache is None:
+        return None
+    first, inverse = unique
+    mask = prompt_mask.long()[first]
+    try:
+        out = model(input_ids=prompt_ids[first], attention_mask=mask, position_ids=position_ids(mask),
+                    past_key_values=cache, use_cache=True, logits_to_keep=1)
+    except TypeError as exc:  # a model class without these arguments
+        if any(name in str(exc) for name in ("logits_to_keep", "past_key_values", "use_cache")):
+            return None
+        raise
+    cache.reorder_cache(inverse)  # index_select per layer: differentiable, the prompt's gradient sums over rows
+    head = out.logits[:, -1:][inverse]  # predicts response token 0
+    if response_ids.size(1) == 1:
+        return head
+    full_mask = torch.cat([prompt_mask.long(), response_mask.long()], dim=1)
+    width = prompt_ids.size(1)
+    rest = model(input_ids=response_ids[:, :-1], attention_mask=full_mask[:, :-1],
+                 position_ids=position_ids(full_mask)[:, width:-1], past_key_values=cache, use_cache=True).logits
+    return torch.cat([head.to(rest.dtype), rest], dim=1)
 
 
 def _head(model) -> torch.nn.Module:

@@ -14,7 +14,7 @@ import torch
 from rlhfkit.algos import kl_penalty, masked_mean, masked_whiten, shape_rewards, token_logprobs
 from rlhfkit.config.ppo_schema import PPOSection
 from rlhfkit.models.cpu_linear import packed_weights
-from rlhfkit.models.forward import causal_logits, token_scores
+from rlhfkit.models.forward import causal_logits, shared_prefix_logits, token_scores
 from rlhfkit.models.lora import adapter_disabled
 from rlhfkit.rollout.batch import RolloutBatch
 from rlhfkit.rollout.estimators import ESTIMATORS
@@ -25,12 +25,16 @@ def response_logits(model, batch: RolloutBatch, temperature: float = 1.0) -> tor
 
     The behaviour policy that sampled the tokens is softmax(z / T), so pi_old, pi and pi_ref are all taken
     at the same T (as TRL and OpenRLHF do); otherwise the ratio and the KL compare different distributions.
-    Only the last R + 1 positions go through the LM head: the prompt's logits are never needed.
+    Only the last R + 1 positions go through the LM head: the prompt's logits are never needed. Rows that
+    share a prompt (a group of samples) compute it once (`shared_prefix_logits`).
     """
-    width = batch.response_ids.size(1)
-    logits = causal_logits(model, batch.input_ids, batch.attention_mask, keep=width + 1)
-    # position P - 1 + j predicts response token j: the kept positions P - 1 .. P + R - 1, less the last
-    logits = logits[:, -(width + 1):-1]
+    logits = shared_prefix_logits(model, batch.prompt_ids, batch.prompt_mask, batch.response_ids,
+                                  batch.response_mask)
+    if logits is None:  # no two rows share a prompt: one forward over prompt + response
+        width = batch.response_ids.size(1)
+        logits = causal_logits(model, batch.input_ids, batch.attention_mask, keep=width + 1)
+        # position P - 1 + j predicts response token j: the kept positions P - 1 .. P + R - 1, less the last
+        logits = logits[:, -(width + 1):-1]
     return logits / temperature if temperature != 1.0 else logits
 
 
@@ -50,10 +54,19 @@ def length_sorted_chunks(batch: RolloutBatch, size: int, rows: torch.Tensor | No
     Rows of similar length share a micro-batch, so `RolloutBatch.select` trims nearly all of its padding:
     a left-padded batch is as wide as its longest prompt plus its longest response, and padding costs as
     much compute as real tokens. Any grouping gives the same per-row results (positions come from the mask).
+    With groups (`batch.group`), the rows of one prompt stay next to each other (groups in order of their
+    longest row), so a micro-batch holds whole groups and computes each prompt once (`shared_prefix_logits`).
     """
     rows = torch.arange(batch.size) if rows is None else torch.as_tensor(rows, dtype=torch.long)
     lengths = (batch.prompt_mask.sum(-1) + batch.response_mask.sum(-1)).cpu()[rows]
-    return list(rows[torch.argsort(lengths, stable=True)].split(size))
+    group = None if batch.group is None else batch.group.cpu()[rows]
+    if group is None or group.unique().numel() == group.numel():  # no two rows of one prompt
+        return list(rows[torch.argsort(lengths, stable=True)].split(size))
+    longest = {}
+    for g, n in zip(group.tolist(), lengths.tolist()):
+        longest[g] = max(longest.get(g, 0), n)
+    order = sorted(range(len(rows)), key=lambda i: (longest[int(group[i])], int(group[i]), int(lengths[i])))
+    return list(rows[torch.tensor(order, dtype=torch.long)].split(size))
 
 
 def sort_by_length(batch: RolloutBatch) -> RolloutBatch:

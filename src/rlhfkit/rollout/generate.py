@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import torch
-from transformers.cache_utils import DynamicCache, DynamicLayer
+from transformers.cache_utils import DynamicLayer
 
 from rlhfkit.config.ppo_schema import GenConfig
 from rlhfkit.data.templates import end_token_ids
 from rlhfkit.data.tokenize import pad_sequences
 from rlhfkit.models.cpu_linear import packed_weights
+from rlhfkit.models.forward import full_attention_cache, unique_rows
 from rlhfkit.models.lora import base_model
 from rlhfkit.rollout.batch import RolloutBatch
 
@@ -116,30 +117,47 @@ class PreallocatedLayer(DynamicLayer):
         self.keys, self.values = self.key_buffer[:, :, :end], self.value_buffer[:, :, :end]
         return self.keys, self.values
 
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        """Rows `beam_idx` of the cache (any count: a prompt prefilled once serves every row that shares it)."""
+        if self.is_initialized:
+            self.key_buffer = self.key_buffer.index_select(0, beam_idx.to(self.key_buffer.device))
+            self.value_buffer = self.value_buffer.index_select(0, beam_idx.to(self.value_buffer.device))
+            self.keys, self.values = self.key_buffer[:, :, :self.length], self.value_buffer[:, :, :self.length]
+
 
 def kv_cache(model, capacity: int):
     """A cache with `capacity` positions preallocated per layer when the model's default cache is made of
     plain full-attention layers; otherwise None (the model builds its own: sliding windows, hybrids...)."""
-    try:
-        cache = DynamicCache(config=base_model(model).config)
-    except Exception:  # noqa: BLE001 - an unusual config: let the model choose its cache
-        return None
-    if not cache.layers or any(type(layer) is not DynamicLayer for layer in cache.layers):
+    cache = full_attention_cache(model)
+    if cache is None:
         return None
     cache.layers = [PreallocatedLayer(capacity) for _ in cache.layers]
     return cache
 
 
 def _prefill(model, prompt_ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, cache):
-    """The prompts' forward that fills the KV cache; only the last position's logits are needed."""
+    """The prompts' forward that fills the KV cache: `(cache, logits of the last position)`.
+
+    Rows with the same prompt (a group of samples of one prompt) are computed once and the cache is indexed
+    out to every row, when the cache is one this module knows how to index (`kv_cache`'s).
+    """
+    unique = unique_rows(prompt_ids, mask) if cache is not None else None
+    if unique is not None:
+        first, inverse = unique
+        prompt_ids, mask, positions = prompt_ids[first], mask[first], positions[first]
     kwargs = dict(input_ids=prompt_ids, attention_mask=mask, position_ids=positions, use_cache=True,
                   past_key_values=cache)
     try:
-        return model(**kwargs, logits_to_keep=1)
+        out = model(**kwargs, logits_to_keep=1)
     except TypeError as exc:  # a model class without logits_to_keep
         if "logits_to_keep" not in str(exc):
             raise
-        return model(**kwargs)
+        out = model(**kwargs)
+    cache, logits = out.past_key_values, out.logits[:, -1]
+    if unique is not None:
+        cache.reorder_cache(inverse)
+        logits = logits[inverse]
+    return cache, logits
 
 
 def sample_tokens(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, cfg: GenConfig, eos_ids: list[int],
@@ -167,8 +185,7 @@ def sample_tokens(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, cf
     temperature = 1.0 if greedy else cfg.temperature
     mask = prompt_mask.long()
     positions = (mask.cumsum(-1) - 1).clamp(min=0)  # left padding does not shift positions
-    out = _prefill(model, prompt_ids, mask, positions, kv_cache(model, prompt_ids.size(1) + cfg.max_new_tokens))
-    cache, logits = out.past_key_values, out.logits[:, -1]
+    cache, logits = _prefill(model, prompt_ids, mask, positions, kv_cache(model, prompt_ids.size(1) + cfg.max_new_tokens))
     position = positions[:, -1:]
     done = torch.zeros(batch, dtype=torch.bool, device=prompt_ids.device)
     filtered = 0 < cfg.top_k < logits.size(-1) or cfg.top_p < 1.0
