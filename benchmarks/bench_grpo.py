@@ -14,8 +14,10 @@ iteration rolls out the same prompt set; TRL gets rlhfkit's rendered prompt text
 same ids), G samples per prompt (P x G samples), responses of exactly R tokens (rlhfkit: gen.min_new_tokens =
 gen.max_new_tokens = R; TRL: generation_kwargs min_new_tokens = max_completion_length = R, so EOS cannot end a
 response early), temperature 1, the same model folder as actor and frozen reference, float32, no gradient
-checkpointing, micro-batches of 8 (TRL: per_device_train_batch_size 8, gradient_accumulation_steps =
-steps_per_generation = P x G / 8, one generate() call for the whole generation batch, as rlhfkit's default),
+checkpointing, micro-batches of 8 for the forward + backward (TRL: per_device_train_batch_size 8,
+gradient_accumulation_steps = steps_per_generation = P x G / 8, one generate() call for the whole generation
+batch, as rlhfkit's default). The reference's no-grad forward: rlhfkit takes the whole batch at once
+(ppo.forward_batch_size = P x G, its own setting for that pass); TRL ties it to per_device_train_batch_size.
 one optimizer step per rollout (TRL num_iterations=1; rlhfkit ppo.epochs=1, mini-batch = the whole batch), AdamW
 with lr 1e-6 constant, betas (0.9, 0.95), no weight decay, grad-norm clip 1.0. The reward is `length_reward`
 below, the same Python function for both (characters of the decoded response / 100).
@@ -106,7 +108,8 @@ def rlhfkit_overrides(world: Path, size: str, prompts: int, group: int, response
             "ppo.advantage_estimator=grpo", f"ppo.n_samples_per_prompt={group}", "ppo.grpo_scale_by_std=true",
             "ppo.kl_coef=0", f"ppo.kl_loss_coef={BETA}", f"ppo.clip_eps={CLIP}", "ppo.epochs=1",
             "ppo.mini_batch_size=0", "ppo.loss_aggregation=token-mean", "ppo.score_clip=null",
-            "ppo.sample_every=0", "log.tensorboard=false", "log.progress=false"]
+            "ppo.sample_every=0", "log.tensorboard=false", "log.progress=false",
+            f"ppo.forward_batch_size={prompts * group}"]
 
 
 def trl_prompts(world: Path, prompts: int, tok) -> list[str]:

@@ -58,3 +58,12 @@ def test_help_lists_every_field_with_doc_and_default():
                 "lora.rank", "lora.target_modules", "engine.backend", "engine.zero_stage", "load.trust_remote_code"):
         assert f"  {key}  (" in text
     assert "default 1e-05" in text and "peak learning rate" in text
+
+
+def test_ppo_forward_batch_size_must_be_positive_or_null():
+    from rlhfkit.config.ppo_schema import PPOSection
+
+    PPOSection(forward_batch_size=None).validate("ppo.")
+    PPOSection(forward_batch_size=64).validate("ppo.")
+    with pytest.raises(ConfigError, match="ppo.forward_batch_size"):
+        PPOSection(forward_batch_size=0).validate("ppo.")

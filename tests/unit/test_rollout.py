@@ -304,6 +304,8 @@ def test_group_rows_share_micro_batches_and_give_the_same_experience(tiny):
     plain = add_model_outputs(replace(batch, group=None), model, None, model, temperature=0.7, micro_batch_size=2)
     torch.testing.assert_close(grouped.old_logprobs, plain.old_logprobs, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(grouped.ref_logprobs, plain.ref_logprobs, atol=1e-5, rtol=1e-5)
+    whole = add_model_outputs(batch, model, None, model, temperature=0.7, micro_batch_size=batch.size)
+    torch.testing.assert_close(whole.ref_logprobs, plain.ref_logprobs, atol=1e-5, rtol=1e-5)
 
 
 def test_generation_prefills_a_shared_prompt_once_and_samples_the_same(tiny, monkeypatch):

@@ -73,6 +73,10 @@ class PPOSection:
                                        "forward after it, or auto: forward under engine.precision=bf16 (sampling "
                                        "and training forwards round differently, ~4e-3, a fake KL at step 0), "
                                        "sampling otherwise", choices=("auto", "sampling", "forward"))
+    forward_batch_size: Optional[int] = option(None, "rows per no-grad forward of experience making (old "
+                                                     "log-probs, reference, values): they keep no activations for "
+                                                     "a backward, so more rows than train.micro_batch_size fit, in "
+                                                     "fewer, larger matmuls; null = train.micro_batch_size")
     value_head_init: str = option("random", "a fresh value head (critic from the actor): random (seeded) or zero "
                                             "(every value starts at 0)", choices=("random", "zero"))
     advantage_estimator: str = option("gae", "how advantages are estimated (rollout/estimators.py): gae (PPO: GAE "
@@ -119,6 +123,9 @@ class PPOSection:
     num_samples: int = option(3, "sample generations written each time")
 
     def validate(self, prefix: str = "") -> None:
+        if self.forward_batch_size is not None and self.forward_batch_size < 1:
+            raise ConfigError(f"config key '{prefix}forward_batch_size': must be >= 1 (or null), got "
+                              f"{self.forward_batch_size}")
         if self.kl_coef < 0 or self.kl_loss_coef < 0:
             raise ConfigError(f"config key '{prefix}kl_coef': KL coefficients must be >= 0")
         if self.adaptive_kl and (self.kl_target <= 0 or self.kl_horizon <= 0):

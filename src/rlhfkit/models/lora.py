@@ -1,13 +1,17 @@
-"""LoRA through peft: the only module that imports peft."""
+"""LoRA through peft: the only module that imports peft.
+
+peft is imported when a LoRA model is made (`apply_lora`), not before: a run without LoRA never loads it
+(~9 MiB of resident memory and a second of start-up). Until then no model can be a PeftModel, which is how
+the checks below answer without importing it.
+"""
 
 from __future__ import annotations
 
 import contextlib
 import copy
+import sys
 
 import torch
-from peft import LoraConfig as PeftLoraConfig
-from peft import PeftModel, TaskType, get_peft_model
 
 from rlhfkit.config.schema import LoraConfig
 
@@ -33,6 +37,9 @@ def apply_lora(model, cfg: LoraConfig, task: str = "causal_lm"):
     """
     if cfg.rank <= 0:
         return model
+    from peft import LoraConfig as PeftLoraConfig
+    from peft import TaskType, get_peft_model
+
     targets = cfg.target_modules or TARGETS.get(model.config.model_type, "all-linear")
     peft_cfg = PeftLoraConfig(
         r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout, target_modules=targets,
@@ -42,21 +49,27 @@ def apply_lora(model, cfg: LoraConfig, task: str = "causal_lm"):
     return get_peft_model(model, peft_cfg)
 
 
+def is_peft_model(model) -> bool:
+    """isinstance(model, peft.PeftModel), without importing peft when nothing has (then no model is one)."""
+    peft = sys.modules.get("peft")
+    return peft is not None and isinstance(model, peft.PeftModel)
+
+
 def unwrap_engine(model):
     """The model inside an engine's wrapper (DeepSpeed's engine, like torch's DDP, holds it as `.module` and
     forwards calls to it, but hides it from isinstance checks)."""
-    while not isinstance(model, PeftModel) and isinstance(getattr(model, "module", None), torch.nn.Module):
+    while not is_peft_model(model) and isinstance(getattr(model, "module", None), torch.nn.Module):
         model = model.module
     return model
 
 
 def is_lora(model) -> bool:
-    return isinstance(unwrap_engine(model), PeftModel)
+    return is_peft_model(unwrap_engine(model))
 
 
 def merged(model):
     """The plain transformers model with LoRA folded into the base weights (in place)."""
-    if isinstance(model, PeftModel):
+    if is_peft_model(model):
         return model.merge_and_unload()
     return model
 
@@ -64,7 +77,7 @@ def merged(model):
 def adapter_disabled(model):
     """Context in which a LoRA model computes with its base weights: the frozen reference, no second copy."""
     model = unwrap_engine(model)
-    if isinstance(model, PeftModel):
+    if is_peft_model(model):
         return model.disable_adapter()
     return contextlib.nullcontext()
 
@@ -73,7 +86,7 @@ def base_model(model) -> torch.nn.Module:
     """The underlying transformers model (config, generation_config live there), also from inside an engine's
     wrapper (DeepSpeed's own `.config` is its dict)."""
     model = unwrap_engine(model)
-    if isinstance(model, PeftModel):
+    if is_peft_model(model):
         return model.get_base_model()
     return model
 
@@ -87,6 +100,8 @@ def clone_for_export(model) -> torch.nn.Module:
     plain = base_model(model)
     config = copy.deepcopy(plain.config)
     twin = type(plain)._from_config(config, dtype=getattr(plain, "dtype", torch.float32))
-    if isinstance(model, PeftModel):
+    if is_peft_model(model):
+        from peft import get_peft_model
+
         twin = get_peft_model(twin, copy.deepcopy(model.peft_config[model.active_adapter]))
     return twin

@@ -138,7 +138,8 @@ class PPOSteps:
         with engine.on_device(reference):
             batch = add_model_outputs(scored.rollout.to(engine.device), self.actor.module,
                                       self.critic.module if values_pass else None, reference, cfg.gen.temperature,
-                                      cfg.train.micro_batch_size, old_from_sampling=not self.recompute_old,
+                                      cfg.ppo.forward_batch_size or cfg.train.micro_batch_size,
+                                      old_from_sampling=not self.recompute_old,
                                       timer=timer)
         batch = add_rewards(batch, scored.scores, self.kl_ctl.value, cfg.ppo)
         metrics = {**self.rollout_metrics(scored), "kl": kl_per_sequence(batch)}
