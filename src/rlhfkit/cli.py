@@ -19,14 +19,17 @@ TRAIN_VERBS = {
            "step 2: reward model (scalar head) on preference pairs"),
     "ppo": ("rlhfkit.config.ppo_schema:PPOConfig", "rlhfkit.stages.ppo:run_ppo",
             "step 3: PPO with actor, critic, frozen reference and reward (LoRA, PPO-ptx, EMA)"),
+    "dpo": ("rlhfkit.config.dpo_schema:DPOConfig", "rlhfkit.stages.dpo:run_dpo",
+            "offline preference optimisation from an SFT model: DPO, cDPO, IPO, SimPO (+ RPO's NLL term)"),
     "pipeline": ("rlhfkit.config.pipeline_schema:PipelineConfig", "rlhfkit.stages.pipeline:run_pipeline",
-                 "steps 1 -> 2 -> 3 from one config, outputs chained, complete steps skipped"),
+                 "steps 1 -> 2 -> 3 (or sft -> dpo) from one config, outputs chained, complete steps skipped"),
 }
 
 EXAMPLES = {
     "sft": "rlhfkit sft --config configs/sft.yaml train.max_steps=40 lora.rank=8",
     "rm": "rlhfkit rm --config configs/rm.yaml model=runs/sft/final train.max_steps=200 rm.margin=0.5",
     "ppo": "rlhfkit ppo --config configs/ppo.yaml actor=runs/sft/final reward=runs/rm/final ppo.kl_coef=0.05",
+    "dpo": "rlhfkit dpo model=runs/sft/final data.train=pairs.jsonl dpo.loss=sigmoid dpo.beta=0.1 lora.rank=16",
     "pipeline": "rlhfkit pipeline --config configs/pipeline.yaml ppo.train.max_steps=100 --force",
 }
 

@@ -219,3 +219,28 @@ def test_group_estimator_learns_on_two_ranks(tmp_path, ppo_world):
     summary = json.loads(res.stdout.strip().splitlines()[-1])
     assert summary["eval/reward_end"] > summary["eval/reward_start"] + 0.15, summary
     assert not (out / "final-critic").exists()
+
+
+def test_dpo_under_zero3_matches_the_local_engine(tmp_path, tiny_model_dir):
+    """DPO on 2 ranks under ZeRO-3: both ranks compute the reference log-probs of every pair before training (each
+    forward is a collective), rank 0 caches them; loss curve, held-out eval and weights are the local engine's."""
+    from rlhfkit.config import DPOConfig, load_config
+    from rlhfkit.stages.dpo import run_dpo
+    from test_rm import rule_rows
+
+    args = [f"model={tiny_model_dir}", f"data.train={write_jsonl(tmp_path / 'train.jsonl', rule_rows(128, 0))}",
+            f"data.eval={write_jsonl(tmp_path / 'eval.jsonl', rule_rows(32, 1))}", "train.batch_size=16",
+            "train.micro_batch_size=4", "train.lr=1e-2", "train.max_steps=8", "train.eval_every=4",
+            "train.save_every=0", "log.tensorboard=false", f"data.cache_dir={tmp_path / 'cache'}"]
+    res = launch("dpo", *args, f"output_dir={tmp_path / 'ds'}", "engine.backend=deepspeed", "engine.zero_stage=3")
+    assert res.returncode == 0, res.stderr[-3000:]
+    result = json.loads(res.stdout.strip().splitlines()[-1])
+    note = result["reference"]
+    assert "precomputed by the policy before its first step" in note and "cached at" in note
+    run_dpo(load_config(DPOConfig, None, [*args, f"output_dir={tmp_path / 'local'}", "log.progress=false"]))
+    keys = ("loss", "margin", "eval/loss", "eval/accuracy", "eval/margin")
+    ds, local = (series_of(read_metrics(tmp_path / run / "metrics.jsonl"), *keys) for run in ("ds", "local"))
+    for key in keys:
+        assert ds[key] == pytest.approx(local[key], abs=1e-4, rel=1e-4), key
+    assert ds["eval/accuracy"][0] == 0.0 and ds["eval/accuracy"][-1] >= 0.9
+    assert_same_weights(tmp_path / "ds", tmp_path / "local")

@@ -105,3 +105,21 @@ def test_pipeline_sft_then_grpo_with_a_python_reward_and_no_rm_step(tmp_path, ti
     log = (out / "ppo" / "log.txt").read_text()
     assert "no critic (grpo: 2 samples per prompt)" in log and not (out / "ppo" / "final-critic").exists()
     assert not (out / "rm").exists()
+
+
+def test_pipeline_sft_then_dpo_chains_the_sft_output_and_reads_the_preference_share(tmp_path, tiny_model_dir):
+    path, out = write_config(tmp_path, tiny_model_dir, steps=["sft", "dpo"],
+                             dpo={"train": {"max_steps": 3}, "dpo": {"beta": 0.2}})
+    res = run_cli("pipeline", "--config", str(path))
+    assert res.returncode == 0, res.stderr[-3000:]
+    result = json.loads(res.stdout.strip().splitlines()[-1])
+    assert result["sft"] == result["dpo"] == "ran" and "rm" not in result and "ppo" not in result
+    dpo_cfg = yaml.safe_load((out / "dpo" / "config.yaml").read_text())
+    assert dpo_cfg["model"] == str(out / "sft" / "final") and dpo_cfg["dpo"]["beta"] == 0.2
+    # DPO trains on pairs: it reads the RM's share of data_split (DeepSpeed-Chat's phase 2)
+    assert (dpo_cfg["data"]["split_fractions"], dpo_cfg["data"]["split_index"]) == ([2, 4, 4], 1)
+    assert json.loads((out / "dpo" / "result.json").read_text())["rows_read"] == 48
+    assert "the policy before its first step" in (out / "dpo" / "log.txt").read_text()
+    assert {m["stage"] for m in read_metrics(out / "dpo" / "metrics.jsonl")} == {"dpo"}
+    assert (out / "dpo" / "final" / "model.safetensors").is_file()
+    assert "dpo eval/accuracy (first -> last)" in res.stdout

@@ -1,4 +1,5 @@
-"""Pure torch math for RLHF: masking, log-probs, KL, GAE, group advantages, reward shaping and losses.
+"""Pure torch math for RLHF: masking, log-probs, KL, GAE, group advantages, reward shaping and losses (PPO,
+the reward model's, and the DPO family's).
 
 Imports only torch: no configs, no torch.distributed, no I/O.
 """
@@ -17,22 +18,37 @@ from .kl import KL_ESTIMATORS, AdaptiveKLController, FixedKLController, kl_penal
 from .logprobs import entropy_from_logits, lm_loss_sum, token_logprobs
 from .losses import AGGREGATIONS, aggregate, pairwise_loss, policy_loss, value_loss
 from .masked import masked_mean, masked_sum, masked_var, masked_whiten
+from .preference import (
+    PREFERENCE_LOSSES,
+    PairLogps,
+    cdpo_loss,
+    dpo_loss,
+    ipo_loss,
+    nll_term,
+    preference_loss,
+    simpo_loss,
+)
 from .rewards import last_valid_index, shape_rewards
 
 __all__ = [
     "AGGREGATIONS",
     "KL_ESTIMATORS",
+    "PREFERENCE_LOSSES",
+    "PairLogps",
     "AdaptiveKLController",
     "FixedKLController",
     "aggregate",
     "broadcast_to_tokens",
+    "cdpo_loss",
     "compute_gae",
     "discounted_returns",
+    "dpo_loss",
     "entropy_from_logits",
     "group_baseline",
     "group_filter_mask",
     "group_view",
     "grpo_advantages",
+    "ipo_loss",
     "kl_penalty",
     "last_valid_index",
     "lm_loss_sum",
@@ -40,10 +56,13 @@ __all__ = [
     "masked_sum",
     "masked_var",
     "masked_whiten",
+    "nll_term",
     "pairwise_loss",
     "policy_loss",
+    "preference_loss",
     "rloo_advantages",
     "shape_rewards",
+    "simpo_loss",
     "token_logprobs",
     "value_loss",
 ]

@@ -14,7 +14,8 @@ ppo: {train: {max_steps: 200}}
 A section is merged over the shared keys (its values win), then over the chained outputs, and validated as that
 step's config, so a wrong key is reported as `rm.train.lrr`. Chaining (unless the section sets the key itself):
 output_dir/sft/final is PPO's actor (and, by PPO's default, its reference) and the RM's starting model; output_dir/
-rm/final is PPO's reward (and, by PPO's default, its critic).
+rm/final is PPO's reward (and, by PPO's default, its critic). The optional `dpo` step (`steps: [sft, dpo]`) starts
+from output_dir/sft/final (its policy and reference) and reads the preference share of `dataset`, the RM's (index 1).
 """
 
 from __future__ import annotations
@@ -24,13 +25,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
+from rlhfkit.config.dpo_schema import DPOConfig
 from rlhfkit.config.fields import deep_merge, from_dict, option, to_dict
 from rlhfkit.config.ppo_schema import PPOConfig
 from rlhfkit.errors import ConfigError
 from rlhfkit.config.schema import EngineConfig, LoadConfig, LogConfig, LoraConfig, RMConfig, SFTConfig, TrainConfig
 
-STEPS = ("sft", "rm", "ppo")
-STEP_CONFIGS = {"sft": SFTConfig, "rm": RMConfig, "ppo": PPOConfig}
+STEPS = ("sft", "rm", "ppo", "dpo")
+DEFAULT_STEPS = ("sft", "rm", "ppo")
+STEP_CONFIGS = {"sft": SFTConfig, "rm": RMConfig, "ppo": PPOConfig, "dpo": DPOConfig}
+# which share of data_split each step reads: DPO trains on preference pairs, the RM's share
+SPLIT_INDEX = {"sft": 0, "rm": 1, "ppo": 2, "dpo": 1}
 
 
 @dataclass
@@ -41,8 +46,11 @@ class PipelineConfig:
     dataset: Any = option(None, "one data source for all three steps (any form data.train takes; preference rows "
                                 "serve all three), cut by data_split; a section's own data source wins")
     data_split: list = option([2, 4, 4], "relative shares of `dataset` for sft, rm, ppo (DeepSpeed-Chat's 2,4,4), "
-                                         "passed to each step as data.split_fractions / data.split_index")
-    steps: list = option(list(STEPS), "the steps to run, in order (a complete step is skipped unless --force)")
+                                         "passed to each step as data.split_fractions / data.split_index (dpo "
+                                         "reads the rm share; with steps [sft, dpo], e.g. [2, 8, 0] gives it the "
+                                         "ppo share too)")
+    steps: list = option(list(DEFAULT_STEPS), "the steps to run, in order, of sft, rm, ppo, dpo (a complete step is "
+                                              "skipped unless --force); [sft, dpo]: DPO instead of RM + PPO")
     train: TrainConfig = option(TrainConfig(), "optimisation keys shared by every step (a section overrides them)")
     load: LoadConfig = option(LoadConfig(), "model loading, shared by every step")
     lora: LoraConfig = option(LoraConfig(), "LoRA, shared by every step")
@@ -51,6 +59,7 @@ class PipelineConfig:
     sft: dict = option({}, "step 1's own keys (see `rlhfkit sft --help`), merged over the shared ones")
     rm: dict = option({}, "step 2's own keys (see `rlhfkit rm --help`), merged over the shared ones")
     ppo: dict = option({}, "step 3's own keys (see `rlhfkit ppo --help`); train.max_steps is required")
+    dpo: dict = option({}, "the dpo step's own keys (see `rlhfkit dpo --help`), merged over the shared ones")
 
     def validate(self, prefix: str = "") -> None:
         if len(self.data_split) != 3 or not all(isinstance(x, (int, float)) and x >= 0 for x in self.data_split) \
@@ -83,10 +92,10 @@ def _chained(cfg: PipelineConfig, step: str) -> dict:
     if cfg.dataset is not None and not _section_sets(getattr(cfg, step), f"data.{source_key}"):
         # the loader cuts the same seeded partition in every step and keeps share `split_index`
         chained["data"] = {source_key: cfg.dataset, "split_fractions": list(cfg.data_split),
-                           "split_index": STEPS.index(step)}
+                           "split_index": SPLIT_INDEX[step]}
     if step == "sft":
         chained["model"] = cfg.model
-    elif step == "rm":
+    elif step in ("rm", "dpo"):
         chained["model"] = str(out / "sft" / "final")
     else:
         chained.update(actor=str(out / "sft" / "final"), reward=str(out / "rm" / "final"))

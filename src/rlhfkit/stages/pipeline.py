@@ -1,4 +1,5 @@
-"""`rlhfkit pipeline`: SFT -> RM -> PPO from one config, each step the same `run_*` a single-step command calls.
+"""`rlhfkit pipeline`: SFT -> RM -> PPO (or SFT -> DPO) from one config, each step the same `run_*` a single-step
+command calls.
 
 1. build and check every step's config before anything trains (a shared `dataset` reaches each step as its
 data source with data.split_fractions = data_split and its own data.split_index), 2. run the steps in order,
@@ -17,13 +18,15 @@ from pathlib import Path
 
 from rlhfkit.config.pipeline_schema import PipelineConfig, step_config
 from rlhfkit.engine.launch import is_main_process
+from rlhfkit.stages.dpo import run_dpo
 from rlhfkit.stages.ppo import run_ppo
 from rlhfkit.stages.reward import run_rm
 from rlhfkit.stages.sft import run_sft
 
-RUNNERS = {"sft": run_sft, "rm": run_rm, "ppo": run_ppo}
+RUNNERS = {"sft": run_sft, "rm": run_rm, "ppo": run_ppo, "dpo": run_dpo}
 # metrics worth a line in the summary: (step, metrics.jsonl key)
-HEADLINES = (("sft", "eval/loss"), ("rm", "eval/accuracy"), ("ppo", "eval/reward"), ("ppo", "eval/kl"))
+HEADLINES = (("sft", "eval/loss"), ("rm", "eval/accuracy"), ("ppo", "eval/reward"), ("ppo", "eval/kl"),
+             ("dpo", "eval/accuracy"), ("dpo", "eval/margin"))
 
 
 def _say(text: str) -> None:

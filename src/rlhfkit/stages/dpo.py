@@ -1,0 +1,348 @@
+"""`rlhfkit dpo`: offline preference optimisation (DPO, cDPO, IPO, SimPO, + RPO's NLL) from an SFT model.
+
+Read top to bottom: the pairs (the RM step's data layer and cache), the policy, the reference log-probs, the
+loop, the export. The policy is trained on the preference pairs directly, with the loss `dpo.loss` names in
+`algos.preference.PREFERENCE_LOSSES`; no reward model, no sampling.
+
+Each loss reads, per pair, the summed log-probs of the chosen and rejected responses (prompt tokens excluded)
+under the policy and under the frozen reference (the SFT weights). The reference is fixed, so its log-probs are
+computed once, before training (`dpo.precompute_reference`), and cached next to the tokenised data, keyed by
+the reference folder's files and the tokenised rows: the next run on the same data, and `--resume`, read them
+back. Which model computes them, holding no second copy where it can:
+- LoRA: the policy with its adapter disabled (it holds the base weights unchanged);
+- no LoRA, a fresh run: the policy itself, before its first step (its weights are still the SFT weights);
+- otherwise (no LoRA and a resumed run without a cache entry, or `dpo.precompute_reference=false`): a frozen
+  copy (`engine.prepare_frozen`), dropped after the pass when precomputing.
+With `dpo.precompute_reference=false` the reference runs in every micro-batch instead. Under DeepSpeed every
+rank computes the reference log-probs of all rows (ZeRO-3 forwards are collectives, so all ranks must run the
+same forwards); the pass is one forward over the data, once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import hashlib
+import time
+from array import array
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Optional
+
+import torch
+
+from rlhfkit.algos import PairLogps, masked_sum, preference_loss, token_logprobs
+from rlhfkit.config.dpo_schema import DPOConfig, DPOSection
+from rlhfkit.data import cache
+from rlhfkit.data.loader import load_stage_data, skipped_rows
+from rlhfkit.data.templates import end_token_ids
+from rlhfkit.data.tokenize import collate_preferences
+from rlhfkit.engine import make_engine
+from rlhfkit.errors import ModelError
+from rlhfkit.models import load_causal_lm, load_tokenizer
+from rlhfkit.models.forward import causal_logits
+from rlhfkit.models.loading import load_generation_config
+from rlhfkit.models.lora import adapter_disabled, apply_lora, is_lora
+from rlhfkit.stages.common import MetricsLogger, epoch_order, plan_steps, prepare_output_dir, set_seed
+from rlhfkit.stages.guard import resume_state
+from rlhfkit.stages.loop import TrainLoop
+from rlhfkit.stages.reward import pair_means
+
+REF_KEY = "ref"  # a row's reference log-probs [chosen, rejected], attached when precomputed
+
+
+# ---------------------------------------------------------------------------------------------- log-probs
+
+
+def sequence_logprobs(model, rows: list[dict], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Summed log-probs of the response tokens and their counts, each (2B,): chosen rows then rejected rows,
+    from ONE (2B, T) right-padded forward. A row's response is its tokens from `prompt_len` on."""
+    batch = collate_preferences(rows, pad_id)
+    ids, mask = batch["input_ids"].to(device), batch["attention_mask"].to(device)  # (2B, T)
+    prompt_len = torch.tensor([r["prompt_len"] for r in rows] * 2, device=device)  # (2B,)
+    first = max(1, int(prompt_len.min()))  # the earliest response token: positions first-1 .. T-2 are needed
+    logits = causal_logits(model, ids, mask, keep=ids.size(1) - first + 1)[:, :-1]  # (2B, T - first, V)
+    targets = ids[:, first:]  # (2B, T - first): position first - 1 + j predicts token first + j
+    positions = torch.arange(first, ids.size(1), device=device)
+    valid = (positions[None, :] >= prompt_len[:, None]) & mask[:, first:].bool()  # response tokens, no pads
+    return masked_sum(token_logprobs(logits, targets), valid, dim=-1), valid.sum(-1).float()
+
+
+@contextlib.contextmanager
+def eval_mode(model):
+    """`model` in eval mode for the block, back in the mode it was in after."""
+    was_training = model.training
+    model.eval()
+    try:
+        yield model
+    finally:
+        model.train(was_training)
+
+
+@dataclass
+class Reference:
+    """Where a batch's reference log-probs come from: attached to the rows (precomputed, `REF_KEY`), from
+    `model` per micro-batch (`lora`: the LoRA policy, run with its adapter disabled), or nowhere (reference-free:
+    `model` None and no attached values)."""
+
+    model: Optional[torch.nn.Module] = None
+    lora: bool = False  # the model is the LoRA policy: disable its adapter for the reference forward
+    note: str = ""
+    on_device: Optional[Callable] = None  # engine.on_device for a frozen copy (engine.offload_reference_model)
+
+    @contextlib.contextmanager
+    def active(self):
+        """The reference model for a block of no-grad forwards."""
+        adapter = adapter_disabled(self.model) if self.lora else contextlib.nullcontext()
+        placed = self.on_device(self.model) if self.on_device else contextlib.nullcontext()
+        with adapter, placed, eval_mode(self.model), torch.no_grad():
+            yield self.model
+
+    def logprobs(self, rows: list[dict], pad_id: int, device) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+        """(chosen, rejected) reference log-probs of `rows`, each (B,), or None (reference-free)."""
+        if rows and REF_KEY in rows[0]:
+            ref = torch.tensor([r[REF_KEY] for r in rows], dtype=torch.float32, device=device)  # (B, 2)
+            return ref[:, 0], ref[:, 1]
+        if self.model is None:
+            return None
+        with self.active() as model:
+            logps, _ = sequence_logprobs(model, rows, pad_id, device)
+        return logps[:len(rows)], logps[len(rows):]
+
+
+def pair_logps(model, rows: list[dict], pad_id: int, device, reference: Reference) -> PairLogps:
+    """Policy log-probs (with grad) and reference log-probs of a micro-batch of pairs."""
+    ref = reference.logprobs(rows, pad_id, device)
+    logps, lengths = sequence_logprobs(model, rows, pad_id, device)
+    n = len(rows)
+    return PairLogps(logps[:n], logps[n:], lengths[:n], lengths[n:], *(ref or (None, None)))
+
+
+# ---------------------------------------------------------------------------------------- the reference
+
+
+def _rows_digest(*row_lists: list) -> str:
+    """A hash of the tokenised pairs, in order (ids as 64-bit integers: ~1 s for 200M tokens)."""
+    digest = hashlib.sha256()
+    for rows in row_lists:
+        digest.update(b"rows")
+        for r in rows:
+            for ids in (r["chosen_ids"], r["rejected_ids"], [r["prompt_len"], -1]):
+                digest.update(array("q", ids).tobytes() + b"\xff" * 8)
+    return digest.hexdigest()
+
+
+def reference_cache_path(cfg: DPOConfig, reference_name: str, tokenizer, train: list, evals: list):
+    """(path, key) of the reference log-probs' cache entry, next to the data cache's entries; (None, reason) when
+    it cannot be keyed (data.cache off, or a reference that is not a local folder)."""
+    if not cfg.data.cache:
+        return None, "off (data.cache=false)"
+    if not Path(reference_name).expanduser().is_dir():
+        return None, "off (the reference is not a local folder)"
+    identity = cache.source_identity(str(Path(reference_name).expanduser()))  # every file's size and mtime
+    key = cache.make_key({"stage": "dpo-reference", "reference": identity, "dtype": cfg.load.dtype,
+                          "precision": cfg.engine.precision, "backend": cfg.engine.backend,
+                          "tokenizer": cache.tokenizer_fingerprint(tokenizer), "rows": _rows_digest(train, evals)})
+    return cache.entry_path(cache.default_cache_dir(cfg.data.cache_dir), "dpo-reference", key), key
+
+
+@torch.no_grad()
+def compute_reference_logprobs(reference: Reference, rows: list[dict], pad_id: int, micro: int, device,
+                               order: Optional[list[int]] = None) -> list:
+    """[[chosen, rejected], ...] for every row, in row order: one no-grad pass over consecutive micro-batches of
+    `order` (default: the rows' own order).
+
+    Any grouping gives the same values up to float rounding (~1e-7, from the padding width); grouping the rows as
+    training and evaluation will (the first epoch's order: its micro-batches on every rank are consecutive chunks
+    of it) makes them exact where it shows: at step 0, where the policy is the reference, every implicit reward is
+    0, not rounding noise."""
+    order = list(range(len(rows))) if order is None else order
+    out: list = [None] * len(rows)
+    with reference.active() as model:
+        for start in range(0, len(order), micro):
+            part = order[start:start + micro]
+            logps, _ = sequence_logprobs(model, [rows[i] for i in part], pad_id, device)
+            chosen, rejected = logps[:len(part)].tolist(), logps[len(part):].tolist()
+            for k, i in enumerate(part):
+                out[i] = [chosen[k], rejected[k]]
+    return out
+
+
+def with_reference(rows: list[dict], values: list) -> list[dict]:
+    return [{**row, REF_KEY: value} for row, value in zip(rows, values)]
+
+
+def reference_model(cfg: DPOConfig, policy, engine, tokenizer, fresh: bool) -> Reference:
+    """The model that computes the reference log-probs, holding no second copy where it can (module doc)."""
+    same = cfg.reference in (None, cfg.model)
+    if same and is_lora(policy.module):
+        return Reference(policy.module, lora=True, note="the policy with its LoRA adapter disabled")
+    if same and fresh and cfg.dpo.precompute_reference:
+        return Reference(policy.module, note="the policy before its first step")
+    name = cfg.reference or cfg.model
+    if cfg.reference:
+        ref_tok = load_tokenizer(name, cfg.load)
+        if ref_tok.get_vocab() != tokenizer.get_vocab():
+            raise ModelError(f"reference '{name}' has a different tokenizer from the policy's; it reads the "
+                             f"policy's token ids, so it must share its vocabulary")
+    model = load_causal_lm(name, cfg.load, tokenizer)
+    return Reference(engine.prepare_frozen(model, role="reference"), note=f"a frozen copy of {name}",
+                     on_device=engine.on_device)
+
+
+def setup_reference(cfg: DPOConfig, data, policy, engine, tokenizer, fresh: bool, say) -> Reference:
+    """Attach the reference log-probs to `data.train` / `data.eval` (precomputed: from the cache or one pass),
+    or return the Reference that computes them per micro-batch. `fresh`: no checkpoint was loaded yet."""
+    if not cfg.dpo.uses_reference():
+        why = "dpo.reference_free" if cfg.dpo.reference_free else f"{cfg.dpo.loss} is reference-free"
+        return Reference(note=f"none ({why})")
+    if not cfg.dpo.precompute_reference:
+        reference = reference_model(cfg, policy, engine, tokenizer, fresh)
+        reference.note += ", every micro-batch"
+        return reference
+    name = cfg.reference or cfg.model
+    path, key = reference_cache_path(cfg, name, tokenizer, data.train, data.eval)
+    cached = cache.load(path, key, warn=say) if path is not None else None
+    # every rank must take the same branch (ZeRO-3 forwards are collectives): a hit only when all ranks hit
+    if engine.reduce_sum(1 if cached is not None else 0) == engine.world_size and cached is not None:
+        data.train, data.eval = with_reference(data.train, cached["train"]), with_reference(data.eval, cached["eval"])
+        return Reference(note=f"precomputed, read from {path}")
+    reference = reference_model(cfg, policy, engine, tokenizer, fresh)
+    tick = time.perf_counter()
+    micro, device, pad_id = cfg.train.micro_batch_size, engine.device, tokenizer.pad_token_id
+    first_epoch = epoch_order(len(data.train), cfg.train.seed, 0)  # the order `TrainLoop.steps` starts with
+    train = compute_reference_logprobs(reference, data.train, pad_id, micro, device, first_epoch)
+    evals = compute_reference_logprobs(reference, data.eval, pad_id, micro, device)  # as evaluate_dpo groups them
+    data.train, data.eval = with_reference(data.train, train), with_reference(data.eval, evals)
+    note = f"precomputed by {reference.note} in {time.perf_counter() - tick:.1f} s"
+    if path is not None and engine.is_main:
+        if cache.save(path, key, train, evals, {"reference": name, "pairs": len(train) + len(evals)}, warn=say):
+            note += f", cached at {path}"
+    del reference
+    gc.collect()  # a frozen copy's memory goes back before training
+    return Reference(note=note)
+
+
+# ------------------------------------------------------------------------------------------------- steps
+
+@dataclass
+class LossFn:
+    """The configured loss: PairLogps -> (losses, chosen rewards, rejected rewards), each (B,)."""
+
+    cfg: DPOSection
+
+    def __call__(self, pairs: PairLogps):
+        d = self.cfg
+        return preference_loss(d.loss, pairs, d.beta, d.label_smoothing, d.simpo_gamma, d.rpo_alpha)
+
+
+def pair_sums(pairs: PairLogps, losses: torch.Tensor, chosen: torch.Tensor, rejected: torch.Tensor,
+              nll: bool) -> dict:
+    """Per-batch sums (not means), so micro-batches and ranks add up before one division; "accuracy" counts the
+    pairs whose implicit reward prefers the chosen response (a tie counts as wrong)."""
+    sums = {"loss": losses.detach().sum().item(), "accuracy": (chosen > rejected).sum().item(),
+            "margin": (chosen - rejected).sum().item(), "reward/chosen": chosen.sum().item(),
+            "reward/rejected": rejected.sum().item(), "logps/chosen": pairs.chosen.detach().sum().item(),
+            "logps/rejected": pairs.rejected.detach().sum().item()}
+    if nll:  # RPO: the chosen responses' NLL per token, mean over pairs
+        sums["nll"] = (-pairs.chosen.detach() / pairs.chosen_lengths).sum().item()
+    return sums
+
+
+def add_sums(total: dict, part: dict) -> None:
+    for key, value in part.items():
+        total[key] = total.get(key, 0.0) + value
+
+
+@torch.no_grad()
+def evaluate_dpo(model, rows: list, pad_id: int, micro: int, device, engine, loss_fn: LossFn,
+                 reference: Reference) -> dict:
+    """Held-out eval/loss, eval/accuracy, eval/margin, eval/reward/*, eval/logps/*. Every rank evaluates all rows
+    (ZeRO-3 needs the same forwards on all ranks); the sums over ranks are divided by the rows over ranks."""
+    sums: dict = {}
+    with eval_mode(model):
+        for i in range(0, len(rows), micro):
+            pairs = pair_logps(model, rows[i:i + micro], pad_id, device, reference)
+            add_sums(sums, pair_sums(pairs, *loss_fn(pairs), loss_fn.cfg.rpo_alpha > 0))
+    return pair_means(sums, engine.reduce_sum(len(rows)), engine, prefix="eval/")
+
+
+def train_step(policy, rows: list, accum: int, micro_size: int, batch_size: int, pad_id: int, engine,
+               loss_fn: LossFn, reference: Reference) -> dict:
+    """One optimizer step over `rows` (this rank's share of `batch_size` pairs) in `accum` micro-batches."""
+    sums: dict = {}
+    for m in range(accum):
+        micro = rows[m * micro_size:(m + 1) * micro_size]
+        pairs = pair_logps(policy.module, micro, pad_id, engine.device, reference)
+        losses, chosen, rejected = loss_fn(pairs)
+        # the micro-batch's summed loss over the pairs of the whole batch: micro 1 x accum 4 == micro 4 x accum 1
+        policy.backward(losses.sum(), batch_size)
+        add_sums(sums, pair_sums(pairs, losses, chosen, rejected, loss_fn.cfg.rpo_alpha > 0))
+    lr = policy.lr
+    return {**pair_means(sums, batch_size, engine), "lr": lr, **policy.step()}
+
+
+def describe(info: dict, cfg: DPOConfig) -> str:
+    """The data summary a user sees first (pairs kept, dropped, skipped) and the loss with its coefficients."""
+    skipped, d = skipped_rows(info), cfg.dpo
+    coefs = [f"beta {d.beta:g}"]
+    if d.label_smoothing:
+        coefs.append(f"label smoothing {d.label_smoothing:g}")
+    if d.loss == "simpo":
+        coefs.append(f"gamma {d.simpo_gamma:g}")
+    if d.rpo_alpha:
+        coefs.append(f"rpo alpha {d.rpo_alpha:g}")
+    loss = f"{d.loss} ({', '.join(coefs)})"
+    return (f"dpo: {info['train_rows']} train / {info['eval_rows']} eval pairs, template {info['template']}, "
+            f"{info['truncated']} truncated, {info['dropped']} dropped{'; skipped ' + skipped if skipped else ''}; "
+            f"loss {loss}")
+
+
+# -------------------------------------------------------------------------------------------------- run
+
+
+def run_dpo(cfg: DPOConfig, resume: bool = False, force: bool = False) -> dict:
+    engine = make_engine(cfg.engine, cfg.train)
+    set_seed(cfg.train.seed)
+
+    # 1. tokenizer and pairs first (the RM step's data layer and its cache): bad input fails before anything is
+    #    written
+    tokenizer = load_tokenizer(cfg.model, cfg.load)
+    end_ids = end_token_ids(tokenizer, load_generation_config(cfg.model, cfg.load))
+    data = load_stage_data("rm", cfg.data, tokenizer, cfg.train.seed, end_ids=end_ids, main=engine.is_main)
+    model = apply_lora(load_causal_lm(cfg.model, cfg.load, tokenizer), cfg.lora)
+    _, accum, total = plan_steps(len(data.train), cfg.train, engine.world_size)
+    out = prepare_output_dir(cfg, resume, force, engine.is_main)
+
+    # 2. the optimizer; the reference log-probs (before a checkpoint is loaded: the policy may compute them)
+    policy = engine.prepare(model, cfg.train, total, role="policy")
+    reference = setup_reference(cfg, data, policy, engine, tokenizer, fresh=not resume, say=engine.say)
+    start = resume_state(engine, out, {"model": policy})["step"] if resume else 0
+    pad_id, device, micro_size = tokenizer.pad_token_id, engine.device, cfg.train.micro_batch_size
+    loss_fn = LossFn(cfg.dpo)
+    evaluate = (lambda: evaluate_dpo(policy.module, data.eval, pad_id, micro_size, device, engine, loss_fn,
+                                     reference)) if data.eval else None
+
+    with MetricsLogger(out, "dpo", total, cfg.log, engine.is_main, initial=start) as log:
+        log.write(f"{describe(data.info, cfg)}; reference log-probs: {reference.note}; {total} steps of "
+                  f"{cfg.train.batch_size} pairs (accumulation {accum})")
+        if start == 0 and evaluate:  # the starting point (the policy is the reference: DPO's rewards are 0)
+            log.log(0, evaluate())
+
+        # 3. the loop: each step sees batch_size pairs over all ranks, in micro-batches
+        with TrainLoop(engine, out, "dpo", total, cfg.train, log, {"model": policy}, evaluate=evaluate,
+                       show=("loss", "accuracy", "eval/accuracy")) as loop:
+            for step, epoch, rows in loop.steps(data.train, start):
+                tick = time.perf_counter()
+                metrics = train_step(policy, rows, accum, micro_size, cfg.train.batch_size, pad_id, engine, loss_fn,
+                                     reference)
+                loop.end_step(step + 1, {**metrics, "epoch": epoch, "time/step": time.perf_counter() - tick})
+        final_eval = loop.last_eval
+        if not final_eval and evaluate:  # resumed from a run that had already finished its steps
+            final_eval = evaluate()
+
+    # 4. export a plain transformers folder (LoRA merged, ZeRO-3 gathered)
+    engine.export_hf(policy.module, tokenizer, out / "final")
+    return {"output_dir": str(out), "steps": total, "loss_type": cfg.dpo.loss, "reference": reference.note,
+            **final_eval, **data.info}
+
