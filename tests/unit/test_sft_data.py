@@ -76,3 +76,52 @@ def test_collate_right_pads(tok):
     assert batch["attention_mask"].tolist() == [[1, 1, 1], [1, 1, 0]]
     assert batch["labels"].tolist() == [[IGNORE, 5, 6], [IGNORE, 7, IGNORE]]
     assert batch["input_ids"].dtype == torch.long
+
+
+# ---------------------------------------------------------------- padding-free packing
+
+def test_pack_bins_first_fit_decreasing_within_the_longest_row():
+    from rlhfkit.data.tokenize import pack_bins
+
+    assert pack_bins([5, 2, 3, 1, 4], 5) == [[0], [4, 3], [2, 1]]
+    assert sum(len(b) for b in pack_bins([7, 7, 7], 7)) == 3
+
+
+def test_packed_rows_give_the_padded_loss_and_gradients(tiny_model_dir):
+    """collate_packed (positions restarting per row, no attention mask): transformers keeps each row's
+    attention inside the row, so the summed NLL, its token count and every gradient equal the padded batch's."""
+    from rlhfkit.data.tokenize import collate_packed
+    from rlhfkit.models import load_causal_lm
+    from rlhfkit.stages.sft import lm_forward, packing_is_exact
+
+    tok = load_tokenizer(str(tiny_model_dir))
+    model = load_causal_lm(str(tiny_model_dir), tokenizer=tok)
+    with torch.no_grad():  # larger weights: logits that depend on the context, so a leak would show
+        for p in model.parameters():
+            p.mul_(6.0)
+    g = torch.Generator().manual_seed(0)
+    rows = []
+    for n in (9, 4, 6, 3, 8):  # response labels only, as SFT rows have them
+        ids = torch.randint(3, len(tok), (n,), generator=g).tolist()
+        rows.append({"input_ids": ids, "labels": [IGNORE] * 2 + ids[2:]})
+    packed = collate_packed(rows, tok.pad_token_id)
+    assert packed["input_ids"].shape == (4, 9)  # bins of the longest row's 9 tokens: [9], [8], [6, 3], [4]
+    assert int((packed["labels"] != IGNORE).sum()) == sum(n - 2 for n in (9, 4, 6, 3, 8))
+
+    def loss_and_grads(batch):
+        model.zero_grad()
+        nll, count = lm_forward(model, batch, torch.device("cpu"))
+        nll.backward()
+        return nll.detach(), count, [p.grad.clone() for p in model.parameters()]
+
+    nll_pad, n_pad, grads_pad = loss_and_grads(collate_sft(rows, tok.pad_token_id))
+    nll_packed, n_packed, grads_packed = loss_and_grads(packed)
+    assert n_packed == n_pad
+    torch.testing.assert_close(nll_packed, nll_pad, atol=1e-4, rtol=1e-5)
+    for a, b in zip(grads_packed, grads_pad):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+    assert packing_is_exact(model, rows, tok.pad_token_id, torch.device("cpu"))
+    # an attention that ignores the packed positions (here: every row attends across the whole bin) is caught
+    plain_forward = model.forward
+    model.forward = lambda **kw: plain_forward(**{**kw, "attention_mask": torch.ones_like(kw["input_ids"])})
+    assert not packing_is_exact(model, rows, tok.pad_token_id, torch.device("cpu"))

@@ -125,8 +125,14 @@ class EngineConfig:
     keep_freed_memory: bool = option(True, "CPU runs on Linux: glibc's malloc keeps freed memory for reuse instead "
                                            "of returning it (no page faults per step, ~5-10% faster; the "
                                            "resident memory stays at its peak)")
+    collective_timeout_s: float = option(300.0, "deepspeed: seconds a rank waits in a collective (all-reduce, "
+                                                "barrier) for the others before it fails with an error: how long a "
+                                                "run can hang on a dead or stuck rank; must exceed the longest time "
+                                                "rank 0 works alone (the HF export of a very large model)")
 
     def validate(self, prefix: str = "") -> None:
+        if not self.collective_timeout_s > 0:
+            raise ConfigError(f"config key '{prefix}collective_timeout_s': expected a number of seconds > 0")
         if self.critic_zero_stage not in (None, 0, 1, 2, 3):
             raise ConfigError(f"config key '{prefix}critic_zero_stage': expected 0, 1, 2 or 3")
         if self.offload_params and self.zero_stage != 3:
@@ -154,6 +160,10 @@ class SFTConfig:
     lora: LoraConfig = option(LoraConfig(), "LoRA")
     engine: EngineConfig = option(EngineConfig(), "backend")
     log: LogConfig = option(LogConfig(), "logging")
+    packing: Optional[bool] = option(None, "padding-free micro-batches: rows concatenated, positions restarting "
+                                           "per row, attention kept inside each row by transformers' packed-"
+                                           "sequence mask (same loss, no compute on padding); null = on when a "
+                                           "check on the first rows finds the padded batch's loss")
 
     def validate(self, prefix: str = "") -> None:
         if not self.model:

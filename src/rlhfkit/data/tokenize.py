@@ -131,6 +131,48 @@ def collate_sft(rows: list[dict], pad_id: int) -> dict:
     }
 
 
+def pack_bins(lengths: list[int], capacity: int) -> list[list[int]]:
+    """Row indices in bins of at most `capacity` tokens (a longer row gets a bin of its own), first fit in
+    order of decreasing length: few bins, little room left over."""
+    bins, room = [], []
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        for b, left in enumerate(room):
+            if lengths[i] <= left:
+                bins[b].append(i)
+                room[b] -= lengths[i]
+                break
+        else:
+            bins.append([i])
+            room.append(capacity - lengths[i])
+    return bins
+
+
+def collate_packed(rows: list[dict], pad_id: int) -> dict:
+    """Padding-free batch: the rows concatenated into bins as long as the longest row, (N, T) input_ids,
+    position_ids and labels, no attention mask.
+
+    Positions restart at 0 with every row, which is how transformers recognises packed sequences: its mask
+    then keeps each token's attention inside its own row (a block-diagonal causal mask), so a row's logits are
+    those of the row alone. Each row's first label is IGNORE: the previous row's last token must not learn to
+    predict it (in a padded batch nothing predicts a first token either). A bin's unused tail is padding that
+    forms a segment of its own, with IGNORE labels. Bins no longer than the longest row keep attention's cost at
+    or below the padded batch's.
+    """
+    lengths = [len(r["input_ids"]) for r in rows]
+    ids, positions, labels = [], [], []
+    for members in pack_bins(lengths, max(lengths)):
+        ids.append([t for i in members for t in rows[i]["input_ids"]])
+        positions.append([p for i in members for p in range(lengths[i])])
+        labels.append([t for i in members for t in [IGNORE] + list(rows[i]["labels"][1:])])
+    width = max(len(x) for x in ids)
+    tails = [width - len(x) for x in ids]
+    return {
+        "input_ids": torch.tensor([x + [pad_id] * n for x, n in zip(ids, tails)]),
+        "position_ids": torch.tensor([x + list(range(n)) for x, n in zip(positions, tails)]),
+        "labels": torch.tensor([x + [IGNORE] * n for x, n in zip(labels, tails)]),
+    }
+
+
 def collate_preferences(rows: list[dict], pad_id: int) -> dict:
     """Chosen rows then rejected rows in ONE right-padded batch (one forward for both): (2B, T)."""
     ids = [r["chosen_ids"] for r in rows] + [r["rejected_ids"] for r in rows]

@@ -41,6 +41,12 @@ def causal_logits(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, 
         return model(**kwargs).logits[:, -keep:]
 
 
+def packed_logits(model, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+    """(N, T, V) logits of packed rows (`data.tokenize.collate_packed`): no attention mask, positions that
+    restart at 0 for every sequence, from which transformers builds the block-diagonal causal mask."""
+    return model(input_ids=input_ids, position_ids=position_ids, attention_mask=None, use_cache=False).logits
+
+
 def shares_prefixes(model) -> bool:
     """Whether a forward may compute a prompt shared by several rows once and reuse its KV cache: not while
     gradient checkpointing trains the model (transformers then drops the cache inside every layer)."""
