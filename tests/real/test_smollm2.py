@@ -302,6 +302,20 @@ def test_ppo_with_the_reward_model_runs_and_exports(ppo_rm_run):
     assert reply.strip(), reply
 
 
+def test_grpo_on_the_real_model_trains_without_a_critic(smollm2, task_files, tmp_path):
+    """GRPO's second home: groups of 4 samples of each ChatML prompt (the prompt computed once per group), a
+    k3 KL loss, the task's Python reward; no critic is made or exported (not checkpointed either: the toy
+    world's tests check that, this one saves none to stay fast)."""
+    out = tmp_path / "grpo"
+    cli_json(*ppo_args(smollm2, task_files, out, "rlhfkit.demo.tasks:arithmetic_reward", "train.max_steps=2",
+                       "train.batch_size=2", "train.micro_batch_size=8", "ppo.advantage_estimator=grpo",
+                       "ppo.n_samples_per_prompt=4", "ppo.kl_coef=0", "ppo.kl_loss_coef=0.05", "train.save_every=0"))
+    rows = [r for r in read_metrics(out / "metrics.jsonl") if "reward/mean" in r]
+    assert len(rows) == 2 and all(0.0 <= r["group/all_equal"] <= 1.0 and "value_loss" not in r for r in rows)
+    assert all(r["kl_loss"] == r["kl_loss"] and abs(r["policy_loss"]) < 10 for r in rows)
+    assert (out / "final" / "config.json").is_file() and not (out / "final-critic").exists()
+
+
 def test_ppo_zero3_on_two_ranks(smollm2, task_files, tmp_path):
     import shutil
     import subprocess
