@@ -247,7 +247,8 @@ def grouped_batch(tok, model, n: int = 3) -> RolloutBatch:
     batch = generate_rollout(model, CPU(), tok, [r for r in rows for _ in range(n)], GenConfig(max_new_tokens=6))
     batch.response_mask[1, 3:] = 0
     batch.response_ids[1, 3:] = tok.pad_token_id
-    return RolloutBatch(**{**batch.__dict__, "group": torch.arange(2).repeat_interleave(n)})
+    return RolloutBatch(**{**batch.__dict__, "group": torch.arange(2).repeat_interleave(n),
+                           "groups_share_prompts": True})
 
 
 def test_prompt_shared_by_a_group_is_computed_once_with_the_same_logprobs_and_gradients(tiny, tiny_model_dir):
@@ -277,9 +278,15 @@ def test_prompt_shared_by_a_group_is_computed_once_with_the_same_logprobs_and_gr
     torch.testing.assert_close(shared * valid, full * valid, atol=1e-5, rtol=1e-5)
     for a, b in zip(shared_grads, full_grads):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
-    # distinct prompts: nothing to share, the caller runs the plain forward
-    assert shared_prefix_logits(model, batch.prompt_ids[[0, 3]], batch.prompt_mask[[0, 3]],
-                                batch.response_ids[[0, 3]], batch.response_mask[[0, 3]]) is None
+    # distinct prompts: nothing to share, the caller runs the plain forward; unless `always` (ZeRO-3: every
+    # rank makes the same two calls), which gives the same logits
+    two = [0, 3]
+    assert shared_prefix_logits(model, batch.prompt_ids[two], batch.prompt_mask[two], batch.response_ids[two],
+                                batch.response_mask[two]) is None
+    with torch.no_grad():
+        forced = shared_prefix_logits(model, batch.prompt_ids[two], batch.prompt_mask[two], batch.response_ids[two],
+                                      batch.response_mask[two], always=True)
+    torch.testing.assert_close(forced * valid[two], full[two] * valid[two], atol=1e-5, rtol=1e-5)
     # under gradient checkpointing transformers drops the cache in every layer: no sharing while training
     model.gradient_checkpointing_enable()
     assert shared_prefix_logits(model, batch.prompt_ids, batch.prompt_mask, batch.response_ids,
@@ -301,7 +308,8 @@ def test_group_rows_share_micro_batches_and_give_the_same_experience(tiny):
     chunks = length_sorted_chunks(batch, 2)
     assert sorted(sorted(batch.group[c].tolist()) for c in chunks) == [[0, 0], [1, 1]]
     grouped = add_model_outputs(batch, model, None, model, temperature=0.7, micro_batch_size=2)
-    plain = add_model_outputs(replace(batch, group=None), model, None, model, temperature=0.7, micro_batch_size=2)
+    plain = add_model_outputs(replace(batch, group=None, groups_share_prompts=False), model, None, model,
+                              temperature=0.7, micro_batch_size=2)
     torch.testing.assert_close(grouped.old_logprobs, plain.old_logprobs, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(grouped.ref_logprobs, plain.ref_logprobs, atol=1e-5, rtol=1e-5)
     whole = add_model_outputs(batch, model, None, model, temperature=0.7, micro_batch_size=batch.size)

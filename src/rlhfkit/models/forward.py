@@ -83,7 +83,7 @@ def unique_rows(ids: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, to
 
 
 def shared_prefix_logits(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, response_ids: torch.Tensor,
-                         response_mask: torch.Tensor) -> torch.Tensor | None:
+                         response_mask: torch.Tensor, always: bool = False) -> torch.Tensor | None:
     """(B, R, V) logits predicting each response token, with every distinct prompt computed once.
 
     GRPO and RLOO sample several responses of one prompt, and the prompt is often the longer part. The distinct
@@ -92,8 +92,17 @@ def shared_prefix_logits(model, prompt_ids: torch.Tensor, prompt_mask: torch.Ten
     Gradients flow through the shared cache into the prompt's forward, so the result and its gradient equal
     the full forward's (up to float rounding). None when no two rows share a prompt, or when the model cannot
     take a cache here (`shares_prefixes`, or a model class without `past_key_values` / `logits_to_keep`).
+
+    With `always`, the two forwards run even when no prompt repeats: under ZeRO-3 every forward is a
+    collective, so each rank must make the same number of calls whatever its rows (callers pass a setting
+    that holds for every rank: the run samples groups).
     """
-    unique = unique_rows(prompt_ids, prompt_mask) if shares_prefixes(model) else None
+    if not shares_prefixes(model):
+        return None
+    unique = unique_rows(prompt_ids, prompt_mask)
+    if unique is None and always:
+        every = torch.arange(prompt_ids.size(0), device=prompt_ids.device)
+        unique = (every, every)
     cache = full_attention_cache(model) if unique is not None else None
     if cache is None:
         return None
@@ -126,11 +135,13 @@ def _head(model) -> torch.nn.Module:
     raise TypeError(f"{type(plain).__name__} has no scalar head named one of {HEAD_NAMES}")
 
 
-def token_scores(model, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+def token_scores(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
+                 positions: torch.Tensor | None = None) -> torch.Tensor:
     """(B, T) scalar output of a sequence-classification model at every position (critic values).
 
     HF's forward pools internally by pad id; we capture the head's per-token output with a hook instead,
-    so the same model class serves as reward model (one score) and critic (a value per token).
+    so the same model class serves as reward model (one score) and critic (a value per token). Packed rows
+    (`data.tokenize.collate_packed_pairs`) pass `positions` and no attention mask.
     """
     captured = {}
 
@@ -139,11 +150,17 @@ def token_scores(model, input_ids: torch.Tensor, attention_mask: torch.Tensor) -
 
     handle = _head(model).register_forward_hook(grab)
     try:
-        model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids(attention_mask),
-              use_cache=False)
+        model(input_ids=input_ids, attention_mask=attention_mask,
+              position_ids=position_ids(attention_mask) if positions is None else positions, use_cache=False)
     finally:
         handle.remove()
     return captured["out"].squeeze(-1).float()
+
+
+def packed_sequence_scores(model, input_ids: torch.Tensor, positions: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+    """(S,) scores of packed sequences, each read at its last token: `ends` (S, 2) holds (row, column)."""
+    scores = token_scores(model, input_ids, None, positions)
+    return scores[ends[:, 0], ends[:, 1]]
 
 
 def trim_padding(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

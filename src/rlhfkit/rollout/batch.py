@@ -30,6 +30,8 @@ class RolloutBatch:
     #                                                 sampling temperature; 0 after EOS
     group: Optional[torch.Tensor] = None  # (B,) long: which prompt of the iteration a row answers (rows of one
     #                                       prompt, ppo.n_samples_per_prompt of them, share it; any row order)
+    groups_share_prompts: bool = False  # the run samples groups (n_samples_per_prompt > 1): forwards compute a
+    #                                     prompt once per group (models/forward.py: shared_prefix_logits)
     # ---- experience (rollout/experience.py); None until filled
     old_logprobs: Optional[torch.Tensor] = None  # (B, R) log pi_old(token) under the sampling temperature
     ref_logprobs: Optional[torch.Tensor] = None  # (B, R) log pi_ref(token), same temperature
@@ -108,6 +110,8 @@ def cat_rollouts(parts: list[RolloutBatch], pad_id: int) -> RolloutBatch:
             out[f.name] = None
         elif isinstance(values[0], list):
             out[f.name] = [x for v in values for x in v]
+        elif not isinstance(values[0], torch.Tensor):  # a flag of the whole batch
+            out[f.name] = values[0]
         elif values[0].dim() == 1:
             out[f.name] = torch.cat(values)
         else:

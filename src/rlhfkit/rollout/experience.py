@@ -28,9 +28,11 @@ def response_logits(model, batch: RolloutBatch, temperature: float = 1.0) -> tor
     Only the last R + 1 positions go through the LM head: the prompt's logits are never needed. Rows that
     share a prompt (a group of samples) compute it once (`shared_prefix_logits`).
     """
-    logits = shared_prefix_logits(model, batch.prompt_ids, batch.prompt_mask, batch.response_ids,
-                                  batch.response_mask)
-    if logits is None:  # no two rows share a prompt: one forward over prompt + response
+    logits = None
+    if batch.groups_share_prompts:  # every rank's batch is one of groups: all take the same two forwards
+        logits = shared_prefix_logits(model, batch.prompt_ids, batch.prompt_mask, batch.response_ids,
+                                      batch.response_mask, always=True)
+    if logits is None:  # one forward over prompt + response
         width = batch.response_ids.size(1)
         logits = causal_logits(model, batch.input_ids, batch.attention_mask, keep=width + 1)
         # position P - 1 + j predicts response token j: the kept positions P - 1 .. P + R - 1, less the last

@@ -101,7 +101,7 @@ class PPOSteps:
         with timer("generate"):
             rollout = generate_all(self.actor.module, self.engine, self.tokenizer,
                                    [row for row in rows for _ in range(n)], self.cfg.gen)
-        rollout = replace(rollout, group=torch.arange(len(rows)).repeat_interleave(n))
+        rollout = replace(rollout, group=torch.arange(len(rows)).repeat_interleave(n), groups_share_prompts=n > 1)
         return sort_by_length(rollout)  # neighbours of similar length: each micro-batch trims its padding
 
     # -- 2. score ------------------------------------------------------------------------------------------
