@@ -175,3 +175,31 @@ def test_rm_data_ends_where_the_actor_stops_and_the_rm_records_it(chat_model_dir
     # an actor stopping at EOS only would write responses this RM never saw: they are re-rendered for it
     assert ModelReward(rm, load_tokenizer(str(final)), Template.for_tokenizer(tok), "auto", 4,
                        torch.device("cpu")).retokenize
+
+
+def test_packed_pairs_score_and_train_as_padded_ones(tiny_model_dir):
+    """Chosen and rejected sequences packed without padding (positions restarting per sequence, each score
+    read at its sequence's last token) give the padded batch's scores and the same gradients."""
+    from rlhfkit.stages.reward import pair_scores, packing_is_exact
+
+    tok = load_tokenizer(str(tiny_model_dir))
+    model = load_scalar_model(str(tiny_model_dir), tokenizer=tok)
+    with torch.no_grad():  # larger weights: scores that depend on the context, so a leak would show
+        for p in model.parameters():
+            p.mul_(6.0)
+    g = torch.Generator().manual_seed(0)
+    rows = [{"chosen_ids": torch.randint(3, len(tok), (n,), generator=g).tolist(),
+             "rejected_ids": torch.randint(3, len(tok), (m,), generator=g).tolist()} for n, m in ((7, 3), (5, 9), (2, 4))]
+
+    def scores_and_grads(packed):
+        model.zero_grad()
+        chosen, rejected = pair_scores(model, rows, tok.pad_token_id, torch.device("cpu"), packed)
+        (chosen - 2 * rejected).sum().backward()
+        return torch.cat([chosen, rejected]).detach(), [p.grad.clone() for p in model.parameters()]
+
+    padded, padded_grads = scores_and_grads(False)
+    packed, packed_grads = scores_and_grads(True)
+    torch.testing.assert_close(packed, padded, atol=1e-5, rtol=1e-5)
+    for a, b in zip(packed_grads, padded_grads):  # float rounding relative to each gradient's scale
+        torch.testing.assert_close(a, b, atol=1e-5 * float(b.abs().max()) + 1e-6, rtol=1e-3)
+    assert packing_is_exact(model, rows, tok.pad_token_id, torch.device("cpu"))

@@ -160,10 +160,11 @@ class SFTConfig:
     lora: LoraConfig = option(LoraConfig(), "LoRA")
     engine: EngineConfig = option(EngineConfig(), "backend")
     log: LogConfig = option(LogConfig(), "logging")
-    packing: Optional[bool] = option(None, "padding-free micro-batches: rows concatenated, positions restarting "
-                                           "per row, attention kept inside each row by transformers' packed-"
-                                           "sequence mask (same loss, no compute on padding); null = on when a "
-                                           "check on the first rows finds the padded batch's loss")
+    packing: Optional[bool] = option(None, "sft and rm: padding-free micro-batches: rows concatenated, positions "
+                                           "restarting per row, attention kept inside each row by transformers' "
+                                           "packed-sequence mask (same loss, no compute on padding); null = on "
+                                           "when a check on the first rows finds the padded batch's loss (dpo "
+                                           "pads)")
 
     def validate(self, prefix: str = "") -> None:
         if not self.model:

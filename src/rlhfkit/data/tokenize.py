@@ -173,6 +173,26 @@ def collate_packed(rows: list[dict], pad_id: int) -> dict:
     }
 
 
+def collate_packed_pairs(rows: list[dict], pad_id: int) -> dict:
+    """Chosen then rejected sequences packed without padding (as `collate_packed`): (N, T) input_ids and
+    position_ids, and `ends` (2B, 2): the (bin, column) of each sequence's last token, chosen rows first."""
+    seqs = [r["chosen_ids"] for r in rows] + [r["rejected_ids"] for r in rows]
+    lengths = [len(x) for x in seqs]
+    ids, positions, ends = [], [], [None] * len(seqs)
+    for b, members in enumerate(pack_bins(lengths, max(lengths))):
+        ids.append([t for i in members for t in seqs[i]])
+        positions.append([p for i in members for p in range(lengths[i])])
+        column = 0
+        for i in members:
+            column += lengths[i]
+            ends[i] = (b, column - 1)
+    width = max(len(x) for x in ids)
+    tails = [width - len(x) for x in ids]
+    return {"input_ids": torch.tensor([x + [pad_id] * n for x, n in zip(ids, tails)]),
+            "position_ids": torch.tensor([x + list(range(n)) for x, n in zip(positions, tails)]),
+            "ends": torch.tensor(ends)}
+
+
 def collate_preferences(rows: list[dict], pad_id: int) -> dict:
     """Chosen rows then rejected rows in ONE right-padded batch (one forward for both): (2B, T)."""
     ids = [r["chosen_ids"] for r in rows] + [r["rejected_ids"] for r in rows]

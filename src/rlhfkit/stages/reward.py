@@ -17,10 +17,10 @@ from rlhfkit.algos import pairwise_loss
 from rlhfkit.config.schema import RMConfig
 from rlhfkit.data.loader import load_stage_data, skipped_rows
 from rlhfkit.data.templates import end_token_ids
-from rlhfkit.data.tokenize import collate_preferences
+from rlhfkit.data.tokenize import collate_packed_pairs, collate_preferences
 from rlhfkit.engine import make_engine
 from rlhfkit.models import load_scalar_model, load_tokenizer
-from rlhfkit.models.forward import sequence_scores
+from rlhfkit.models.forward import packed_sequence_scores, sequence_scores
 from rlhfkit.models.loading import load_generation_config
 from rlhfkit.models.lora import apply_lora, base_model
 from rlhfkit.stages.common import MetricsLogger, plan_steps, prepare_output_dir, set_seed
@@ -33,11 +33,30 @@ TEMPLATE_KEY, MAX_LENGTH_KEY = "rlhfkit_template", "rlhfkit_max_length"
 END_IDS_KEY = "rlhfkit_end_ids"  # the ids the training responses ended with (data/templates.py: end_token_ids)
 
 
-def pair_scores(model, rows: list[dict], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Scores of the chosen and rejected sides of `rows`, each (B,), from ONE (2B, T) forward pass."""
-    batch = collate_preferences(rows, pad_id)
-    scores = sequence_scores(model, batch["input_ids"].to(device), batch["attention_mask"].to(device))  # (2B,)
+def pair_scores(model, rows: list[dict], pad_id: int, device, packed: bool = False) -> tuple[torch.Tensor,
+                                                                                               torch.Tensor]:
+    """Scores of the chosen and rejected sides of `rows`, each (B,), from ONE forward pass over the 2B
+    sequences: padded (2B, T), or `packed` into bins without padding (`collate_packed_pairs`)."""
+    if packed:
+        batch = {k: v.to(device) for k, v in collate_packed_pairs(rows, pad_id).items()}
+        scores = packed_sequence_scores(model, batch["input_ids"], batch["position_ids"], batch["ends"])
+    else:
+        batch = collate_preferences(rows, pad_id)
+        scores = sequence_scores(model, batch["input_ids"].to(device), batch["attention_mask"].to(device))  # (2B,)
     return scores[:len(rows)], scores[len(rows):]
+
+
+@torch.no_grad()
+def packing_is_exact(model, rows: list, pad_id: int, device, rtol: float = 1e-4) -> bool:
+    """Whether packed sequences score as padded ones on `rows` (see stages/sft.py's check of the same name)."""
+    was_training = model.training
+    model.eval()
+    try:
+        padded = torch.cat(pair_scores(model, rows, pad_id, device))
+        packed = torch.cat(pair_scores(model, rows, pad_id, device, packed=True))
+    finally:
+        model.train(was_training)
+    return bool(torch.allclose(packed, padded, rtol=rtol, atol=1e-4 if rtol <= 1e-4 else 1e-2))
 
 
 SUM_KEYS = ("loss", "accuracy", "chosen", "rejected", "margin")
@@ -95,12 +114,13 @@ def describe(info: dict) -> str:
             f"sides equal once truncated){'; skipped ' + skipped if skipped else ''}")
 
 
-def train_step(rm, rows: list, accum: int, micro_size: int, batch_size: int, pad_id: int, margin, engine) -> dict:
+def train_step(rm, rows: list, accum: int, micro_size: int, batch_size: int, pad_id: int, margin, engine,
+               packed: bool = False) -> dict:
     """One optimizer step over `rows` (this rank's share of `batch_size` pairs) in `accum` micro-batches."""
     sums = dict.fromkeys(SUM_KEYS, 0.0)
     for m in range(accum):
         micro = rows[m * micro_size:(m + 1) * micro_size]
-        chosen, rejected = pair_scores(rm.module, micro, pad_id, engine.device)
+        chosen, rejected = pair_scores(rm.module, micro, pad_id, engine.device, packed)
         # the micro-batch's summed loss over the pairs of the whole batch: micro 1 x accum 4 == micro 4 x accum 1
         rm.backward(pairwise_loss(chosen, rejected, margin) * len(micro), batch_size)
         for key, value in pair_sums(chosen, rejected, margin).items():
@@ -129,11 +149,15 @@ def run_rm(cfg: RMConfig, resume: bool = False, force: bool = False) -> dict:
     start = resume_state(engine, out, {"model": rm})["step"] if resume else 0
     pad_id, device, micro_size = tokenizer.pad_token_id, engine.device, cfg.train.micro_batch_size
     margin = cfg.rm.margin or None
+    packed = cfg.packing or (cfg.packing is None and engine.reduce_sum(float(packing_is_exact(
+        rm.module, data.train[:max(micro_size, 2)], pad_id, device, 1e-4 if cfg.engine.precision == "fp32" else 2e-2)))
+        == engine.world_size)
     evaluate = (lambda: evaluate_rm(rm.module, data.eval, pad_id, micro_size, device, engine, margin)) \
         if data.eval else None
 
     with MetricsLogger(out, "rm", total, cfg.log, engine.is_main, initial=start) as log:
-        log.write(f"{describe(data.info)}; {total} steps of {cfg.train.batch_size} pairs (accumulation {accum})")
+        log.write(f"{describe(data.info)}; {total} steps of {cfg.train.batch_size} pairs (accumulation {accum}); "
+                  f"{'packed' if packed else 'padded'} micro-batches")
         if start == 0 and evaluate:  # the untrained head's accuracy (~0.5): curves show what training changed
             log.log(0, evaluate())
 
@@ -142,7 +166,7 @@ def run_rm(cfg: RMConfig, resume: bool = False, force: bool = False) -> dict:
                        show=("loss", "accuracy", "eval/accuracy")) as loop:
             for step, epoch, rows in loop.steps(data.train, start):
                 tick = time.perf_counter()
-                metrics = train_step(rm, rows, accum, micro_size, cfg.train.batch_size, pad_id, margin, engine)
+                metrics = train_step(rm, rows, accum, micro_size, cfg.train.batch_size, pad_id, margin, engine, packed)
                 loop.end_step(step + 1, {**metrics, "epoch": epoch, "time/step": time.perf_counter() - tick})
 
         # 4. reward statistics and how inputs were rendered, stored in config.json for PPO and `rlhfkit score`
