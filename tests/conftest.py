@@ -55,6 +55,17 @@ def tiny_model_dir(tmp_path_factory) -> Path:
     return save_model_folder(model, tok, tmp_path_factory.mktemp("tiny") / "model")
 
 
+def sharpened(model, factor: float = 6.0):
+    """`model` with every weight scaled by `factor`: a random tiny model's outputs then depend on the context,
+    so a test can see one sequence leak into another (at init they are nearly uniform whatever it reads)."""
+    import torch
+
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(factor)
+    return model
+
+
 def run_cli(*args: str, cwd: Path | None = None, timeout: int = 600, env: dict | None = None):
     """Run `python -m rlhfkit ...` in a subprocess, as a user would; returns CompletedProcess."""
     full_env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), **(env or {})}

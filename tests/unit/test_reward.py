@@ -20,7 +20,7 @@ from rlhfkit.models.reward_fn import ModelReward
 from rlhfkit.errors import RunError
 from rlhfkit.stages.reward import END_IDS_KEY, MEAN_KEY, STD_KEY, run_rm
 
-from conftest import NAMES, ROOT, read_metrics, write_jsonl
+from conftest import NAMES, ROOT, read_metrics, sharpened, write_jsonl
 
 FIXTURES = ROOT / "tests" / "fixtures" / "formats"
 TEXTS = [("say apple", "apple apple apple"), ("say ocean", "ocean"), ("say tiger", "tiger tiger tiger tiger tiger")]
@@ -183,10 +183,7 @@ def test_packed_pairs_score_and_train_as_padded_ones(tiny_model_dir):
     from rlhfkit.stages.reward import pair_scores, packing_is_exact
 
     tok = load_tokenizer(str(tiny_model_dir))
-    model = load_scalar_model(str(tiny_model_dir), tokenizer=tok)
-    with torch.no_grad():  # larger weights: scores that depend on the context, so a leak would show
-        for p in model.parameters():
-            p.mul_(6.0)
+    model = sharpened(load_scalar_model(str(tiny_model_dir), tokenizer=tok))
     g = torch.Generator().manual_seed(0)
     rows = [{"chosen_ids": torch.randint(3, len(tok), (n,), generator=g).tolist(),
              "rejected_ids": torch.randint(3, len(tok), (m,), generator=g).tolist()} for n, m in ((7, 3), (5, 9), (2, 4))]

@@ -8,7 +8,7 @@ from rlhfkit.data.templates import Template
 from rlhfkit.data.tokenize import IGNORE, collate_sft, tokenize_sft
 from rlhfkit.models import load_tokenizer
 
-from conftest import STORIES, needs_shared
+from conftest import STORIES, needs_shared, sharpened
 
 
 def ex(prompt, response):
@@ -95,10 +95,7 @@ def test_packed_rows_give_the_padded_loss_and_gradients(tiny_model_dir):
     from rlhfkit.stages.sft import lm_forward, packing_is_exact
 
     tok = load_tokenizer(str(tiny_model_dir))
-    model = load_causal_lm(str(tiny_model_dir), tokenizer=tok)
-    with torch.no_grad():  # larger weights: logits that depend on the context, so a leak would show
-        for p in model.parameters():
-            p.mul_(6.0)
+    model = sharpened(load_causal_lm(str(tiny_model_dir), tokenizer=tok))
     g = torch.Generator().manual_seed(0)
     rows = []
     for n in (9, 4, 6, 3, 8):  # response labels only, as SFT rows have them
