@@ -146,8 +146,19 @@ def compare(world: Path, trl_python: Path, size: str, batch: int, response: int,
     row = {"size": size, "batch": batch, "response": response, "threads": args.threads, "rlhfkit": mine,
            "trl": theirs, "time_ratio": mine["seconds"] / theirs["seconds"],
            "memory_ratio": mine["peak_mb"] / theirs["peak_mb"]}
+    row["floor"] = floor(world, size, batch, response, args.gflops, mine["phases"])
+    row["floor_ratio"] = mine["seconds"] / row["floor"]["iteration"]
     print_row(row)
     return row
+
+
+def floor(world: Path, size: str, batch: int, response: int, gflops: float, phases: dict) -> dict:
+    """The iteration's floor (harness.ppo_floor) for the phases rlhfkit ran: the policy folder is actor and
+    reference, its scalar twin reward model and critic; the prompts are the benchmark's own."""
+    prompts = json.loads(harness.tokenized_prompts(world, batch).read_text())
+    policy, scalar = harness.linear_sizes(world / size / "policy"), harness.linear_sizes(world / size / "reward")
+    return harness.ppo_floor(policy, scalar, scalar, batch, sum(map(len, prompts)) / len(prompts), response,
+                             gflops, phases=[k for k in PHASES if k in phases])
 
 
 def print_row(row: dict) -> None:
@@ -158,22 +169,25 @@ def print_row(row: dict) -> None:
               f"peak RSS {s['peak_mb']:7.0f} MiB")
     print(f"  ratio rlhfkit/TRL: time {row['time_ratio']:.2f}x (target <= 0.40), "
           f"peak memory {row['memory_ratio']:.2f}x (target <= 0.80)")
+    print(f"  floor (linear-layer FLOPs at {row['floor']['gflops']:.0f} GFLOP/s): {row['floor']['iteration']:.3f} s; "
+          f"rlhfkit's iteration is {row['floor_ratio']:.2f}x its floor")
     phases = row["rlhfkit"]["phases"]
     if phases:
-        total = phases.get("iteration", row["rlhfkit"]["seconds"])
-        print("  rlhfkit phases (median s): " + ", ".join(
-            f"{k} {phases[k]:.3f} ({100 * phases[k] / total:.0f}%)" for k in PHASES if k in phases)
+        print("  rlhfkit phases, median s (x floor): " + ", ".join(
+            f"{k} {phases[k]:.3f} ({phases[k] / row['floor'][k]:.1f}x)" if row["floor"].get(k) else
+            f"{k} {phases[k]:.3f}" for k in PHASES if k in phases)
             + ("" if "values" in phases else "; values: computed by critic_update's forward"))
 
 
 def print_table(rows: list[dict]) -> None:
-    print("\n| model | batch | response | rlhfkit s/iter | TRL s/iter | time ratio | rlhfkit samples/s | "
-          "TRL samples/s | rlhfkit peak MiB | TRL peak MiB | memory ratio |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print("\n| model | batch | response | rlhfkit s/iter | TRL s/iter | time ratio | floor s/iter | rlhfkit / floor "
+          "| rlhfkit samples/s | TRL samples/s | rlhfkit peak MiB | TRL peak MiB | memory ratio |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         a, t, b = r["rlhfkit"], r["trl"], r["batch"]
         print(f"| {r['size']} | {b} | {r['response']} | {a['seconds']:.3f} | {t['seconds']:.3f} | "
-              f"**{r['time_ratio']:.2f}x** | {b / a['seconds']:.1f} | {b / t['seconds']:.1f} | {a['peak_mb']:.0f} | "
+              f"**{r['time_ratio']:.2f}x** | {r['floor']['iteration']:.3f} | **{r['floor_ratio']:.2f}x** | "
+              f"{b / a['seconds']:.1f} | {b / t['seconds']:.1f} | {a['peak_mb']:.0f} | "
               f"{t['peak_mb']:.0f} | **{r['memory_ratio']:.2f}x** |")
 
 
@@ -279,6 +293,7 @@ def main() -> None:
     trl_python = harness.ensure_trl_venv()
     world = harness.build_world()
     print(harness.machine_line(args.threads), flush=True)
+    args.gflops = harness.peak_matmul_gflops(args.threads)
     for n in (16, 64):
         harness.tokenized_prompts(world, n)
     if args.quick:

@@ -198,6 +198,74 @@ def machine_line(threads: int = 1) -> str:
     return f"machine: {name}{family}, {os.cpu_count()} cores; float32 matmul, {threads} thread(s): {rates} GFLOP/s"
 
 
+def peak_matmul_gflops(threads: int = 1) -> float:
+    """This host's best measured float32 matmul rate at `threads` threads: the faster of MKL and oneDNN on
+    1024 x 1024 x 1024, the GEMM size at which both reach their peak (GFLOP/s)."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    x, w = torch.randn(1024, 1024), torch.randn(1024, 1024)
+    fns = [lambda: torch.nn.functional.linear(x, w)]
+    if hasattr(torch.ops.mkldnn, "_linear_pointwise"):
+        fns.append(lambda: torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], ""))
+    best = 0.0
+    for fn in fns:
+        fn()
+        start, n = time.perf_counter(), 0
+        while time.perf_counter() - start < 0.5:
+            fn()
+            n += 1
+        best = max(best, 2 * 1024**3 * n / (time.perf_counter() - start) / 1e9)
+    torch.set_num_threads(before)
+    return best
+
+
+def linear_sizes(folder: Path) -> dict:
+    """Multiply-accumulates per token of a model folder's linear layers: `body` (every nn.Linear of the
+    transformer) and `head` (the LM head or the scalar head), counted on a meta-device copy (no weights read)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    config = AutoConfig.from_pretrained(folder)
+    scalar = any(a.endswith("SequenceClassification") for a in (config.architectures or []))
+    with torch.device("meta"):
+        model = (AutoModelForSequenceClassification if scalar else AutoModelForCausalLM).from_config(config)
+    head = model.score if scalar else model.get_output_embeddings()
+    body = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear) and m is not head)
+    return {"body": body, "head": head.weight.numel()}
+
+
+def ppo_floor(policy: dict, value: dict | None, reward: dict | None, batch: int, prompt: float, response: int,
+              gflops: float, phases=("generate", "reward", "reference", "values", "actor_update",
+                                     "critic_update")) -> dict:
+    """Seconds each phase of one iteration would take if its linear layers' FLOPs ran at `gflops`: the floor
+    that no implementation of the same work beats on this host without changing the arithmetic.
+
+    `policy`/`value`/`reward`: `linear_sizes` of the actor (= reference), the critic and the reward model;
+    `prompt`: mean prompt tokens; B samples of exactly R response tokens. The work, in token-forwards of the
+    body (2 FLOPs per multiply-accumulate; a backward costs two forwards):
+      generate      prefill B x P + decode B x (R - 1), the LM head on one position per step (B x R)
+      reference     B x (P + R), the LM head on the R response positions
+      reward        B x (P + R) through the reward model (its scalar head is negligible)
+      values        B x (P + R) through the critic
+      actor_update  3 x the reference's work;   critic_update: 3 x the values' work
+    Phases not in `phases` (e.g. values when the critic's update computes them) count nothing.
+    """
+    tokens = batch * (prompt + response)
+    work = {
+        "generate": policy["body"] * (batch * prompt + batch * (response - 1)) + policy["head"] * batch * response,
+        "reference": policy["body"] * tokens + policy["head"] * batch * response,
+        "reward": (reward or {"body": 0})["body"] * tokens,
+        "values": (value or {"body": 0})["body"] * tokens,
+    }
+    work["actor_update"] = 3 * work["reference"]
+    work["critic_update"] = 3 * work["values"]
+    floor = {k: 2 * v / (gflops * 1e9) for k, v in work.items() if k in phases}
+    floor["iteration"] = sum(floor.values())
+    return {**floor, "gflops": gflops}
+
+
 def uncache_libraries(*venvs: Path) -> int:
     """Drop the venvs' shared libraries (torch's ~1 GB of .so files, ...) from the page cache, so both systems
     map them from the same state. Peak RSS counts the file pages a process maps, and how many pages one fault
@@ -236,7 +304,7 @@ class Lockstep:
     """Worker side: `wait()` blocks until the parent says go; `report()` prints the iteration's numbers."""
 
     def __init__(self):
-        self.started = None
+        self.started = self.cpu_started = None
         self.out = os.fdopen(os.dup(1), "w", buffering=1)  # our own handle: libraries may print on stdout
 
     def wait(self) -> None:
@@ -244,10 +312,14 @@ class Lockstep:
         if line.strip() != "go":
             sys.exit(0)  # the parent is done with us
         self.started = time.perf_counter()
+        self.cpu_started = time.process_time()
 
     def report(self, **extra) -> None:
-        seconds = time.perf_counter() - self.started
-        self.out.write(MARK + json.dumps({"seconds": seconds, "peak_mb": peak_rss_mb(), **extra}) + "\n")
+        """`seconds` (wall clock) and `cpu_seconds` (this process's CPU time: with 1 thread, the wall time less the
+        waits for a core that other processes on a shared machine cause) of the iteration, peak RSS, `extra`."""
+        seconds, cpu_seconds = time.perf_counter() - self.started, time.process_time() - self.cpu_started
+        self.out.write(MARK + json.dumps({"seconds": seconds, "cpu_seconds": cpu_seconds, "peak_mb": peak_rss_mb(),
+                                          **extra}) + "\n")
 
 
 # ------------------------------------------------------------------------------------------ parent side
@@ -284,20 +356,28 @@ class Worker:
         self.stderr.close()
 
 
-def rlhfkit_lockstep(overrides: list[str], threads: int, report: dict | None = None) -> None:
-    """Worker side: rlhfkit's real loop (`stages.ppo.run_ppo` on `overrides`) with its metrics logger as the hook
-    that waits for the parent's "go" and reports each iteration's `time/*` phases, plus `report` (report key ->
-    metrics key)."""
+# stage -> (its module, its run function, its config module, its config class), for rlhfkit_lockstep
+LOCKSTEP_STAGES = {"ppo": ("rlhfkit.stages.ppo", "run_ppo", "rlhfkit.config.ppo_schema", "PPOConfig"),
+                   "dpo": ("rlhfkit.stages.dpo", "run_dpo", "rlhfkit.config.dpo_schema", "DPOConfig")}
+
+
+def rlhfkit_lockstep(overrides: list[str], threads: int, report: dict | None = None, stage: str = "ppo") -> None:
+    """Worker side: rlhfkit's real loop (`stages.<stage>.run_<stage>` on `overrides`; `LOCKSTEP_STAGES`) with its
+    metrics logger as the hook that waits for the parent's "go" and reports each iteration's `time/*` phases, plus
+    `report` (report key -> metrics key)."""
+    import importlib
+
     import torch
 
     torch.set_num_threads(threads)
-    import rlhfkit.stages.ppo as ppo_stage
+    module_name, run_name, schema_name, config_name = LOCKSTEP_STAGES[stage]
+    stage_module = importlib.import_module(module_name)
+    config_class = getattr(importlib.import_module(schema_name), config_name)
     from rlhfkit.config.fields import load_config
-    from rlhfkit.config.ppo_schema import PPOConfig
 
     step = Lockstep()
 
-    class TimedLogger(ppo_stage.MetricsLogger):
+    class TimedLogger(stage_module.MetricsLogger):
         def __init__(self, *a, **kw):
             super().__init__(*a, **kw)
             step.wait()  # models are loaded: the first iteration starts on the parent's word
@@ -308,8 +388,8 @@ def rlhfkit_lockstep(overrides: list[str], threads: int, report: dict | None = N
             step.report(phases=phases, **{name: metrics.get(key) for name, key in (report or {}).items()})
             step.wait()
 
-    ppo_stage.MetricsLogger = TimedLogger
-    ppo_stage.run_ppo(load_config(PPOConfig, None, overrides), force=True)
+    stage_module.MetricsLogger = TimedLogger
+    getattr(stage_module, run_name)(load_config(config_class, None, overrides), force=True)
 
 
 def run_lockstep(workers: list[Worker], warmup: int, iters: int, log=print) -> dict[str, list[dict]]:

@@ -2,7 +2,8 @@
 
 Read top to bottom: the pairs (the RM step's data layer and cache), the policy, the reference log-probs, the
 loop, the export. The policy is trained on the preference pairs directly, with the loss `dpo.loss` names in
-`algos.preference.PREFERENCE_LOSSES`; no reward model, no sampling.
+`algos.preference.PREFERENCE_LOSSES`; no reward model, no sampling. A pair's prompt goes through the model once
+for both of its responses (`sequence_logprobs`).
 
 Each loss reads, per pair, the summed log-probs of the chosen and rejected responses (prompt tokens excluded)
 under the policy and under the frozen reference (the SFT weights). The reference is fixed, so its log-probs are
@@ -36,13 +37,13 @@ from rlhfkit.config.dpo_schema import DPOConfig, DPOSection
 from rlhfkit.data import cache
 from rlhfkit.data.loader import load_stage_data, skipped_rows
 from rlhfkit.data.templates import end_token_ids
-from rlhfkit.data.tokenize import collate_preferences
+from rlhfkit.data.tokenize import collate_preferences, pad_sequences
 from rlhfkit.engine import make_engine
 from rlhfkit.errors import ModelError
 from rlhfkit.models import load_causal_lm, load_tokenizer
-from rlhfkit.models.forward import causal_logits
+from rlhfkit.models.forward import causal_logits, shared_prefix_logits
 from rlhfkit.models.loading import load_generation_config
-from rlhfkit.models.lora import adapter_disabled, apply_lora, is_lora
+from rlhfkit.models.lora import adapter_disabled, apply_lora, base_model, is_lora
 from rlhfkit.stages.common import MetricsLogger, epoch_order, plan_steps, prepare_output_dir, set_seed
 from rlhfkit.stages.guard import resume_state
 from rlhfkit.stages.loop import TrainLoop
@@ -54,9 +55,40 @@ REF_KEY = "ref"  # a row's reference log-probs [chosen, rejected], attached when
 # ---------------------------------------------------------------------------------------------- log-probs
 
 
+def checkpointed(model) -> bool:
+    """Whether `model` trains with gradient checkpointing, under which its training forwards cannot share a prompt's
+    cache (`forward.shares_prefixes`). `sequence_logprobs` then takes the full forward in its no-grad passes too
+    (reference, evaluation), so they compute as the training forwards do: exact zero rewards at step 0."""
+    plain = base_model(model)
+    name = "is_activation_checkpointing" if hasattr(type(plain), "is_activation_checkpointing") else \
+        "is_gradient_checkpointing"  # transformers < 5.x's name
+    return bool(getattr(plain, name, False))
+
+
 def sequence_logprobs(model, rows: list[dict], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Summed log-probs of the response tokens and their counts, each (2B,): chosen rows then rejected rows,
-    from ONE (2B, T) right-padded forward. A row's response is its tokens from `prompt_len` on."""
+    """Summed log-probs of the response tokens and their counts, each (2B,): chosen rows then rejected rows.
+    A row's response is its tokens from `prompt_len` on.
+
+    A pair's chosen and rejected sequences share their prompt: the B prompts run once and the 2B responses attend
+    to their KV cache (`forward.shared_prefix_logits`: the full forward's values and gradients up to float
+    rounding; ~15% fewer tokens through the model where prompts are ~40% of a sequence). The prompt's last token
+    runs with the responses, so every scored logit comes from one LM-head matmul over all response rows, as in
+    the full forward (a few-row matmul for the prompts' last positions rounds differently with the weights'
+    memory alignment: a LoRA policy with its adapter disabled would differ from a frozen copy by an ulp). Under
+    gradient checkpointing (`checkpointed`), or for a model without a plain full-attention cache, it is ONE
+    (2B, T) right-padded forward of the whole sequences."""
+    prompts = [r["chosen_ids"][:r["prompt_len"] - 1] for r in rows] * 2  # (2B,) each pair's prompt twice
+    # (2B,) the prompt's last token, then the response: position j predicts token j + 1
+    tails = [r[key][r["prompt_len"] - 1:] for key in ("chosen_ids", "rejected_ids") for r in rows]
+    if not checkpointed(model) and min(map(len, prompts)) and min(map(len, tails)) > 1:
+        prompt_ids = pad_sequences(prompts, pad_id, side="left").to(device)  # (2B, P - 1)
+        prompt_mask = pad_sequences([[1] * len(p) for p in prompts], 0, side="left").to(device)
+        tail_ids = pad_sequences(tails, pad_id).to(device)  # (2B, 1 + R), right-padded
+        tail_mask = pad_sequences([[1] * len(t) for t in tails], 0).to(device)
+        logits = shared_prefix_logits(model, prompt_ids, prompt_mask, tail_ids, tail_mask)  # (2B, 1 + R, V) | None
+        if logits is not None:
+            valid = tail_mask[:, 1:].bool()  # (2B, R) response tokens, no pads
+            return masked_sum(token_logprobs(logits[:, 1:], tail_ids[:, 1:]), valid, dim=-1), valid.sum(-1).float()
     batch = collate_preferences(rows, pad_id)
     ids, mask = batch["input_ids"].to(device), batch["attention_mask"].to(device)  # (2B, T)
     prompt_len = torch.tensor([r["prompt_len"] for r in rows] * 2, device=device)  # (2B,)
@@ -140,7 +172,10 @@ def reference_cache_path(cfg: DPOConfig, reference_name: str, tokenizer, train: 
     if not Path(reference_name).expanduser().is_dir():
         return None, "off (the reference is not a local folder)"
     identity = cache.source_identity(str(Path(reference_name).expanduser()))  # every file's size and mtime
-    key = cache.make_key({"stage": "dpo-reference", "reference": identity, "dtype": cfg.load.dtype,
+    # "forward": which forward sequence_logprobs takes (and entries of the code before it, which had none): the two
+    # differ at float rounding, which step 0's exact zero rewards would show
+    forward = "full" if cfg.load.gradient_checkpointing else "shared-prompt"
+    key = cache.make_key({"stage": "dpo-reference", "forward": forward, "reference": identity, "dtype": cfg.load.dtype,
                           "precision": cfg.engine.precision, "backend": cfg.engine.backend,
                           "tokenizer": cache.tokenizer_fingerprint(tokenizer), "rows": _rows_digest(train, evals)})
     return cache.entry_path(cache.default_cache_dir(cfg.data.cache_dir), "dpo-reference", key), key
