@@ -60,6 +60,13 @@ def build_parser() -> argparse.ArgumentParser:
         _train_parser(sub, verb)
     rep = sub.add_parser("report", help="write report.html with plots for a run folder")
     rep.add_argument("run_dir")
+    ckpt = sub.add_parser("checkpoints", help="list a run's checkpoints and verify them against their manifests",
+                          description="list a run's checkpoints (step, ranks, ZeRO stage, size) and verify each "
+                                      "against its manifest.json (sizes and sha256); exit 1 when one is damaged")
+    ckpt.add_argument("run_dir", help="a run's output_dir (or its checkpoints/ folder)")
+    ckpt.add_argument("--quick", action="store_true", help="check sizes only, not sha256 hashes")
+    ckpt.add_argument("--use", metavar="CHECKPOINT", help="point `latest` at this checkpoint (step-00000040 or 40) "
+                                                          "if it verifies, so that --resume continues from it")
     _load("rlhfkit.score:add_score_parser")(sub)
     _load("rlhfkit.demo.cli:add_demo_parser")(sub)
     _load("rlhfkit.chat:add_chat_parser")(sub)
@@ -90,9 +97,12 @@ def main(argv: list[str] | None = None) -> int:
         return _load("rlhfkit.score:main")(args)
     if args.verb == "fetch":
         return _load("rlhfkit.models.fetch:main")(args)
+    if args.verb == "checkpoints":
+        return _load("rlhfkit.engine.manifest:main")(args)
     if args.verb in ("demo", "chat"):
         return _load(f"rlhfkit.{'demo.cli' if args.verb == 'demo' else 'chat'}:main")(args)
     cfg_path, runner_path, _ = TRAIN_VERBS[args.verb]
+    cfg = None
     try:
         cfg = load_config(_load(cfg_path), args.config, args.overrides)
         result = _load(runner_path)(cfg, resume=args.resume, force=args.force)
@@ -105,11 +115,28 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"rlhfkit {args.verb}: interrupted", file=sys.stderr)
         return 130
+    except RuntimeError as exc:  # a collective failed because another rank died or hung: one line, then out
+        _exit_on_lost_rank(args.verb, exc, getattr(cfg, "output_dir", None))
+        raise
     from rlhfkit.engine.launch import is_main_process
 
     if is_main_process():
         print(json.dumps(result))
     return 0
+
+
+def _exit_on_lost_rank(verb: str, exc: RuntimeError, output_dir) -> None:
+    """When `exc` is a failed collective (a rank died or hung; only a multi-rank DeepSpeed run has them), print
+    one error line and leave at once with code 1: the process group is broken, and tearing it down normally
+    can abort or hang on the dead peer."""
+    engine = sys.modules.get("rlhfkit.engine.deepspeed_engine")  # not loaded: no process group, not this case
+    message = engine.lost_rank_message(exc, output_dir) if engine is not None else None
+    if message is None:
+        return
+    print(f"rlhfkit {verb}: error: {message}", file=sys.stderr)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(1)
 
 
 if __name__ == "__main__":

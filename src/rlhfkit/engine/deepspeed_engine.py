@@ -14,6 +14,10 @@ subclassing), so the training loops run unchanged. Decisions:
 - Generation under ZeRO-3 gathers the parameters once per rollout (`gathered`), not once per token, and
   runs the plain HF model without DeepSpeed's hooks.
 - HF export gathers ZeRO-3 parameters and rank 0 writes the folder (LoRA merged).
+- Faults: the process group is created with `engine.collective_timeout_s`, so a rank waiting in a collective
+  for a dead or hung one fails after that long (a killed peer over gloo/TCP is noticed at once), and
+  `lost_rank_message` turns that failure into one line. Checkpoints carry a manifest (`manifest.py`), written
+  by rank 0 from every rank's hashes, in a folder all ranks must share.
 """
 
 from __future__ import annotations
@@ -21,10 +25,14 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shutil
 import socket
 import sys
+import time
+import uuid
 import warnings
+from datetime import timedelta
 from pathlib import Path
 from typing import Sequence
 
@@ -36,9 +44,9 @@ from deepspeed.accelerator import get_accelerator
 from rlhfkit.config.schema import EngineConfig, TrainConfig
 from rlhfkit.engine import ds_config
 from rlhfkit.engine.local import lr_lambda, moved_to, param_groups
-from rlhfkit.engine.storage import (fsync_dir, latest_checkpoint, publish_checkpoint, rng_state, set_rng_state,
-                                    write_hf_folder)
-from rlhfkit.errors import ConfigError
+from rlhfkit.engine.manifest import seal, verified_latest
+from rlhfkit.engine.storage import fsync_dir, publish_checkpoint, rng_state, set_rng_state, write_hf_folder
+from rlhfkit.errors import ConfigError, RunError
 from rlhfkit.models.lora import clone_for_export
 
 
@@ -68,18 +76,32 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def init_process_group() -> None:
-    """Join the launcher's process group (deepspeed / torchrun set RANK, WORLD_SIZE, MASTER_ADDR...).
+_timeout_s = None  # the process group's collective timeout, for the lost-rank message
+
+
+def init_process_group(timeout_s: float = 300.0) -> None:
+    """Join the launcher's process group (deepspeed / torchrun set RANK, WORLD_SIZE, MASTER_ADDR...), with
+    `timeout_s` as the time a collective waits for the other ranks before it fails (gloo raises; NCCL's
+    watchdog aborts the process), instead of DeepSpeed's 10 minutes or torch's 30.
 
     A plain `python -m rlhfkit` run becomes a group of one, so the same code path is used everywhere.
     """
+    global _timeout_s
     if dist.is_initialized():
         return
     if "RANK" not in os.environ:
         os.environ.update({"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
                            "MASTER_PORT": str(_free_port())})
     backend = get_accelerator().communication_backend_name()
-    deepspeed.init_distributed(dist_backend=backend, verbose=False)
+    timeout = timedelta(seconds=timeout_s)
+    deepspeed.init_distributed(dist_backend=backend, verbose=False, timeout=timeout)
+    _timeout_s = timeout_s
+    # ZeRO's collectives run on DeepSpeed's clone of the world group, which it would create with torch's
+    # default timeout (gloo 30 min, NCCL 10 min), not the world group's: create the clone with the same bound
+    from deepspeed.utils import groups
+
+    if dist.get_world_size() > 1 and getattr(groups, "_WORLD_GROUP", "gone") is None:
+        groups._WORLD_GROUP = dist.new_group(ranks=list(range(dist.get_world_size())), timeout=timeout)
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
 
@@ -143,7 +165,7 @@ class DeepSpeedEngine:
     name = "deepspeed"
 
     def __init__(self, cfg: EngineConfig, train: TrainConfig | None = None):
-        init_process_group()
+        init_process_group(cfg.collective_timeout_s)
         self.cfg = cfg
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.is_main = self.rank == 0
@@ -276,19 +298,35 @@ class DeepSpeedEngine:
     def _comm_device(self):
         return self.device if self.device.type != "cpu" else torch.device("cpu")
 
+    def _gather(self, items: list) -> list:
+        """Every rank's `items`, concatenated in rank order (a collective)."""
+        if self.world_size == 1:
+            return list(items)
+        everyone = [None] * self.world_size
+        dist.all_gather_object(everyone, list(items))
+        return [item for part in everyone for item in part]
+
     # -- checkpoints -----------------------------------------------------------------------------------
+    def checkpoint_info(self, step: int, trainables: dict) -> dict:
+        """What a checkpoint's manifest records besides its files (and what `--resume` must match)."""
+        return {"step": step, "engine": self.name, "world_size": self.world_size, "zero_stage": self.cfg.zero_stage,
+                "trainables": sorted(trainables)}
+
     def save_checkpoint(self, folder: Path, step: int, trainables: dict, state: dict, keep: int = 2) -> Path:
-        """Every rank writes its shards into step-N.tmp; rank 0 renames it into place after a barrier."""
+        """Every rank writes its shards into step-N.tmp (a folder all ranks share); the ranks hash its files
+        between them and rank 0 writes manifest.json, renames the folder into place and points `latest` at it."""
         target = folder / f"step-{step:08d}"
         tmp = target.with_name(target.name + ".tmp")
         if self.is_main:
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
-        self.barrier()
+        self._check_shared(tmp)  # a collective: also the barrier before the shards are written
         for name, trainable in trainables.items():
             trainable.save(tmp, name)
         torch.save({"step": step, "rng": rng_state(), **state}, tmp / f"state-rank{self.rank}.pt")
         self.barrier()
+        seal(tmp, self.checkpoint_info(step, trainables), (self.rank, self.world_size), self._gather,
+             write=self.is_main)
         if self.is_main:
             shutil.rmtree(target, ignore_errors=True)
             os.replace(tmp, target)
@@ -297,8 +335,38 @@ class DeepSpeedEngine:
         self.barrier()
         return target
 
+    def _check_shared(self, tmp: Path) -> None:
+        """Every rank must see the folder rank 0 just created: a checkpoint is one folder holding every rank's
+        shards, on a filesystem all nodes share (else no node could resume). A RunError on all ranks if not."""
+        token = [uuid.uuid4().hex if self.is_main else None]
+        marker = tmp / ".shared-by-all-ranks"
+        if self.is_main:
+            marker.write_text(token[0])
+        if self.world_size > 1:
+            dist.broadcast_object_list(token, src=0)
+        sees = False
+        for _ in range(10):  # a network filesystem may show a new file a moment late
+            with contextlib.suppress(OSError):
+                sees = marker.read_text() == token[0]
+            if sees:
+                break
+            time.sleep(0.5)
+        everyone = self._gather([(self.rank, socket.gethostname(), sees)])
+        blind = [f"rank {rank} ({host})" for rank, host, saw in everyone if not saw]
+        if self.is_main:
+            marker.unlink()
+        if blind:
+            if self.is_main:
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise RunError(f"checkpoints need output_dir on a filesystem every node shares: {', '.join(blind)} "
+                           f"cannot see '{tmp}', which rank 0 created. Put output_dir on a shared filesystem, or "
+                           f"run without checkpoints (train.save_every=0; no --resume then)")
+
     def load_checkpoint(self, folder: Path, trainables: dict) -> dict:
-        target = latest_checkpoint(folder)
+        """folder/latest, verified against its manifest (each rank hashes its share of the files); a damaged
+        one is refused on every rank, naming the previous good one."""
+        target = verified_latest(folder, self.checkpoint_info(0, trainables), self.say,
+                                 (self.rank, self.world_size), self._gather)
         for name, trainable in trainables.items():
             trainable.load(target, name)
         state = torch.load(target / f"state-rank{self.rank}.pt", weights_only=True)
@@ -323,3 +391,26 @@ class DeepSpeedEngine:
             write_hf_folder(plain, tokenizer, target, in_place=True)
         self.barrier()
         return target
+
+
+# what gloo / NCCL / the TCP store say when a peer died or a collective timed out
+_LOST_PEER = re.compile(r"gloo/transport|Connection (reset|closed) by peer|Broken pipe|Timed out waiting|"
+                        r"NCCL (error|communicator)|Watchdog caught collective|Socket Timeout", re.IGNORECASE)
+
+
+def lost_rank_message(exc: BaseException, output_dir: str | None = None) -> str | None:
+    """One line for a collective that failed because another rank died or stopped responding (None when
+    `exc` is something else): which rank saw it, the bound it waited, the last checkpoint and how to resume."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return None
+    if not (isinstance(exc, dist.DistError) or _LOST_PEER.search(str(exc))):
+        return None
+    detail = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    detail = re.sub(r"^\[[^\]]*\] ", "", detail).split(". ")[0][:200]  # no gloo source path, first sentence
+    latest = Path(output_dir) / "checkpoints" / "latest" if output_dir else None
+    saved = f"; the last checkpoint is {latest.read_text().strip()} in '{latest.parent}'" \
+        if latest is not None and latest.is_file() else ""
+    bound = f" (engine.collective_timeout_s={_timeout_s:g})" if _timeout_s else ""
+    return (f"rank {dist.get_rank()} of {dist.get_world_size()} ({socket.gethostname()}): a collective with the "
+            f"other ranks failed, so another rank died or stopped responding{bound}: {detail}{saved}. See the "
+            f"other ranks' logs for the cause, then run the same command with --resume (on every node)")

@@ -16,8 +16,8 @@ import torch
 from safetensors.torch import load_model, save_model
 
 from rlhfkit.config.schema import TrainConfig
-from rlhfkit.engine.storage import (atomic_folder, latest_checkpoint, publish_checkpoint, rng_state, set_rng_state,
-                                    write_hf_folder)
+from rlhfkit.engine.manifest import seal, verified_latest
+from rlhfkit.engine.storage import atomic_folder, publish_checkpoint, rng_state, set_rng_state, write_hf_folder
 
 
 def lr_lambda(cfg: TrainConfig, total_steps: int):
@@ -218,18 +218,26 @@ class LocalEngine:
             return contextlib.nullcontext()
         return moved_to(module, self.device)
 
-    # -- checkpoints: folder/step-N/{name}.safetensors, {name}.optim.pt, state.pt; folder/latest names the newest
+    # -- checkpoints: folder/step-N/{name}.safetensors, {name}.optim.pt, state.pt, manifest.json (written last);
+    # folder/latest names the newest
+    def checkpoint_info(self, step: int, trainables: dict) -> dict:
+        """What a checkpoint's manifest records besides its files (and what `--resume` must match)."""
+        return {"step": step, "engine": self.name, "world_size": 1, "zero_stage": None,
+                "trainables": sorted(trainables)}
+
     def save_checkpoint(self, folder: Path, step: int, trainables: dict, state: dict, keep: int = 2) -> Path:
         target = folder / f"step-{step:08d}"
         with atomic_folder(target) as tmp:
             for name, trainable in trainables.items():
                 trainable.save(tmp, name)
             torch.save({"step": step, "rng": rng_state(), **state}, tmp / "state.pt")
+            seal(tmp, self.checkpoint_info(step, trainables))
         publish_checkpoint(folder, target, keep)
         return target
 
     def load_checkpoint(self, folder: Path, trainables: dict) -> dict:
-        target = latest_checkpoint(folder)
+        """folder/latest, verified against its manifest (a damaged one is refused, naming the previous good one)."""
+        target = verified_latest(folder, self.checkpoint_info(0, trainables), self.say)
         for name, trainable in trainables.items():
             trainable.load(target, name)
         state = torch.load(target / "state.pt", weights_only=True)

@@ -20,8 +20,9 @@ The contract a loop relies on:
   under ZeRO-3). `gathered(module)` gives a module to generate with (ZeRO-3: parameters gathered once per
   rollout) and `generation_kwargs(module)` what generate() needs on this backend; `on_device(module)` holds an
   offloaded frozen model on the compute device for a block.
-- **Checkpoints and export.** `save_checkpoint` / `load_checkpoint` (atomic, `latest` pointer) and
-  `export_hf` (a plain transformers folder, LoRA merged, ZeRO-3 gathered, written by the main rank).
+- **Checkpoints and export.** `save_checkpoint` / `load_checkpoint` (atomic, `latest` pointer, a manifest of
+  every file's size and sha256 written last and verified on load: `manifest.py`) and `export_hf` (a plain
+  transformers folder, LoRA merged, ZeRO-3 gathered, written by the main rank).
 """
 
 from __future__ import annotations
@@ -113,10 +114,12 @@ class Engine(Protocol):
 
     # -- checkpoints and export --------------------------------------------------------------------------
     def save_checkpoint(self, folder: Path, step: int, trainables: dict, state: dict, keep: int = 2) -> Path:
-        """folder/step-N with every trainable, `state` and the RNG states; `latest` names it once complete."""
+        """folder/step-N with every trainable, `state`, the RNG states and manifest.json (last); `latest` names it
+        once complete."""
 
     def load_checkpoint(self, folder: Path, trainables: dict) -> dict:
-        """Load folder/latest into `trainables` and the RNG states; returns `state` (with "step")."""
+        """Load folder/latest into `trainables` and the RNG states, after checking it against its manifest (a
+        RunError naming the damage and the previous good checkpoint); returns `state` (with "step")."""
 
     def export_hf(self, model: torch.nn.Module, tokenizer, target: Path, in_place: bool = True) -> Path:
         """A plain transformers folder that `from_pretrained` loads (LoRA merged, ZeRO-3 gathered)."""

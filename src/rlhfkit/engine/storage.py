@@ -65,12 +65,15 @@ def atomic_folder(target: Path):
 
 def publish_checkpoint(folder: Path, target: Path, keep: int) -> None:
     """Point `latest` at a complete checkpoint (atomically, after it was written), then drop all but the
-    last `keep` ones: a crash at any moment leaves `latest` naming a loadable checkpoint."""
+    last `keep` ones: a crash at any moment leaves `latest` naming a loadable checkpoint. Checkpoints of later
+    steps than `target` are dropped too: they belong to a run that was resumed from an earlier checkpoint
+    (`rlhfkit checkpoints RUN_DIR --use step-N`) or started again, and `keep` counts back from `target`."""
     pointer = folder / "latest.tmp"
     pointer.write_text(target.name)
     os.replace(pointer, folder / "latest")
-    old = sorted(p for p in folder.glob("step-*") if p.is_dir() and not p.name.endswith(".tmp"))
-    for stale in old[:-keep] if keep > 0 else []:
+    done = sorted(p for p in folder.glob("step-*") if p.is_dir() and not p.name.endswith(".tmp"))
+    older, newer = [p for p in done if p.name <= target.name], [p for p in done if p.name > target.name]
+    for stale in newer + (older[:-keep] if keep > 0 else []):
         shutil.rmtree(stale, ignore_errors=True)
 
 
