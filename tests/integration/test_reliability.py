@@ -214,3 +214,24 @@ def test_skipped_step_leaves_weights_untouched(tiny_model_dir):
         assert torch.equal(value, before[key])
     trainable.backward(model(input_ids=ids, labels=ids).loss, 1)
     assert "skipped" not in trainable.step()  # the next good step updates normally
+
+
+def test_sigint_and_sigterm_together_are_one_stop_request_a_later_second_signal_quits(tmp_path, monkeypatch):
+    """DeepSpeed's launcher passes one Ctrl-C on to each rank as SIGINT and SIGTERM: the run must still save
+    and stop (one request), while a second Ctrl-C some seconds later means 'out now'."""
+    import rlhfkit.stages.guard as guard
+    from rlhfkit.engine import LocalEngine
+
+    clock = [100.0]
+    monkeypatch.setattr(guard.time, "monotonic", lambda: clock[0])
+    g = guard.RunGuard(LocalEngine(), tmp_path, "sft")
+    try:
+        g._on_signal(signal.SIGINT, None)
+        clock[0] += 0.1
+        g._on_signal(signal.SIGTERM, None)  # the launcher's second signal: no KeyboardInterrupt
+        assert g.signum == signal.SIGINT and g.stop_requested()
+        clock[0] += guard.REPEAT_SECONDS + 1
+        with pytest.raises(KeyboardInterrupt):
+            g._on_signal(signal.SIGINT, None)
+    finally:
+        g.close()

@@ -16,11 +16,13 @@ import json
 import signal
 import sys
 import threading
+import time
 from pathlib import Path
 
 from rlhfkit.errors import RunError, RunStopped
 
 MAX_BAD_STEPS = 5
+REPEAT_SECONDS = 2.0  # a second signal sooner than this after the first is the same stop request
 
 
 def resume_command(stage: str) -> str:
@@ -33,7 +35,7 @@ def resume_command(stage: str) -> str:
 class RunGuard:
     def __init__(self, engine, out: Path, stage: str, max_bad_steps: int = MAX_BAD_STEPS):
         self.engine, self.out, self.stage, self.max_bad = engine, out, stage, max_bad_steps
-        self.signum = 0
+        self.signum, self.signalled_at = 0, 0.0
         self.bad_in_a_row = 0
         self.skipped = 0
         self._previous = {}
@@ -42,9 +44,14 @@ class RunGuard:
                 self._previous[sig] = signal.signal(sig, self._on_signal)
 
     def _on_signal(self, signum, _frame) -> None:
-        if self.signum:  # a second Ctrl-C: the user wants out now
-            raise KeyboardInterrupt
-        self.signum = signum
+        now = time.monotonic()
+        if self.signum:
+            # a second Ctrl-C means "out now"; but launchers pass one Ctrl-C on as SIGINT and SIGTERM together
+            # (DeepSpeed's does), so a second signal within REPEAT_SECONDS is the same request
+            if now - self.signalled_at > REPEAT_SECONDS:
+                raise KeyboardInterrupt
+            return
+        self.signum, self.signalled_at = signum, now
 
     def close(self) -> None:
         for sig, handler in self._previous.items():
