@@ -80,7 +80,7 @@ def test_grpo_resume_continues_exactly_where_it_stopped(ppo_world, tmp_path):
     run_ppo(cfg)
     uninterrupted = load_file(str(tmp_path / "run" / "final" / "model.safetensors"))
     assert sorted(p.name for p in (tmp_path / "run" / "checkpoints" / "step-00000002").iterdir()) == \
-        ["actor.optim.pt", "actor.safetensors", "state.pt"]  # no critic in the checkpoint either
+        ["actor.optim.pt", "actor.safetensors", "manifest.json", "state.pt"]  # no critic in the checkpoint either
     shutil.rmtree(tmp_path / "run" / "final")
     run_ppo(cfg, resume=True)  # restarts from checkpoints/step-2
     resumed = load_file(str(tmp_path / "run" / "final" / "model.safetensors"))
