@@ -433,7 +433,7 @@ def check(args, trl_python: Path, world: Path) -> None:
         dg = abs(m["grad_norm"] - t["grad_norm"]) / t["grad_norm"]
         ours, trls = labels[name]
         print(f"| {name} | {ours.format(L=m['length'])} | {trls} | {m['loss']:.8f} | {t['loss']:.8f} | {dl:.1e} | "
-              f"{m['grad_norm']:.8f} | {t['grad_norm']:.8f} | {dg:.1e} | {met(max(dl, dg), 1e-4)} |")
+              f"{m['grad_norm']:.8f} | {t['grad_norm']:.8f} | {dg:.1e} | {harness.met(max(dl, dg), 1e-4)} |")
     only = theirs[TRL_ONLY[0]]
     print(f"  TRL DPOTrainer sigmoid with label_smoothing 0.1: loss {only['loss']:.8f}, grad norm "
           f"{only['grad_norm']:.8f} (= its plain sigmoid: TRL 1.16 ignores label_smoothing there)")
@@ -487,10 +487,6 @@ def compare(world: Path, trl_python: Path, size: str, args, tmp: Path) -> dict:
     return row
 
 
-def met(value: float, target: float) -> str:
-    return "met" if value <= target else "not met"
-
-
 def print_table(rows: list[dict]) -> None:
     print(f"\n| model | pairs x micro | tokens/step | rlhfkit s/step | TRL {TRL_VERSION} s/step | time ratio | "
           "CPU-time ratio | rlhfkit pairs/s | TRL pairs/s | rlhfkit peak RSS MiB | TRL peak RSS MiB | memory ratio |")
@@ -501,10 +497,7 @@ def print_table(rows: list[dict]) -> None:
               f"**{r['time_ratio']:.2f}x** | {r['cpu_time_ratio']:.2f}x | {n / a['seconds']:.1f} | "
               f"{n / t['seconds']:.1f} | {a['peak_mb']:.0f} | {t['peak_mb']:.0f} | **{r['memory_ratio']:.2f}x** |")
     print()
-    for r in rows:
-        print(f"targets, {r['size']}: time {r['time_ratio']:.2f}x <= {TARGET_TIME}x TRL: "
-              f"{met(r['time_ratio'], TARGET_TIME)}; peak memory {r['memory_ratio']:.2f}x <= {TARGET_MEMORY}x TRL: "
-              f"{met(r['memory_ratio'], TARGET_MEMORY)}")
+    harness.print_targets(rows, TARGET_TIME, TARGET_MEMORY)
 
 
 def main() -> None:

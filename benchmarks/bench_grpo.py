@@ -349,10 +349,6 @@ def compare(world: Path, trl_python: Path, size: str, args, tmp: Path) -> dict:
     return row
 
 
-def met(value: float, target: float) -> str:
-    return "met" if value <= target else "not met"
-
-
 def print_table(rows: list[dict]) -> None:
     print(f"\n| model | prompts x samples | response | rlhfkit s/step | TRL {TRL_VERSION} s/step | time ratio | "
           "rlhfkit samples/s | TRL samples/s | rlhfkit peak RSS MiB | TRL peak RSS MiB | memory ratio |")
@@ -363,10 +359,7 @@ def print_table(rows: list[dict]) -> None:
               f"{t['seconds']:.3f} | **{r['time_ratio']:.2f}x** | {n / a['seconds']:.1f} | {n / t['seconds']:.1f} | "
               f"{a['peak_mb']:.0f} | {t['peak_mb']:.0f} | **{r['memory_ratio']:.2f}x** |")
     print()
-    for r in rows:
-        print(f"targets, {r['size']}: time {r['time_ratio']:.2f}x <= {TARGET_TIME}x TRL: "
-              f"{met(r['time_ratio'], TARGET_TIME)}; peak memory {r['memory_ratio']:.2f}x <= {TARGET_MEMORY}x TRL: "
-              f"{met(r['memory_ratio'], TARGET_MEMORY)}")
+    harness.print_targets(rows, TARGET_TIME, TARGET_MEMORY)
 
 
 def main() -> None:

@@ -266,6 +266,18 @@ def ppo_floor(policy: dict, value: dict | None, reward: dict | None, batch: int,
     return {**floor, "gflops": gflops}
 
 
+def met(value: float, target: float) -> str:
+    return "met" if value <= target else "not met"
+
+
+def print_targets(rows: list[dict], time_target: float, memory_target: float) -> None:
+    """One line per benchmark row: its time and memory ratios to the peer against the issue's targets."""
+    for r in rows:
+        print(f"targets, {r['size']}: time {r['time_ratio']:.2f}x <= {time_target}x TRL: "
+              f"{met(r['time_ratio'], time_target)}; peak memory {r['memory_ratio']:.2f}x <= {memory_target}x TRL: "
+              f"{met(r['memory_ratio'], memory_target)}")
+
+
 def uncache_libraries(*venvs: Path) -> int:
     """Drop the venvs' shared libraries (torch's ~1 GB of .so files, ...) from the page cache, so both systems
     map them from the same state. Peak RSS counts the file pages a process maps, and how many pages one fault
