@@ -107,13 +107,13 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load_config(_load(cfg_path), args.config, args.overrides)
         result = _load(runner_path)(cfg, resume=args.resume, force=args.force)
     except USER_ERRORS as exc:
-        print(f"rlhfkit {args.verb}: error: {exc}", file=sys.stderr)
+        _say(f"rlhfkit {args.verb}: error: {exc}")
         return 2
     except RunStopped as exc:  # SIGTERM / SIGINT: a checkpoint was saved
-        print(f"rlhfkit {args.verb}: {exc}", file=sys.stderr)
+        _say(f"rlhfkit {args.verb}: {exc}")
         return exc.exit_code
     except KeyboardInterrupt:
-        print(f"rlhfkit {args.verb}: interrupted", file=sys.stderr)
+        _say(f"rlhfkit {args.verb}: interrupted")
         return 130
     except RuntimeError as exc:  # a collective failed because another rank died or hung: one line, then out
         _exit_on_lost_rank(args.verb, exc, getattr(cfg, "output_dir", None))
@@ -125,6 +125,17 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def _say(line: str) -> None:
+    """One line to stderr in one write, so that ranks sharing a terminal or pipe cannot splice their lines."""
+    sys.stderr.flush()
+    try:
+        fd = sys.stderr.fileno()
+    except (AttributeError, OSError, ValueError):  # replaced by an in-memory stream (tests capturing output)
+        sys.stderr.write(line + "\n")
+        return
+    os.write(fd, (line + "\n").encode())
+
+
 def _exit_on_lost_rank(verb: str, exc: RuntimeError, output_dir) -> None:
     """When `exc` is a failed collective (a rank died or hung; only a multi-rank DeepSpeed run has them), print
     one error line and leave at once with code 1: the process group is broken, and tearing it down normally
@@ -133,7 +144,7 @@ def _exit_on_lost_rank(verb: str, exc: RuntimeError, output_dir) -> None:
     message = engine.lost_rank_message(exc, output_dir) if engine is not None else None
     if message is None:
         return
-    print(f"rlhfkit {verb}: error: {message}", file=sys.stderr)
+    _say(f"rlhfkit {verb}: error: {message}")
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(1)
