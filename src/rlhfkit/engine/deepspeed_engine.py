@@ -18,12 +18,19 @@ subclassing), so the training loops run unchanged. Decisions:
   for a dead or hung one fails after that long (a killed peer over gloo/TCP is noticed at once), and
   `lost_rank_message` turns that failure into one line. Checkpoints carry a manifest (`manifest.py`), written
   by rank 0 from every rank's hashes, in a folder all ranks must share.
+- Non-finite steps: a step whose loss or gradient is not finite on any rank is skipped on every rank (no update,
+  no schedule step) and reported as `skipped`, as the local engine does. The gradient check is DeepSpeed's
+  own: its ZeRO, bf16 and fp16 optimizers look at the reduced gradients in each rank's partitions (a flag or
+  global norm all-reduced over the ranks) and skip the step; at ZeRO-0 fp32 DeepSpeed steps a plain torch
+  optimizer, which checks nothing, so rlhfkit gives it `FiniteAdamW`, which does the same after DeepSpeed's
+  all-reduce. Each step then checks that all ranks agree (`DeepSpeedTrainable.step`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import re
 import shutil
@@ -106,6 +113,23 @@ def init_process_group(timeout_s: float = 300.0) -> None:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
 
 
+class FiniteAdamW(torch.optim.AdamW):
+    """torch's AdamW that skips a step whose gradients are not all finite and says so in `overflow`, the flag
+    DeepSpeed reads after `optimizer.step()` to skip the schedule step and count the step as skipped (as with its
+    own fp16 / bf16 / ZeRO optimizers). Given to DeepSpeed at ZeRO-0 fp32 only, where it steps the optimizer it
+    was given: its gradients are whole and all-reduced by then, so every rank takes the same decision."""
+
+    overflow = False
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        grads = [p.grad for group in self.param_groups for p in group["params"] if p.grad is not None]
+        self.overflow = bool(grads) and not bool(torch.stack([torch.isfinite(g).all() for g in grads]).all())
+        if self.overflow:
+            return None  # DeepSpeed drops the gradients next (engine.zero_grad)
+        return super().step(closure)
+
+
 class DeepSpeedTrainable:
     """A DeepSpeed engine (model + ZeRO optimizer + schedule) behind the Trainable interface."""
 
@@ -130,19 +154,51 @@ class DeepSpeedTrainable:
         self.engine.backward(loss_sum * self.world_size / total, scale_wrt_gas=False)
 
     def step(self) -> dict:
-        """The optimizer step over the micro-batches back-propagated since the last one. Unlike the local
-        engine, a step keeps its finite micro-batches when others were dropped (ZeRO has already reduced their
-        gradients into its partitions); a step with none left is skipped."""
+        """The optimizer step over the micro-batches back-propagated since the last one.
+
+        A step whose gradient is not finite on any rank is skipped on every rank, as with the local engine: no
+        update (optimizer states untouched), no schedule step, gradients dropped; it reports `skipped` and the
+        loop still counts it as a step (its batch is not retried). Unlike the local engine, a step keeps its
+        finite micro-batches when others had a non-finite loss (ZeRO has already reduced their gradients into
+        its partitions); a step with none left is skipped. Under fp16 DeepSpeed's loss scaler skips a step that
+        overflowed and lowers its scale, its normal way of finding the scale: reported as `fp16_overflow`, not
+        `skipped`, so it does not count towards the run's stop after consecutive non-finite steps.
+        """
         good, bad = self.good, self.bad
         self.good = self.bad = 0
         if good == 0 and bad > 0:
             return {"grad_norm": float("nan"), "skipped": 1.0}
-        self.engine.step()
-        norm = self.engine.get_global_grad_norm()
-        stats = {"grad_norm": float(norm)} if norm is not None else {}
+        self.engine.step()  # DeepSpeed's optimizer (or FiniteAdamW) skips a non-finite step itself
+        stats = self._step_outcome()
         if bad:
             stats["dropped_micro_batches"] = float(bad)
         return stats
+
+    def _step_outcome(self) -> dict:
+        """grad_norm and whether DeepSpeed skipped the step it just took, checked to be the same on all ranks."""
+        applied = self.engine.was_step_applied()
+        norm = self.engine.get_global_grad_norm()
+        norm = None if norm is None else float(norm)
+        # DeepSpeed's norm helpers mark a non-finite norm as -1
+        applied_non_finite = applied and norm is not None and not (math.isfinite(norm) and norm >= 0)
+        skipped_on, corrupted_on = self._ranks_with(not applied, applied_non_finite)
+        if corrupted_on or 0 < skipped_on < self.world_size:
+            what = "updated the weights with a non-finite gradient" if corrupted_on else \
+                f"skipped a step on {skipped_on} of {self.world_size} ranks only"
+            raise RunError(f"DeepSpeed {deepspeed.__version__} {what} (ZeRO-{self.engine.zero_optimization_stage()}"
+                           f"), so the weights can no longer be trusted. Resume from the last checkpoint, with the "
+                           f"DeepSpeed version rlhfkit is tested with (README: Tested versions) and its gradient "
+                           f"overflow check left on (no bf16.check_grad_overflow=false in engine.deepspeed_config)")
+        if skipped_on:
+            return {"grad_norm": float("nan"), "fp16_overflow" if self.engine.fp16_enabled() else "skipped": 1.0}
+        return {"grad_norm": norm} if norm is not None else {}
+
+    def _ranks_with(self, *flags: bool) -> list[int]:
+        """For each flag, how many ranks raise it (a collective: every rank calls it at the same point)."""
+        counts = torch.tensor([float(f) for f in flags], device=self.engine.device)
+        if self.world_size > 1:
+            dist.all_reduce(counts)
+        return [int(c) for c in counts.tolist()]
 
     @property
     def lr(self) -> float:
@@ -213,7 +269,9 @@ class DeepSpeedEngine:
 
             optimizer = DeepSpeedCPUAdam(groups, lr=peak, betas=tuple(train.betas), adamw_mode=True)
         else:
-            optimizer = torch.optim.AdamW(groups, lr=peak, betas=tuple(train.betas))
+            # DeepSpeed's ZeRO and bf16 / fp16 wrappers skip non-finite steps; a bare optimizer (ZeRO-0 fp32) must
+            plain = stage == 0 and self.cfg.precision == "fp32"
+            optimizer = (FiniteAdamW if plain else torch.optim.AdamW)(groups, lr=peak, betas=tuple(train.betas))
         factor = lr_lambda(train, total_steps)
         engine, *_ = deepspeed.initialize(
             model=model, optimizer=optimizer, config=self.train_config(train, stage),
