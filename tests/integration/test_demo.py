@@ -5,26 +5,36 @@ import time
 
 from conftest import read_metrics, run_cli
 
+GAP = "generalisation gap: PPO gold, training - held-out prompts"
+EXPLOIT = "exploit rate: PPO held-out samples with an exploit"
+
 
 def test_quick_demo_learns_what_the_gold_reward_stands_for(tmp_path):
     out = tmp_path / "demo"
     tick = time.perf_counter()
-    res = run_cli("demo", "--quick", "--output", str(out), timeout=600)
+    res = run_cli("demo", "--quick", "--output", str(out), timeout=900)
     seconds = time.perf_counter() - tick
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    assert "every bar passed" in res.stdout and seconds < 180
+    assert "every bar passed" in res.stdout and seconds < 300  # measured 150 s on 2 shared cores
 
     summary = json.loads((out / "summary.json").read_text())
     rows = {r["name"]: r for r in summary["rows"]}
     assert all(r["passed"] for r in summary["rows"] if r["passed"] is not None)
-    # the reward model generalises to held-out topics, on pairs labelled by the gold reward without noise
-    assert rows["RM accuracy, held-out gold-labelled pairs"]["value"] >= 0.9  # measured 1.0
+    # the reward model generalises to unseen (topic, mood) combinations, on pairs labelled by the gold without noise
+    assert rows["RM accuracy, held-out gold-labelled pairs"]["value"] >= 0.8  # measured 0.81
     gold = json.loads((out / "gold.json").read_text())
     sft, ppo, best = gold["policies"]["sft"], gold["policies"]["ppo"], gold["best"]
     # PPO raised the hidden gold reward by far more than noise and than the bar's third of the way to the best
-    assert ppo["mean"] - sft["mean"] >= 5 * (ppo["stderr"] ** 2 + sft["stderr"] ** 2) ** 0.5  # measured 22
-    assert ppo["mean"] - sft["mean"] >= 0.5 * (best - sft["mean"])  # measured 1.56 of 2.37
+    assert ppo["mean"] - sft["mean"] >= 5 * (ppo["stderr"] ** 2 + sft["stderr"] ** 2) ** 0.5  # measured 8.3
+    assert ppo["mean"] - sft["mean"] >= (best - sft["mean"]) / 3  # measured 0.67 of 1.73
     assert rows["KL(PPO || SFT), nats per response"]["value"] <= summary["kl_budget"]
+    # it learned to read the prompt: on held-out combinations it says a word of another mood far less often
+    flaws = summary["flaws"]
+    assert flaws["ppo"]["adjective of another mood"] < 0.6 * flaws["sft"]["adjective of another mood"]
+    # held-out gold is not far below training-prompt gold; the exploits are counted and capped
+    assert rows[GAP]["passed"] and abs(summary["train_gold"]["mean"] - ppo["mean"]) < 0.3
+    assert rows[EXPLOIT]["value"] == flaws["ppo"]["exploit"] <= 0.4
+    assert "proxy exploits found (flaws PPO made more frequent)" in rows
     # the noise really was in the RM's training labels
     assert 0.05 < summary["pairs"]["train"]["flipped"] / (summary["pairs"]["train"]["pairs"]) < 0.15
 
@@ -32,19 +42,45 @@ def test_quick_demo_learns_what_the_gold_reward_stands_for(tmp_path):
     sft_eval = [m["eval/loss"] for m in read_metrics(out / "sft" / "metrics.jsonl") if "eval/loss" in m]
     rm_eval = [m["eval/accuracy"] for m in read_metrics(out / "rm" / "metrics.jsonl") if "eval/accuracy" in m]
     ppo_eval = [m["eval/reward"] for m in read_metrics(out / "ppo" / "metrics.jsonl") if "eval/reward" in m]
-    assert sft_eval[-1] < 0.5 * sft_eval[0] and rm_eval[-1] > rm_eval[0] + 0.3 and ppo_eval[-1] > ppo_eval[0] + 1
+    assert sft_eval[-1] < 0.5 * sft_eval[0] and rm_eval[-1] > rm_eval[0] + 0.2 and ppo_eval[-1] > ppo_eval[0] + 0.4
 
-    # the report: summary, gold chart, curves of every step, before/after samples
+    # over-optimisation in view: the SFT start, every checkpoint and the final policy, proxy and gold against KL
+    curve = json.loads((out / "overoptimisation.json").read_text())
+    points = curve["points"]
+    assert [p["step"] for p in points] == [0, 20, 40, 60, 80, 100] and points[0]["kl"] == 0.0
+    assert points[-1]["proxy"] > points[0]["proxy"] + 0.5 and points[-1]["gold"] > points[0]["gold"] + 0.4
+    assert curve["split"] == "validation" and not curve["early_stop"] and curve["chosen_step"] == 100
+
+    # the report: summary, gold chart, the over-optimisation curve, curves of every step, before/after samples
     html = (out / "report.html").read_text()
-    for needle in ("Summary", "Gold reward", "plots/gold_reward.png", "plots/curves_ppo.png", "Samples", "PASS"):
+    for needle in ("Summary", "Gold reward", "plots/gold_reward.png", "Over-optimisation", "plots/overoptimisation.png",
+                   "plots/curves_ppo.png", "Samples", "PASS"):
         assert needle in html, needle
     assert all((out / "plots" / f"curves_{s}.png").is_file() for s in ("base", "sft", "rm", "ppo"))
+    assert (out / "plots" / "overoptimisation.png").is_file()
     samples = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
     assert samples and set(samples[0]) == {"prompt", "before", "after", "before_reward", "after_reward"}
 
-    # a second run reuses every complete step, re-evaluates, and says the wall time was not measured
-    again = run_cli("demo", "--quick", "--output", str(out))
-    assert again.returncode == 0, again.stderr[-2000:]
+    # a second run reuses every complete step and re-measures (seeded: the same curve); with --early-stop the bar
+    # evaluates the checkpoint of best validation gold, and says the wall time was not measured
+    # ... and with --algos the arena trains GRPO (against the same RM, PPO's sample budget) and DPO (on the RM's
+    # noisy pairs) from the same SFT model, each of which must beat SFT's gold by 3 standard errors
+    again = run_cli("demo", "--quick", "--early-stop", "--algos", "grpo,dpo", "--output", str(out), timeout=900)
+    assert again.returncode == 0, again.stdout[-2000:] + again.stderr[-2000:]
+    arena = json.loads((out / "arena.json").read_text())
+    assert list(arena["algos"]) == ["ppo", "grpo", "dpo"] and arena["samples"] == len(samples) * 2
+    for algo, r in arena["algos"].items():
+        assert r["gain_se"] >= 3 and r["gold"]["mean"] > arena["sft"]["mean"], (algo, r)
+    assert arena["algos"]["grpo"]["used"] == arena["algos"]["ppo"]["used"]  # the same samples
+    assert (out / "arena" / "grpo" / "final" / "config.json").is_file()
+    assert (out / "ppo" / "final-critic").is_dir() and not (out / "arena" / "grpo" / "final-critic").exists()
+    assert "the arena: every algorithm from the same SFT model" in again.stdout
+    assert "plots/arena.png" in (out / "report.html").read_text()
+    rerun = json.loads((out / "overoptimisation.json").read_text())
+    assert rerun["points"] == points and rerun["early_stop"] and rerun["chosen_step"] == rerun["best_step"]
+    assert rerun["best_step"] == max(points, key=lambda p: (p["gold"], -p["step"]))["step"]
     rows = {r["name"]: r for r in json.loads((out / "summary.json").read_text())["rows"]}
     assert rows["wall time, seconds"]["passed"] is None and "reused" in rows["wall time, seconds"]["target"]
-    assert json.loads((out / "gold.json").read_text())["policies"] == gold["policies"]  # seeded: same numbers
+    assert rows["early stopping: PPO iteration kept (best validation gold)"]["value"] == rerun["best_step"]
+    if rerun["best_step"] not in (0, 100):  # a checkpoint: exported as a plain model folder
+        assert (out / "early-stop" / "config.json").is_file()

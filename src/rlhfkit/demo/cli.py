@@ -9,19 +9,28 @@ import sys
 def add_demo_parser(sub) -> argparse.ArgumentParser:
     doc = "the embedded default: SFT -> RM -> PPO on a generated world, offline on CPU, checked against a gold reward"
     p = sub.add_parser("demo", help=doc, description=doc + " (exit code 0 when every bar passes, 1 otherwise)",
-                       epilog="example:\n  rlhfkit demo --output runs/demo\n  rlhfkit demo --quick ppo.train.max_steps=40\n"
-                          "  rlhfkit demo --task arithmetic   # runs/demo-arithmetic",
+                       epilog="example:\n  rlhfkit demo --output runs/demo\n"
+                              "  rlhfkit demo --quick ppo.train.max_steps=40\n"
+                              "  rlhfkit demo --algos all         # and the arena: PPO, GRPO, RLOO, REINFORCE++, DPO\n"
+                              "  rlhfkit demo --task arithmetic   # runs/demo-arithmetic",
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--output", default="runs/demo", help="output folder (default runs/demo)")
-    p.add_argument("--quick", action="store_true", help="a smaller model (for tests, ~40 seconds)")
+    p.add_argument("--quick", action="store_true", help="a smaller model and fewer steps (for tests, ~2.5 minutes)")
     p.add_argument("--force", action="store_true", help="rebuild everything instead of reusing complete steps")
     p.add_argument("--seed", type=int, default=0, help="seed of the world and of every step (default 0)")
+    p.add_argument("--early-stop", action="store_true",
+                   help="evaluate the PPO checkpoint of best gold reward on the validation prompts (exported to "
+                        "OUTPUT/early-stop) instead of PPO's last policy")
     p.add_argument("--task", choices=("arithmetic",), default=None,
                    help="instead of the toy world: SmolLM2-135M-Instruct (rlhfkit fetch) learns this task with a "
                         "verifiable reward by RL (~10 minutes on 2 cores; --quick: a shorter run)")
     p.add_argument("--algo", choices=("ppo", "grpo", "rloo", "reinforce_pp"), default="ppo",
                    help="with --task: the RL algorithm (ppo: a critic; grpo, rloo: groups of 4 samples per prompt, "
                         "no critic; reinforce_pp: no critic); output runs/demo-TASK-ALGO")
+    p.add_argument("--algos", default=None, metavar="A,B,...",
+                   help="the arena: after the demo, also train these from the same SFT model and compare them on "
+                        "the gold reward (ppo, grpo, rloo, reinforce_pp, dpo, or all; PPO is always in the table); "
+                        "each must raise the gold by 3 standard errors (about a minute more per algorithm)")
     p.add_argument("overrides", nargs="*", metavar="key=value",
                    help="dotted overrides of the pipeline config, e.g. ppo.ppo.kl_coef=0.1 (with --task: of the "
                         "ppo config, e.g. train.lr=2e-5)")
@@ -29,16 +38,20 @@ def add_demo_parser(sub) -> argparse.ArgumentParser:
 
 
 def main(args) -> int:
-    from rlhfkit.errors import USER_ERRORS
+    from rlhfkit.demo.arena import parse_algos
     from rlhfkit.demo.run import run_demo
     from rlhfkit.demo.task_run import run_task_demo
+    from rlhfkit.errors import USER_ERRORS, ConfigError
 
     try:
+        if args.task and args.algos:
+            raise ConfigError("--algos compares algorithms on the toy world; with --task choose one with --algo")
         if args.task:
             suffix = "" if args.algo == "ppo" else f"-{args.algo}"
             output = f"runs/demo-{args.task}{suffix}" if args.output == "runs/demo" else args.output
             return run_task_demo(output, args.task, args.quick, args.overrides, args.force, args.seed, args.algo)
-        return run_demo(args.output, args.quick, args.overrides, args.force, args.seed)
+        algos = parse_algos(args.algos) if args.algos else None
+        return run_demo(args.output, args.quick, args.overrides, args.force, args.seed, args.early_stop, algos)
     except USER_ERRORS as exc:
         print(f"rlhfkit demo: error: {exc}", file=sys.stderr)
         return 2

@@ -1,12 +1,14 @@
-"""The demo's held-out evaluation: gold reward of each policy, the RM's accuracy on gold-labelled pairs, KL.
+"""The demo's held-out evaluation: gold reward of each policy, the RM's accuracy on gold-labelled pairs, KL, and the
+proxy (the RM's score) of a policy's own samples.
 
-Every number is measured on prompts whose topics no training step saw, by sampling at temperature 1 (the policy
-PPO optimises and the one the KL penalty is about), with the same seed for every policy.
+Every number is measured by sampling at temperature 1 (the policy PPO optimises and the one the KL penalty is
+about), with the same seed for every policy, on prompts whose (topic, mood) combination no training step saw.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
@@ -49,6 +51,56 @@ def gold_of_policies(folders: dict, prompts: list[str], gen: GenConfig, gold, se
         kls = sequence_kl(policy_model, models[reference][0], policy_batch, gen.temperature, micro)
         kl = mean_stderr(kls.tolist())
     return results, texts, kl
+
+
+class ProxyScorer:
+    """The reward model as PPO sees it: its raw score of prompt + response, read from a rollout batch's token ids
+    (the demo's RM shares the actor's tokenizer), with a response cut at the token limit scored as unfinished."""
+
+    def __init__(self, rm_dir, eos_id: int, micro: int = 32):
+        from rlhfkit.models.reward_fn import ModelReward
+
+        tokenizer = load_tokenizer(str(rm_dir))
+        model = load_scalar_model(str(rm_dir), LoadConfig(), tokenizer).eval()
+        actor_template = Template.for_tokenizer(tokenizer, "auto", [eos_id])
+        self.reward = ModelReward(model, tokenizer, actor_template, "auto", micro, torch.device("cpu"))
+        self.eos_id = eos_id
+
+    def __call__(self, batch) -> list[float]:
+        from rlhfkit.rollout.experience import ended_with_eos
+
+        return self.reward(batch, ended_with_eos(batch, [self.eos_id])).tolist()
+
+
+@dataclass
+class PolicyEval:
+    """One policy's samples on a list of prompts, and what they are worth."""
+
+    prompts: list[str]
+    texts: list[str]
+    gold: list[float]
+    kl: list[float] | None = None  # nats per response to the reference, on these samples
+    proxy: list[float] | None = None  # the reward model's raw score of each sample
+
+    def summary(self) -> dict:
+        """{"gold": mean_stderr, "kl": ..., "proxy": ...} of what was measured."""
+        parts = {"gold": self.gold, "kl": self.kl, "proxy": self.proxy}
+        return {name: mean_stderr(values) for name, values in parts.items() if values is not None}
+
+
+@torch.no_grad()
+def evaluate_policy(model, tokenizer, prompts: list[str], gen: GenConfig, gold, seed: int, reference=None,
+                    proxy: ProxyScorer | None = None, micro: int = 32) -> PolicyEval:
+    """Sample `model` once per prompt (fixed seed); gold of each sample, and when given its KL to `reference`
+    (a model) and its `proxy` score."""
+    batch = sample(model, tokenizer, prompts, gen, seed)
+    texts = batch.response_texts
+    result = PolicyEval(prompts, texts, [gold(p, t) for p, t in zip(prompts, texts)])
+    if reference is not None:
+        result.kl = sequence_kl(model, reference, batch, gen.temperature, micro).tolist()
+    if proxy is not None:
+        result.proxy = proxy(batch)
+    return result
 
 
 @torch.no_grad()

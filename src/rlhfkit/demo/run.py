@@ -1,10 +1,12 @@
 """`rlhfkit demo`: the embedded default. Builds a world, runs SFT -> RM -> PPO through `rlhfkit pipeline`, and
 checks on held-out prompts that PPO improved what the reward stands for (the hidden gold reward), not only the
-reward model's score.
+reward model's score, without exploiting the reward model and without losing it on unseen prompts.
 
 Steps: 1 world and base model, 2 SFT (pipeline), 3 preference pairs from the SFT model's own samples labelled by
-the gold reward with noise, 4 RM and PPO (pipeline), 5 held-out evaluation, 6 summary, gold.json, samples and
-report. Everything is seeded; each step reuses a complete output, so a second run only re-evaluates.
+the gold reward with noise, 4 RM and PPO (pipeline; PPO saves a checkpoint every few iterations), 5 over-optimisation
+in view: proxy and gold against KL for every checkpoint, on validation prompts (early stopping picks one there),
+6 held-out evaluation on test prompts, 7 summary, gold.json, overoptimisation.json, samples and report. Everything
+is seeded; each step reuses a complete output, so a second run only re-evaluates.
 """
 
 from __future__ import annotations
@@ -23,22 +25,26 @@ from rlhfkit.config.ppo_schema import GenConfig
 from rlhfkit.demo import world as W
 
 # The two sizes. "full" is what `rlhfkit demo` runs (configs/demo.yaml is its pipeline config): a 4-layer Llama of
-# width 128 (0.7M parameters), about 2 minutes on 2 cores. "quick" (`--quick`, the test's reduced run) is the same
-# recipe at width 64 with 2 layers (0.1M), about 40 seconds; it clears the same bar.
+# width 128 (0.7M parameters), about 6 minutes on 2 cores. "quick" (`--quick`, the test's reduced run) is the same
+# recipe at width 64 (4 layers, 0.2M) with fewer steps, about 2.5 minutes; it clears the same bar. `track_every`: PPO
+# iterations between the checkpoints that the over-optimisation curve measures; `eval_samples` / `validation_samples`:
+# samples per test / validation prompt.
 SIZES = {
     "full": {"vocab": 512, "hidden": 128, "layers": 4, "heads": 4, "corpus": 6000, "pretrain_steps": 600,
-             "demonstrations": 4000, "sft_steps": 300, "pair_prompts": 6000, "heldout_pair_repeats": 10,
-             "rm_epochs": 2, "ppo_steps": 120, "eval_samples": 8},
-    "quick": {"vocab": 512, "hidden": 64, "layers": 2, "heads": 4, "corpus": 4000, "pretrain_steps": 400,
-              "demonstrations": 3000, "sft_steps": 300, "pair_prompts": 6000, "heldout_pair_repeats": 6,
-              "rm_epochs": 2, "ppo_steps": 120, "eval_samples": 5},
+             "demonstrations": 4000, "sft_steps": 400, "pair_prompts": 6000, "heldout_pair_repeats": 3,
+             "rm_epochs": 5, "ppo_steps": 120, "track_every": 10, "eval_samples": 2, "validation_samples": 2,
+             "dpo_epochs": 1},
+    "quick": {"vocab": 512, "hidden": 64, "layers": 4, "heads": 4, "corpus": 4000, "pretrain_steps": 800,
+              "demonstrations": 3000, "sft_steps": 300, "pair_prompts": 5000, "heldout_pair_repeats": 2,
+              "rm_epochs": 4, "ppo_steps": 100, "track_every": 20, "eval_samples": 2, "validation_samples": 2,
+              "dpo_epochs": 1},
 }
-LABEL_NOISE = 0.1  # fraction of preference labels flipped, as disagreeing human labellers would
-KL_BUDGET = 8.0  # nats per response: how far PPO may move from the SFT policy and still count as a pass
-RM_ACCURACY_TARGET = 0.85
+LABEL_NOISE = 0.1  # each preference label flipped with this probability (sampling.py: 18% labeller disagreement)
+KL_BUDGET = 4.0  # nats per response: how far PPO may move from the SFT policy and still count as a pass
+RM_ACCURACY_TARGET = 0.8
 WALL_TIME_TARGET = 600.0  # seconds on 2 CPU cores: the README's demo table holds the demo to it
 MAX_NEW_TOKENS = 24
-STEP_FOLDERS = ("base", "sft", "rm", "ppo", "data", "plots")
+STEP_FOLDERS = ("base", "sft", "rm", "ppo", "data", "plots", "early-stop", "arena")
 
 
 @dataclass
@@ -49,6 +55,8 @@ class Demo:
     size: dict
     seed: int
     overrides: list
+    early_stop: bool = False  # evaluate the checkpoint of best validation gold instead of PPO's last policy
+    algos: list = field(default_factory=list)  # the arena's algorithms (arena.py); empty: no arena
     gen: GenConfig = field(default_factory=lambda: GenConfig(max_new_tokens=MAX_NEW_TOKENS, generation_batch_size=256))
     reused: list = field(default_factory=list)  # steps taken from an earlier run instead of recomputed
 
@@ -57,6 +65,7 @@ def pipeline_dict(out: Path, size: dict, seed: int) -> dict:
     """The pipeline config the demo runs (written to OUT/pipeline.yaml; configs/demo.yaml is the full one)."""
     data = out / "data"
     every = {"micro_batch_size": 32, "log_every": 1, "save_every": 0}
+    checkpoints = size["ppo_steps"] // size["track_every"] + 1  # keep them all: the curve measures each
     return {
         "model": str(out / "base" / "final"),
         "output_dir": str(out),
@@ -69,13 +78,14 @@ def pipeline_dict(out: Path, size: dict, seed: int) -> dict:
                         "max_length": 64},
                "train": {**every, "epochs": size["rm_epochs"], "batch_size": 32, "lr": 1.0e-3, "warmup_steps": 10,
                          "eval_every": 20}},
-        "ppo": {"data": {"prompts": str(data / "ppo_prompts.jsonl"), "eval_prompts": str(data / "heldout_prompts.jsonl"),
-                         "max_prompt_length": 32},
-                "train": {**every, "max_steps": size["ppo_steps"], "batch_size": 32, "micro_batch_size": 16,
+        "ppo": {"data": {"prompts": str(data / "ppo_prompts.jsonl"),
+                         "eval_prompts": str(data / "validation_prompts.jsonl"), "max_prompt_length": 32},
+                "train": {**every, "save_every": size["track_every"], "keep_checkpoints": checkpoints,
+                          "max_steps": size["ppo_steps"], "batch_size": 32, "micro_batch_size": 16,
                           "lr": 2.0e-4, "eval_every": 20},
                 "gen": {"max_new_tokens": MAX_NEW_TOKENS},
                 # normalised RM scores: kl_coef then means the same whatever scale the RM happened to learn
-                "ppo": {"kl_coef": 0.1, "normalize_reward": True, "mini_batch_size": 16, "sample_every": 20}},
+                "ppo": {"kl_coef": 0.2, "normalize_reward": True, "mini_batch_size": 16, "sample_every": 20}},
     }
 
 
@@ -92,6 +102,7 @@ def build_world(demo: Demo) -> W.World:
     data = out / "data"
     write_jsonl(data / "sft.jsonl", world.demonstrations)
     write_jsonl(data / "ppo_prompts.jsonl", [{"prompt": p} for p in world.train_prompts])
+    write_jsonl(data / "validation_prompts.jsonl", [{"prompt": p} for p in world.validation_prompts])
     write_jsonl(data / "heldout_prompts.jsonl", [{"prompt": p} for p in world.heldout_prompts])
     (data / "corpus.txt").write_text("\n\n".join(world.corpus) + "\n", encoding="utf-8")
     if (out / "base" / "final").is_dir():
@@ -104,7 +115,8 @@ def build_world(demo: Demo) -> W.World:
 
 
 def build_pairs(demo: Demo, world: W.World) -> dict:
-    """Step 3: pairs of the SFT model's own samples, gold-labelled: noisy for training, clean for evaluation."""
+    """Step 3: pairs of the SFT model's own samples, gold-labelled: noisy on training prompts (the RM's data),
+    clean on the test prompts (the RM's held-out accuracy)."""
     from rlhfkit.demo.sampling import load_policy, sample_pairs
 
     data, size, seed = demo.out / "data", demo.size, demo.seed
@@ -140,59 +152,112 @@ def run_pipeline_steps(demo: Demo, steps: list[str]) -> None:
     demo.reused += [step for step in steps if result[step] != "ran"]
 
 
+def merged_pipeline(demo: Demo) -> dict:
+    """The pipeline config as a dict with the user's dotted overrides applied."""
+    from rlhfkit.config.fields import deep_merge, parse_overrides
+
+    return deep_merge(pipeline_dict(demo.out, demo.size, demo.seed), parse_overrides(demo.overrides))
+
+
 def check_config(demo: Demo) -> None:
-    """Validate the whole pipeline config with the user's overrides before step 1, so a typo in a later
-    section fails now rather than after SFT trained."""
-    from rlhfkit.config.fields import deep_merge, from_dict, parse_overrides
+    """Validate the whole pipeline config with the user's overrides, and the arena's configs, before step 1, so a
+    typo in a later section fails now rather than after SFT trained."""
+    from rlhfkit.config.fields import from_dict
     from rlhfkit.config.pipeline_schema import PipelineConfig
 
-    base = pipeline_dict(demo.out, demo.size, demo.seed)
-    from_dict(PipelineConfig, deep_merge(base, parse_overrides(demo.overrides)))
+    merged = merged_pipeline(demo)
+    from_dict(PipelineConfig, merged)
+    if demo.algos:
+        from rlhfkit.demo.arena import check_arena
+
+        check_arena(demo, merged)
 
 
-def evaluate(demo: Demo, world: W.World) -> dict:
-    """Step 5: RM accuracy on clean held-out pairs; gold reward of base / SFT / PPO; KL of PPO to SFT."""
-    from rlhfkit.demo.evaluate import gold_of_policies, rm_accuracy
+def ppo_iterations(demo: Demo) -> int:
+    """The iterations PPO ran (the user may have overridden ppo.train.max_steps)."""
+    result = demo.out / "ppo" / "result.json"
+    iterations = json.loads(result.read_text()).get("iterations") if result.is_file() else None
+    return int(iterations or demo.size["ppo_steps"])
+
+
+def track_overoptimisation(demo: Demo, world: W.World) -> dict:
+    """Step 5: proxy, gold, KL and flaws of every saved PPO policy on the validation prompts; with early stopping,
+    the policy of best validation gold becomes the one step 6 evaluates (exported to OUT/early-stop)."""
+    from rlhfkit.demo import overoptimisation as O
+
+    out, last = demo.out, ppo_iterations(demo)
+    prompts = world.validation_prompts * demo.size["validation_samples"]
+    points = O.track(out / "sft" / "final", out / "rm" / "final", out / "ppo", last, prompts, demo.gen,
+                     demo.seed + 4)
+    best = O.best_point(points)
+    chosen = best["step"] if demo.early_stop else last
+    policy = O.export_policy(out / "sft" / "final", out / "ppo", chosen, last, out / "early-stop")
+    return {"split": "validation", "samples": len(prompts), "points": points, "best_step": best["step"],
+            "final_step": last, "early_stop": demo.early_stop, "chosen_step": chosen, "policy": str(policy)}
+
+
+def evaluate(demo: Demo, world: W.World, policy: Path) -> dict:
+    """Step 6: RM accuracy on clean held-out pairs; gold of base / SFT / PPO (`policy`) and the flaws of their
+    samples on the test prompts; KL of PPO to SFT; PPO's gold on training prompts (the generalisation gap)."""
+    from rlhfkit.demo.evaluate import evaluate_policy, gold_of_policies, mean_stderr, rm_accuracy
+    from rlhfkit.demo.overoptimisation import proxy_exploits
+    from rlhfkit.demo.sampling import load_policy
 
     out = demo.out
     acc = rm_accuracy(out / "rm" / "final", str(out / "data" / "heldout_pairs.jsonl"))
-    folders = {name: out / name / "final" for name in ("base", "sft", "ppo")}
+    folders = {"base": out / "base" / "final", "sft": out / "sft" / "final", "ppo": policy}
     prompts = world.heldout_prompts * demo.size["eval_samples"]
-    gold, texts, kl = gold_of_policies(folders, prompts, demo.gen, lambda _, text: W.gold_reward(text), demo.seed + 2)
-    samples = [{"prompt": p, "before": b, "after": a, "before_reward": W.gold_reward(b),
-                "after_reward": W.gold_reward(a)}
+    gold, texts, kl = gold_of_policies(folders, prompts, demo.gen, W.gold_reward, demo.seed + 2)
+    flaws = {name: W.flaw_rates(prompts, texts[name]) for name in ("sft", "ppo")}
+    seen = random.Random(demo.seed + 3).sample(world.train_prompts, min(len(prompts), len(world.train_prompts)))
+    model, tokenizer = load_policy(policy)
+    train = evaluate_policy(model, tokenizer, seen, demo.gen, W.gold_reward, demo.seed + 3)
+    samples = [{"prompt": p, "before": b, "after": a, "before_reward": W.gold_reward(p, b),
+                "after_reward": W.gold_reward(p, a)}
                for p, b, a in zip(prompts, texts["sft"], texts["ppo"])][:len(world.heldout_prompts)]
-    return {"rm_accuracy": acc["accuracy"], "rm_pairs": acc["pairs"], "gold": gold, "kl": kl, "samples": samples}
+    return {"rm_accuracy": acc["accuracy"], "rm_pairs": acc["pairs"], "gold": gold, "kl": kl, "samples": samples,
+            "train_gold": mean_stderr(train.gold), "flaws": flaws,
+            "exploits": proxy_exploits(flaws["sft"], flaws["ppo"])}
 
 
 def write_outputs(demo: Demo, results: dict, rows: list[dict], title: str) -> Path:
-    """Step 6: summary.json, gold.json, samples.jsonl and report.html (the report module's formats)."""
+    """Step 7: summary.json, gold.json, overoptimisation.json, samples.jsonl and report.html."""
     from rlhfkit.report import write_report
 
     out = demo.out
     summary = {"title": title, "rows": rows, "seed": demo.seed, "size": demo.size, "reused": demo.reused,
-               "kl_budget": KL_BUDGET, **{k: results[k] for k in ("pairs", "rm_pairs", "kl", "timings")}}
+               "kl_budget": KL_BUDGET, "label_noise": LABEL_NOISE,
+               **{k: results[k] for k in ("pairs", "rm_pairs", "kl", "train_gold", "flaws", "exploits", "timings")},
+               "policy": {k: results["tracking"][k] for k in ("early_stop", "chosen_step", "best_step", "final_step",
+                                                             "policy")}}
     (out / "summary.json").write_text(json.dumps(summary, indent=2), encoding="utf-8")
     gold = {"policies": {k: {"mean": v["mean"], "stderr": v["stderr"]} for k, v in results["gold"].items()},
-            "best": W.BEST_GOLD, "good_words": sorted(W.GOOD), "cap": W.GOLD_CAP}
+            "best": W.BEST_GOLD, "moods": {m: sorted(words) for m, words in W.MOODS.items()}, "cap": W.GOLD_CAP}
     (out / "gold.json").write_text(json.dumps(gold, indent=2), encoding="utf-8")
+    (out / "overoptimisation.json").write_text(json.dumps(results["tracking"], indent=2), encoding="utf-8")
+    arena = out / "arena.json"
+    if "arena" in results:
+        arena.write_text(json.dumps(results["arena"], indent=2), encoding="utf-8")
+    elif arena.is_file():  # from an earlier run with --algos: the report must not show a stale table
+        arena.unlink()
     write_jsonl(out / "samples.jsonl", results["samples"])
     return write_report(out)
 
 
 def run_demo(output: str, quick: bool = False, overrides: list[str] | None = None, force: bool = False,
-             seed: int = 0) -> int:
+             seed: int = 0, early_stop: bool = False, algos: list[str] | None = None) -> int:
     """The whole demo; returns the exit code (0 when every bar passes, 1 otherwise)."""
     import torch
 
-    from rlhfkit.demo.bar import bar_rows, failed
+    from rlhfkit.demo.bar import bar_rows, context_rows, failed
     from rlhfkit.stages.pipeline import print_table
 
     # One intra-op thread: the matrices are ~100 wide, so a second thread costs more in synchronisation than it
     # saves, and on a shared 2-core machine it waits for a busy core (measured: SFT 3x slower with 2 threads).
     torch.set_num_threads(1)
     tick = time.perf_counter()
-    demo = Demo(Path(output), SIZES["quick" if quick else "full"], seed, list(overrides or []))
+    demo = Demo(Path(output), SIZES["quick" if quick else "full"], seed, list(overrides or []), early_stop,
+                algos=list(algos or []))
     check_config(demo)  # before anything is written or removed
     if force:
         for name in STEP_FOLDERS:
@@ -211,16 +276,34 @@ def run_demo(output: str, quick: bool = False, overrides: list[str] | None = Non
     timed("sft", run_pipeline_steps, ["sft"])  # 2
     pairs = timed("preference pairs", build_pairs, world)  # 3
     timed("rm and ppo", run_pipeline_steps, ["rm", "ppo"])  # 4
-    results = {**timed("evaluation", evaluate, world), "pairs": pairs, "timings": timings}  # 5
+    tracking = timed("over-optimisation curve", track_overoptimisation, world)  # 5
+    results = {**timed("evaluation", evaluate, world, Path(tracking["policy"])), "pairs": pairs,  # 6
+               "tracking": tracking, "timings": timings}
     wall = time.perf_counter() - tick
 
     rows = bar_rows(results["rm_accuracy"], results["gold"], W.BEST_GOLD, results["kl"], KL_BUDGET, wall,
-                    RM_ACCURACY_TARGET, WALL_TIME_TARGET)  # 6
+                    results["train_gold"], results["flaws"]["ppo"]["exploit"], RM_ACCURACY_TARGET,
+                    WALL_TIME_TARGET)  # 7
     if demo.reused:  # a rerun's wall time says nothing about the demo's
-        rows[4].update(target=f"not measured: reused {', '.join(demo.reused)} (--force reruns)", passed=None)
+        wall_row = next(r for r in rows if r["name"].startswith("wall time"))
+        wall_row.update(target=f"not measured: reused {', '.join(demo.reused)} (--force reruns)", passed=None)
+    rows += context_rows(results["gold"], W.BEST_GOLD, results["train_gold"], results["flaws"], results["exploits"])
+    if early_stop:
+        rows.append({"name": "early stopping: PPO iteration kept (best validation gold)",
+                     "value": tracking["chosen_step"], "target": f"of {tracking['final_step']}", "passed": None})
+    if demo.algos:  # after the wall time: the arena is extra work, timed per algorithm
+        from rlhfkit.demo.arena import arena_rows, run_arena
+
+        results["arena"] = timed("arena", run_arena, world, merged_pipeline(demo))
+        rows += arena_rows(results["arena"])
     title = f"rlhfkit demo{' (quick)' if quick else ''} — does PPO improve the hidden gold reward?"
     report = write_outputs(demo, results, rows, title)
     print_table(title, rows)
+    if demo.algos:
+        from rlhfkit.demo.arena import arena_table
+
+        print(f"\nthe arena: every algorithm from the same SFT model, on the test prompts "
+              f"({results['arena']['samples']} samples each)\n{arena_table(results['arena'])}")
     print(f"\nreport: {report}")
     bad = failed(rows)
     if bad:

@@ -9,7 +9,7 @@ from html import escape
 from pathlib import Path
 
 from rlhfkit.report.metrics import StageRun, find_stage_runs, is_number, last_value, numeric_keys, read_jsonl
-from rlhfkit.report.plots import plot_gold, plot_stage
+from rlhfkit.report.plots import plot_arena, plot_gold, plot_overoptimisation, plot_stage
 
 PLOTS_DIR = "plots"
 MAX_SAMPLES = 100  # more rows make the page long without telling more
@@ -97,6 +97,71 @@ def _gold_section(path: Path, plots: Path) -> str:
     )
 
 
+def _overoptimisation_section(path: Path, plots: Path) -> str:
+    """overoptimisation.json (the demo's): proxy and gold reward against KL for every saved policy of an RL run."""
+    data = _read_json(path)
+    points = data.get("points")
+    keys = ("step", "kl", "proxy", "gold")
+    if not isinstance(points, list) or not points or not all(
+        isinstance(p, dict) and all(is_number(p.get(k)) for k in keys) for p in points
+    ):
+        raise ValueError(f"{path}: expected {{'points': [{{'step', 'kl', 'proxy', 'gold', ...}}, ...]}}")
+    chosen = data.get("chosen_step") if is_number(data.get("chosen_step")) else None
+    png = plots / "overoptimisation.png"
+    plot_overoptimisation(points, png, chosen)
+    flaws = list(points[0].get("flaws", {}))
+    head = "".join(f"<th>{escape(h)}</th>" for h in ("iteration", "KL", "proxy", "gold", "± stderr", *flaws))
+    rows = "\n".join(
+        f"<tr>{_cell(p['step'])}{_cell(p['kl'])}{_cell(p['proxy'])}{_cell(p['gold'])}{_cell(p.get('gold_stderr', ''))}"
+        + "".join(_cell(p.get("flaws", {}).get(name, "")) for name in flaws) + "</tr>"
+        for p in points
+    )
+    split, samples = escape(str(data.get("split", "held-out"))), escape(str(data.get("samples", "")))
+    kept = (f" Early stopping kept iteration {escape(str(chosen))} (best {split} gold)." if data.get("early_stop")
+            else f" Best {split} gold at iteration {escape(str(data.get('best_step', '')))}; the bar evaluates the "
+                 f"last policy.")
+    return (
+        "<h2>Over-optimisation: proxy vs gold against KL</h2>\n"
+        f'<p class="meta">Every saved policy of the RL run, sampled on the {split} prompts ({samples} samples each): '
+        "the reward model's score (the proxy it climbed), the hidden gold reward (what the proxy stands for), KL to "
+        f"the SFT policy, and the share of samples with each flaw the gold punishes.{kept}</p>\n"
+        f'<img src="{PLOTS_DIR}/{png.name}" alt="proxy and gold reward against KL">\n'
+        f"<table><tr>{head}</tr>\n{rows}\n</table>"
+    )
+
+
+def _arena_section(path: Path, plots: Path) -> str:
+    """arena.json (the demo's --algos): every algorithm's gold reward, gain over SFT, KL, exploits, time."""
+    data = _read_json(path)
+    algos, sft = data.get("algos"), data.get("sft")
+    if not isinstance(algos, dict) or not algos or not isinstance(sft, dict) or not all(
+        isinstance(r, dict) and isinstance(r.get("gold"), dict) and is_number(r["gold"].get("mean"))
+        and is_number(r.get("kl")) for r in algos.values()
+    ):
+        raise ValueError(f"{path}: expected {{'sft': {{'mean', 'stderr'}}, 'algos': {{NAME: {{'gold', 'kl', ...}}}}}}")
+    best = data.get("best") if is_number(data.get("best")) else None
+    png = plots / "arena.png"
+    plot_arena(sft, algos, best, png)
+    head = "".join(f"<th>{escape(h)}</th>" for h in ("policy", "gold", "± stderr", "gain (se)", "KL", "exploit",
+                                                      "seconds", "trained on"))
+    rows = [f"<tr><td>sft</td>{_cell(sft['mean'])}{_cell(sft.get('stderr', ''))}<td></td>{_cell(0.0)}"
+            "<td></td><td></td><td></td></tr>"]
+    for name, r in algos.items():
+        rows.append(f"<tr><td>{escape(name)}</td>{_cell(r['gold']['mean'])}{_cell(r['gold'].get('stderr', ''))}"
+                    f"{_cell(r.get('gain_se', ''))}{_cell(r['kl'])}{_cell(r.get('exploit', ''))}"
+                    f"{_cell(r.get('seconds') if r.get('seconds') is not None else '')}"
+                    f"<td>{escape(str(r.get('used', '')))}</td></tr>")
+    return (
+        "<h2>The arena: algorithms on one world</h2>\n"
+        f'<p class="meta">Every algorithm trained from the same SFT model and sampled on the same test prompts '
+        f"({escape(str(data.get('samples', '')))} samples each): gold reward (mean ± standard error), its gain over "
+        "SFT in standard errors of the difference, KL to SFT (nats per response), the share of samples with an "
+        "exploit, training seconds and what it trained on.</p>\n"
+        f'<img src="{PLOTS_DIR}/{png.name}" alt="gold reward against KL per algorithm">\n'
+        f"<table><tr>{head}</tr>\n" + "\n".join(rows) + "\n</table>"
+    )
+
+
 def _stage_section(run: StageRun, run_dir: Path, plots: Path) -> str:
     source = run.path.relative_to(run_dir).as_posix()
     steps = [r["step"] for r in run.rows if is_number(r.get("step"))]
@@ -146,8 +211,9 @@ def write_report(run_dir: str | Path, title: str | None = None) -> Path:
     """Write `run_dir/report.html` and its PNGs under `run_dir/plots/`; return the HTML path.
 
     `run_dir` is a single-stage run (holds `metrics.jsonl`) or a pipeline/demo folder whose direct
-    subfolders hold stage runs. `summary.json`, `gold.json` and `samples.jsonl` in `run_dir` are rendered
-    when present. Raises FileNotFoundError when no metrics.jsonl is found, ValueError on a malformed file.
+    subfolders hold stage runs. `summary.json`, `gold.json`, `overoptimisation.json`, `arena.json` and
+    `samples.jsonl` in `run_dir` are rendered when present. Raises FileNotFoundError when no metrics.jsonl is
+    found, ValueError on a malformed file.
     """
     run_dir = Path(run_dir)
     runs = find_stage_runs(run_dir)
@@ -159,6 +225,10 @@ def write_report(run_dir: str | Path, title: str | None = None) -> Path:
         sections.append(html)
     if (run_dir / "gold.json").is_file():
         sections.append(_gold_section(run_dir / "gold.json", plots))
+    if (run_dir / "overoptimisation.json").is_file():
+        sections.append(_overoptimisation_section(run_dir / "overoptimisation.json", plots))
+    if (run_dir / "arena.json").is_file():
+        sections.append(_arena_section(run_dir / "arena.json", plots))
     sections += [_stage_section(run, run_dir, plots) for run in runs]
     if (run_dir / "samples.jsonl").is_file():
         sections.append(_samples_section(run_dir / "samples.jsonl"))

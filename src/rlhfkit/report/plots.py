@@ -1,4 +1,4 @@
-"""PNG plots: one grid of training curves per stage, and the gold-reward bar chart.
+"""PNG plots: one grid of training curves per stage, the gold-reward bar chart, and proxy vs gold against KL.
 
 Figures are built with `matplotlib.figure.Figure` and saved as PNG, which matplotlib always renders with its
 Agg backend, so this works headless with no `matplotlib.use("Agg")`. Pyplot is never imported: calling
@@ -162,5 +162,78 @@ def plot_gold(policies: dict[str, dict], best: float | None, out_path: Path) -> 
     ax.set_ylabel("gold reward (held-out prompts)")
     ax.set_title("Gold reward by policy (± stderr)", fontsize=11)
     ax.grid(axis="y", alpha=0.3)
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out_path)
+
+
+def plot_overoptimisation(points: list[dict], out_path: Path, chosen_step: int | None = None) -> None:
+    """Proxy and gold reward against KL to the start, one point per saved policy (the picture of Gao et al. 2022,
+    fig. 1), and the rate of each flaw against the iteration.
+
+    `points`: [{"step", "kl", "proxy", "gold", "gold_stderr", "flaws": {name: rate}}, ...] in step order. Gold (left
+    axis, ± stderr) and proxy (right axis: the reward model's own scale) share the KL axis; a faint line joins the
+    points in training order, since the KL penalty can pull a policy back. Where the proxy keeps rising and the
+    gold does not, the policy is buying proxy reward the gold does not pay for.
+    """
+    kl = [float(p["kl"]) for p in points]
+    gold = [float(p["gold"]) for p in points]
+    proxy = [float(p["proxy"]) for p in points]
+    fig = Figure(figsize=(11.0, 4.0), dpi=DPI, layout="constrained")
+    left, right = fig.subplots(1, 2)
+    twin = left.twinx()
+    left.plot(kl, gold, color=COLORS[2], alpha=0.3, linewidth=0.8)
+    twin.plot(kl, proxy, color=COLORS[1], alpha=0.3, linewidth=0.8, linestyle="--")
+    left.errorbar(kl, gold, yerr=[float(p.get("gold_stderr", 0.0)) for p in points], color=COLORS[2], marker="o",
+                  markersize=5, capsize=3, linestyle="none", label="gold (hidden)")
+    twin.plot(kl, proxy, color=COLORS[1], marker="s", markersize=5, linestyle="none", label="proxy (reward model)")
+    for p, x, y in zip(points, kl, gold):
+        left.annotate(str(p["step"]), (x, y), textcoords="offset points", xytext=(4, -10), fontsize=6, color="#555")
+    chosen = [(x, y) for p, x, y in zip(points, kl, gold) if p["step"] == chosen_step]
+    if chosen:
+        left.plot(*chosen[0], marker="*", markersize=14, color="black", linestyle="none", label="evaluated policy")
+    left.set_xlabel("KL(policy || SFT), nats per response")
+    left.set_ylabel("gold reward")
+    twin.set_ylabel("proxy reward (RM score)")
+    left.set_title("Proxy and gold against KL (labels: iteration)", fontsize=10)
+    left.grid(alpha=0.3)
+    handles, labels = [], []
+    for ax in (left, twin):
+        h, lab = ax.get_legend_handles_labels()
+        handles, labels = handles + h, labels + lab
+    left.legend(handles, labels, fontsize=7, loc="lower right")
+    steps = [p["step"] for p in points]
+    names = list(points[0].get("flaws", {})) if points else []
+    for i, name in enumerate(names):
+        right.plot(steps, [float(p["flaws"][name]) for p in points], color=COLORS[i % len(COLORS)], marker="o",
+                   markersize=3, linewidth=1.4, label=name)
+    right.set_xlabel("iteration")
+    right.set_ylabel("share of samples")
+    right.set_title("Flaws the gold punishes", fontsize=10)
+    right.grid(alpha=0.3)
+    if names:
+        right.legend(fontsize=7, loc="best")
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out_path)
+
+
+def plot_arena(sft: dict, algos: dict[str, dict], best: float | None, out_path: Path) -> None:
+    """Gold reward (± stderr) against KL to SFT, one point per algorithm and SFT at KL 0: which algorithm buys
+    more true reward for how far it moved. `algos`: {name: {"gold": {"mean", "stderr"}, "kl"}}."""
+    fig = Figure(figsize=(6.4, 4.0), dpi=DPI, layout="constrained")
+    ax = fig.subplots()
+    ax.errorbar([0.0], [sft["mean"]], yerr=[sft.get("stderr", 0.0)], color="#555", marker="D", markersize=6,
+                capsize=3, linestyle="none", label="sft (start)")
+    for i, (name, r) in enumerate(algos.items()):
+        ax.errorbar([float(r["kl"])], [float(r["gold"]["mean"])], yerr=[float(r["gold"].get("stderr", 0.0))],
+                    color=COLORS[i % len(COLORS)], marker="o", markersize=7, capsize=3, linestyle="none", label=name)
+        ax.annotate(name, (float(r["kl"]), float(r["gold"]["mean"])), textcoords="offset points", xytext=(6, 4),
+                    fontsize=8)
+    if best is not None:
+        ax.axhline(best, color="#999", linestyle=":", linewidth=1, label="best achievable")
+    ax.set_xlabel("KL(policy || SFT), nats per response")
+    ax.set_ylabel("gold reward, held-out prompts")
+    ax.set_title("The arena: gold reward against KL", fontsize=10)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, loc="lower right")
     out_path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out_path)

@@ -4,7 +4,7 @@ command calls.
 1. build and check every step's config before anything trains (a shared `dataset` reaches each step as its
 data source with data.split_fractions = data_split and its own data.split_index), 2. run the steps in order,
 skipping a complete one (its final/ exists) unless --force, each logging into output_dir/STEP/ (metrics.jsonl,
-log.txt, result.json), 3. write and print the summary.
+log.txt, result.json: what the step returned and its seconds), 3. write and print the summary.
 """
 
 from __future__ import annotations
@@ -129,7 +129,8 @@ def run_pipeline(cfg: PipelineConfig, resume: bool = False, force: bool = False)
             result = RUNNERS[step](configs[step], resume=again, force=force)
         seconds = time.perf_counter() - tick
         if is_main_process():
-            _write_atomic(folder / "result.json", json.dumps(result, indent=2, default=str))
+            _write_atomic(folder / "result.json", json.dumps({**result, "seconds": round(seconds, 1)}, indent=2,
+                                                             default=str))
         steps[step] = {"status": "ran", "seconds": seconds, "result": result}
 
     # 3. summary.json in the report's format (`rlhfkit report OUTPUT_DIR` renders it) and a table on stdout
