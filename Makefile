@@ -3,7 +3,7 @@
 # `rlhfkit fetch` into ~/.cache/rlhfkit/models); `make test-fast` / `make test-real` run one of them.
 .PHONY: demo test test-fast test-real install
 
-PYTEST = .venv/bin/python -m pytest -q -p no:cacheprovider
+PYTEST = .venv/bin/python -m pytest -q -p no:cacheprovider --durations=15
 
 install:
 	./scripts/bootstrap.sh
