@@ -17,7 +17,8 @@ subclassing), so the training loops run unchanged. Decisions:
 - Faults: the process group is created with `engine.collective_timeout_s`, so a rank waiting in a collective
   for a dead or hung one fails after that long (a killed peer over gloo/TCP is noticed at once), and
   `lost_rank_message` turns that failure into one line. Checkpoints carry a manifest (`manifest.py`), written
-  by rank 0 from every rank's hashes, in a folder all ranks must share.
+  by rank 0 from every rank's hashes, in a folder all ranks must share. A checkpoint saved at another number of
+  ranks is resharded through DeepSpeed's universal checkpoint (`to_universal`, `_load_resharded`).
 - Non-finite steps: a step whose loss or gradient is not finite on any rank is skipped on every rank (no update,
   no schedule step) and reported as `skipped`, as the local engine does. The gradient check is DeepSpeed's
   own: its ZeRO, bf16 and fp16 optimizers look at the reduced gradients in each rank's partitions (a flag or
@@ -28,7 +29,9 @@ subclassing), so the training loops run unchanged. Decisions:
 
 from __future__ import annotations
 
+import argparse
 import contextlib
+import io
 import json
 import math
 import os
@@ -52,7 +55,8 @@ from rlhfkit.config.schema import EngineConfig, TrainConfig
 from rlhfkit.engine import ds_config
 from rlhfkit.engine.local import lr_lambda, moved_to, param_groups
 from rlhfkit.engine.manifest import seal, verified_latest
-from rlhfkit.engine.storage import fsync_dir, publish_checkpoint, rng_state, set_rng_state, write_hf_folder
+from rlhfkit.engine.storage import (fsync_dir, publish_checkpoint, rank_state, rng_state, saved_world_size,
+                                    write_hf_folder)
 from rlhfkit.errors import ConfigError, RunError
 from rlhfkit.models.lora import clone_for_export
 
@@ -211,10 +215,53 @@ class DeepSpeedTrainable:
     def save(self, folder: Path, name: str) -> None:
         self.engine.save_checkpoint(str(folder), tag=name, save_latest=False)
 
-    def load(self, folder: Path, name: str) -> None:
-        path, _ = self.engine.load_checkpoint(str(folder), tag=name)
+    def load(self, folder: Path, name: str, universal: bool = False) -> None:
+        """Load `folder/name`; `universal`: a universal checkpoint (`to_universal`), which DeepSpeed reads at any
+        world size. DeepSpeed takes that from its config's `checkpoint.load_universal`, read at load time only,
+        so it is switched on for this call instead of for the whole run."""
+        config = self.engine._config
+        before = config.load_universal_checkpoint
+        config.load_universal_checkpoint = universal
+        try:
+            path, _ = self.engine.load_checkpoint(str(folder), tag=name)
+        finally:
+            config.load_universal_checkpoint = before
         if path is None:
             raise FileNotFoundError(f"DeepSpeed checkpoint '{folder / name}' could not be loaded")
+        if universal:
+            _unshare_adam_steps(self.engine.optimizer)
+
+
+def _unshare_adam_steps(zero_optimizer) -> None:
+    """Give each parameter group's Adam state its own `step` tensor. DeepSpeed 0.19's ZeRO-3 universal load
+    puts one tensor object in every group's state, and torch's Adam increments it in place once per group, so
+    after a resume with two groups (decayed / not) the bias correction ran two steps per step (measured: losses
+    off by 4e-3 three steps later, 1e-7 with this)."""
+    inner = getattr(zero_optimizer, "optimizer", None)
+    for state in getattr(inner, "state", {}).values():
+        if isinstance(state.get("step"), torch.Tensor):
+            state["step"] = state["step"].clone()
+
+
+def has_zero_partitions(folder: Path) -> bool:
+    """Whether a DeepSpeed checkpoint folder holds ZeRO optimizer partitions (one file per rank), which only the
+    same number of ranks can load as they are (ZeRO-0 keeps whole optimizer states, loadable at any size)."""
+    return any(folder.glob("*zero_pp_rank_*optim_states.pt"))
+
+
+def to_universal(source: Path, target: Path) -> None:
+    """Convert the ZeRO checkpoint folder `source` into a universal checkpoint in `target` with DeepSpeed's own
+    converter (`deepspeed.checkpoint.ds_to_universal`): each parameter's fp32 weights and Adam moments whole, in
+    one file per state, which ZeRO at any world size partitions again on load. rlhfkit's checkpoints do not
+    record the Megatron-style `universal_checkpoint_info` the converter asks for; plain data parallelism needs
+    none of it, so the converter injects its empty default (`inject_missing_state`)."""
+    from deepspeed.checkpoint import ds_to_universal
+
+    args = argparse.Namespace(input_folder=str(source), output_folder=str(target), num_extract_workers=1,
+                              num_merge_workers=1, keep_temp_folder=False, strict=True, inject_missing_state=True)
+    chatter = io.StringIO()  # its progress lines and bars; an error raises
+    with contextlib.redirect_stdout(chatter), contextlib.redirect_stderr(chatter):
+        ds_to_universal.main(args)
 
 
 class DeepSpeedEngine:
@@ -422,14 +469,69 @@ class DeepSpeedEngine:
 
     def load_checkpoint(self, folder: Path, trainables: dict) -> dict:
         """folder/latest, verified against its manifest (each rank hashes its share of the files); a damaged
-        one is refused on every rank, naming the previous good one."""
+        one is refused on every rank, naming the previous good one. A checkpoint saved at another number of
+        ranks is resharded (`_load_resharded`)."""
         target = verified_latest(folder, self.checkpoint_info(0, trainables), self.say,
-                                 (self.rank, self.world_size), self._gather)
-        for name, trainable in trainables.items():
-            trainable.load(target, name)
-        state = torch.load(target / f"state-rank{self.rank}.pt", weights_only=True)
-        set_rng_state(state.pop("rng"))
-        return state
+                                 (self.rank, self.world_size), self._gather, any_world_size=True)
+        saved = saved_world_size(target)
+        if saved == self.world_size:
+            for name, trainable in trainables.items():
+                trainable.load(target, name)
+        else:
+            self._refuse_sharded_state(target, saved)
+            self._load_resharded(folder, target, trainables, saved)
+        return rank_state(target, self.rank, saved)
+
+    def _refuse_sharded_state(self, target: Path, saved: int) -> None:
+        """The loop state rlhfkit can carry to another number of ranks is global; PPO's EMA under ZeRO-3 is not
+        (each rank averages its own parameter partition, `models/ema.py`), so that resume is refused."""
+        state = torch.load(target / "state-rank0.pt", weights_only=True)
+        if self.cfg.zero_stage == 3 and state.get("ema") is not None:
+            raise RunError(f"--resume: checkpoint '{target}' was saved at {saved} rank(s) and this run has "
+                           f"{self.world_size}: its EMA weights (ema.enabled) are per-rank ZeRO-3 partitions, which "
+                           f"cannot be resharded. Resume with {saved} rank(s)")
+
+    def _load_resharded(self, folder: Path, target: Path, trainables: dict, saved: int) -> None:
+        """Load a checkpoint saved at `saved` ranks on this run's number. Models whose optimizer states are ZeRO
+        partitions are converted by rank 0 into a universal checkpoint (DeepSpeed's converter) beside the
+        checkpoints, which every rank then loads and partitions its own way; the converted copy is removed after.
+        Step, data position and schedule are global, so they carry over as they are; RNG: `rank_state`."""
+        universal = folder / f"universal-{target.name}"
+        convert = [name for name in trainables if has_zero_partitions(target / name)]
+        if convert:
+            self.say(f"--resume: {target.name} was saved at {saved} rank(s) and this run has {self.world_size}: "
+                     f"converting its ZeRO states to a universal checkpoint ({universal}) to reshard them")
+        failure = None
+        if self.is_main and convert:
+            try:
+                shutil.rmtree(universal, ignore_errors=True)
+                for name in convert:
+                    to_universal(target / name, universal / name)
+            except Exception as exc:  # every rank must hear of it, or the others wait at the barrier
+                failure = f"{type(exc).__name__}: {exc}"
+        failure = self._broadcast(failure)
+        if failure:
+            raise RunError(f"--resume: checkpoint '{target}' was saved at {saved} rank(s) and this run has "
+                           f"{self.world_size}; converting it to a universal checkpoint to reshard it failed "
+                           f"({failure}). Resume with {saved} rank(s)")
+        try:
+            for name, trainable in trainables.items():
+                if name in convert:
+                    trainable.load(universal, name, universal=True)
+                else:
+                    trainable.load(target, name)
+        finally:
+            self.barrier()
+            if self.is_main:
+                shutil.rmtree(universal, ignore_errors=True)
+
+    def _broadcast(self, value):
+        """Rank 0's `value` on every rank (a collective)."""
+        if self.world_size == 1:
+            return value
+        box = [value]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
 
     # -- export ----------------------------------------------------------------------------------------
     def export_hf(self, model: torch.nn.Module, tokenizer, target: Path, in_place: bool = True) -> Path:

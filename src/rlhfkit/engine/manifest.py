@@ -170,14 +170,17 @@ def _how_to_go_back(folder: Path, good: Optional[Path]) -> str:
             f"{folder.parent} --use {good.name}`, then resume again")
 
 
-def _incompatible(manifest: dict, expect: dict) -> Optional[str]:
-    """Why this run cannot load a checkpoint written with another engine, number of ranks or ZeRO stage."""
-    keys = ("engine", "world_size", "zero_stage")
+def _incompatible(manifest: dict, expect: dict, any_world_size: bool = False) -> Optional[str]:
+    """Why this run cannot load a checkpoint written with another engine, number of ranks or ZeRO stage
+    (`any_world_size`: the engine reshards a checkpoint of another number of ranks itself)."""
+    keys = ("engine", "zero_stage") if any_world_size else ("engine", "world_size", "zero_stage")
     theirs = {k: manifest.get(k) for k in keys if k in manifest}
     if all(theirs[k] == expect.get(k) for k in theirs):
         return None
-    return (f"it was written by {_setup(theirs)} and this run is {_setup(expect)}: resume with the same "
-            f"engine.backend, engine.zero_stage and number of ranks")
+    same = "engine.backend and engine.zero_stage" if any_world_size else \
+        "engine.backend, engine.zero_stage and number of ranks"
+    return (f"it was written by {_setup({**manifest, **theirs})} and this run is {_setup(expect)}: resume with "
+            f"the same {same}")
 
 
 def _setup(d: dict) -> str:
@@ -186,10 +189,10 @@ def _setup(d: dict) -> str:
 
 
 def verified_latest(folder: Path, expect: dict, say: Callable[[str], None], part: tuple[int, int] = (0, 1),
-                    gather: Gather = _one_rank) -> Path:
+                    gather: Gather = _one_rank, any_world_size: bool = False) -> Path:
     """The checkpoint `folder/latest` names, checked against its manifest (sizes and sha256, each rank its
     share of the files): a RunError naming what is wrong and the previous good checkpoint, else its path.
-    `expect`: {engine, world_size, zero_stage} of this run."""
+    `expect`: {engine, world_size, zero_stage} of this run; `any_world_size`: accept another world size."""
     pointer = folder / "latest"
     if not pointer.is_file():
         raise RunError(f"--resume: no checkpoint in '{folder}' (no 'latest' file)")
@@ -207,7 +210,7 @@ def verified_latest(folder: Path, expect: dict, say: Callable[[str], None], part
         shown = "; ".join(problems[:4]) + (f"; and {len(problems) - 4} more" if len(problems) > 4 else "")
         good = previous_good(folder, target, part, gather)
         raise RunError(f"--resume: checkpoint '{target}' is damaged: {shown}; {_how_to_go_back(folder, good)}")
-    why = _incompatible(manifest, expect)
+    why = _incompatible(manifest, expect, any_world_size)
     if why:
         raise RunError(f"--resume: checkpoint '{target}' cannot be loaded by this run: {why}")
     return target

@@ -29,6 +29,32 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
+def saved_world_size(target: Path) -> int:
+    """The number of ranks that saved a checkpoint: one `state-rankR.pt` each."""
+    return max(1, len(list(target.glob("state-rank*.pt"))))
+
+
+def rank_state(target: Path, rank: int, saved: int) -> dict:
+    """This rank's loop state (step, data position, ...) from a checkpoint saved at `saved` ranks, with its RNG
+    states set. At the same number of ranks each rank gets back its own. At another number, rank R < `saved`
+    still gets rank R's; a rank beyond those saved takes rank 0's loop state (global: the same on every rank)
+    and seeds its RNGs from rank 0's saved torch seed, the step and its rank, so a resume is reproducible; the
+    states of saved ranks beyond this run's are dropped. (Rows move between ranks when their number changes, so
+    sampling that draws per row, as PPO's rollouts do, takes other draws than the run that was not resized.)"""
+    own = rank < saved
+    state = torch.load(target / f"state-rank{rank if own else 0}.pt", weights_only=True)
+    rng = state.pop("rng")
+    set_rng_state(rng)
+    if not own:
+        base = torch.Generator().set_state(rng["torch"]).initial_seed()
+        seed = (base * 1_000_003 + state.get("step", 0) * 1_009 + rank) % 2**63
+        torch.manual_seed(seed)
+        random.seed(seed)
+        if torch.cuda.is_available():
+            torch.cuda.manual_seed_all(seed)
+    return state
+
+
 def fsync_dir(path: Path) -> None:
     with contextlib.suppress(OSError):
         fd = os.open(path, os.O_RDONLY)
