@@ -151,7 +151,7 @@ def test_ema_averages_and_swaps_back():
     layer = torch.nn.Linear(2, 1, bias=False)
     with torch.no_grad():
         layer.weight.fill_(1.0)
-    ema = EMA(layer, beta=0.9)
+    ema = EMA(layer, LocalEngine(), beta=0.9)
     with torch.no_grad():
         layer.weight.fill_(3.0)
     ema.update(layer)

@@ -117,6 +117,12 @@ def init_process_group(timeout_s: float = 300.0) -> None:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
 
 
+def _partition(param: torch.nn.Parameter) -> torch.Tensor:
+    """What this rank holds of `param`: its ZeRO-3 partition when partitioned, else the parameter."""
+    part = getattr(param, "ds_tensor", None)
+    return param if part is None else part
+
+
 class FiniteAdamW(torch.optim.AdamW):
     """torch's AdamW that skips a step whose gradients are not all finite and says so in `overflow`, the flag
     DeepSpeed reads after `optimizer.step()` to skip the schedule step and count the step as skipped (as with its
@@ -215,10 +221,16 @@ class DeepSpeedTrainable:
     def save(self, folder: Path, name: str) -> None:
         self.engine.save_checkpoint(str(folder), tag=name, save_latest=False)
 
-    def load(self, folder: Path, name: str, universal: bool = False) -> None:
-        """Load `folder/name`; `universal`: a universal checkpoint (`to_universal`), which DeepSpeed reads at any
-        world size. DeepSpeed takes that from its config's `checkpoint.load_universal`, read at load time only,
-        so it is switched on for this call instead of for the whole run."""
+    def load(self, folder: Path, name: str) -> None:
+        self._load(folder, name, universal=False)
+
+    def load_universal(self, folder: Path, name: str) -> None:
+        """Load `folder/name`, a universal checkpoint (`to_universal`), which DeepSpeed reads at any world size."""
+        self._load(folder, name, universal=True)
+
+    def _load(self, folder: Path, name: str, universal: bool) -> None:
+        """DeepSpeed takes `universal` from its config's `checkpoint.load_universal`, read at load time only, so it
+        is switched on for this call instead of for the whole run."""
         config = self.engine._config
         before = config.load_universal_checkpoint
         config.load_universal_checkpoint = universal
@@ -339,6 +351,24 @@ class DeepSpeedEngine:
     @staticmethod
     def _is_zero3(module) -> bool:
         return any(hasattr(p, "ds_id") for p in module.parameters())
+
+    def held_parameters(self, module: torch.nn.Module) -> dict[str, torch.Tensor]:
+        """{name: this rank's values} of the trainable parameters: under ZeRO-3 the rank's flat partition
+        (`ds_tensor`, which the optimizer updates; `param.data` is empty, or a gathered copy for the small
+        parameters ZeRO-3 keeps whole), else the parameter itself."""
+        return {name: _partition(p) for name, p in module.named_parameters() if p.requires_grad}
+
+    def parameters_written(self, module: torch.nn.Module) -> None:
+        """After partitions were written: the parameters ZeRO-3 keeps gathered (its persistent ones) still hold
+        the old values, so release them and gather them again from the partitions, as ZeRO-3 does after a
+        step. A collective under ZeRO-3; nothing to do otherwise."""
+        from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+        kept = [p for p in module.parameters()
+                if getattr(p, "ds_tensor", None) is not None and p.ds_status == ZeroParamStatus.AVAILABLE]
+        if kept:
+            kept[0].partition(param_list=kept)  # the partitions are current: only the whole copies are freed
+            kept[0].all_gather(param_list=kept)
 
     def gathered(self, module: torch.nn.Module):
         """A context giving the module to generate with: under ZeRO-3 its parameters are gathered once for the
@@ -517,7 +547,7 @@ class DeepSpeedEngine:
         try:
             for name, trainable in trainables.items():
                 if name in convert:
-                    trainable.load(universal, name, universal=True)
+                    trainable.load_universal(universal, name)
                 else:
                     trainable.load(target, name)
         finally:

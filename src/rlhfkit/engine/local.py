@@ -200,6 +200,13 @@ class LocalEngine:
     def _offload(self) -> bool:
         return self.cfg is not None and self.cfg.offload_reference_model
 
+    def held_parameters(self, module: torch.nn.Module) -> dict[str, torch.Tensor]:
+        """{name: parameter} of the trainable parameters: one process holds them whole."""
+        return {name: p for name, p in module.named_parameters() if p.requires_grad}
+
+    def parameters_written(self, module: torch.nn.Module) -> None:
+        """Nothing to do: the module computes with the parameters written."""
+
     def gathered(self, module: torch.nn.Module):
         """A context giving the module to generate with: the module itself. Under bf16 autocast the whole
         rollout runs inside one autocast context, so the trained weights are cast once per rollout instead of at

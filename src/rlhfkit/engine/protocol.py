@@ -19,7 +19,8 @@ The contract a loop relies on:
   the role's ZeRO stage); `prepare_frozen(model, role)` an inference model (partitioned like the trained ones
   under ZeRO-3). `gathered(module)` gives a module to generate with (ZeRO-3: parameters gathered once per
   rollout) and `generation_kwargs(module)` what generate() needs on this backend; `on_device(module)` holds an
-  offloaded frozen model on the compute device for a block.
+  offloaded frozen model on the compute device for a block. `held_parameters(module)` are this rank's values
+  of the trainable parameters (a per-rank EMA averages them), `parameters_written(module)` follows a write.
 - **Checkpoints and export.** `save_checkpoint` / `load_checkpoint` (atomic, `latest` pointer, a manifest of
   every file's size and sha256 written last and verified on load: `manifest.py`) and `export_hf` (a plain
   transformers folder, LoRA merged, ZeRO-3 gathered, written by the main rank).
@@ -102,6 +103,16 @@ class Engine(Protocol):
 
     def prepare_frozen(self, model: torch.nn.Module, role: str = "reference") -> torch.nn.Module:
         """An inference model (no gradients, eval mode) placed and partitioned for this backend."""
+
+    def held_parameters(self, module: torch.nn.Module) -> dict[str, torch.Tensor]:
+        """{name: this rank's values of each trainable parameter}, tensors an optimizer step updates in place
+        (ZeRO-3: the rank's partition, flat): what a per-rank average such as the EMA keeps."""
+        ...
+
+    def parameters_written(self, module: torch.nn.Module) -> None:
+        """After writing into `held_parameters(module)`: make the module compute with the new values (ZeRO-3:
+        gathers again the parameters it keeps whole). Every rank calls it at the same point."""
+        ...
 
     def gathered(self, module: torch.nn.Module) -> contextlib.AbstractContextManager:
         """A context giving the module to generate with, its full parameters at hand."""

@@ -88,7 +88,7 @@ class PPOSteps:
         # one optimizer step per rollout: the critic's update forward gives the values (no separate pass)
         self.fused = self.estimator.critic and self.estimator.row_local and single_step(cfg)
         self.kl_ctl = kl_controller(cfg)
-        self.ema = EMA(self.actor.module, cfg.ema.beta) if cfg.ema.enabled else None
+        self.ema = EMA(self.actor.module, engine, cfg.ema.beta) if cfg.ema.enabled else None
         self.eos_ids = eos_token_ids(tokenizer, self.actor.module)
         # the old log-probs from a forward after sampling, not from sampling itself (auto: under bf16 autocast)
         self.recompute_old = cfg.ppo.old_logprobs == "forward" or (cfg.ppo.old_logprobs == "auto"
