@@ -243,7 +243,11 @@ def test_dpo_under_zero3_matches_the_local_engine(tmp_path, tiny_model_dir):
     run_dpo(load_config(DPOConfig, None, [*args, f"output_dir={tmp_path / 'local'}", "log.progress=false"]))
     keys = ("loss", "margin", "eval/loss", "eval/accuracy", "eval/margin")
     ds, local = (series_of(read_metrics(tmp_path / run / "metrics.jsonl"), *keys) for run in ("ds", "local"))
+    # the same arithmetic but for the order of ZeRO-3's reductions: ~1e-7 apart after the first step; lr 1e-2
+    # then grows that about tenfold a step (measured 1e-7, 2e-7, 1e-6, 5e-5 .. 1e-4 on the margin by step 8)
     for key in keys:
-        assert ds[key] == pytest.approx(local[key], abs=1e-4, rel=1e-4), key
+        early = 1 if key.startswith("eval/") else 3  # evaluations at steps 0, 4, 8; training steps 1, 2, 3
+        assert ds[key][:early] == pytest.approx(local[key][:early], abs=1e-5), key
+        assert ds[key] == pytest.approx(local[key], abs=5e-4, rel=5e-4), key
     assert ds["eval/accuracy"][0] == 0.0 and ds["eval/accuracy"][-1] >= 0.9
-    assert_same_weights(tmp_path / "ds", tmp_path / "local")
+    assert_same_weights(tmp_path / "ds", tmp_path / "local", atol=5e-4)

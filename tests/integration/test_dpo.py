@@ -17,12 +17,15 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from rlhfkit.cli import main as cli_main
 from rlhfkit.config import DPOConfig, LoraConfig, load_config
 from rlhfkit.data.loader import load_stage_data
+from rlhfkit.algos import masked_sum, token_logprobs
 from rlhfkit.data.templates import Template, encode_prompt, encode_response
+from rlhfkit.data.tokenize import collate_preferences, collate_prompt_sharing_pairs
 from rlhfkit.models import load_causal_lm, load_tokenizer
+from rlhfkit.models.forward import causal_logits
 from rlhfkit.models.lora import apply_lora
-from rlhfkit.stages.dpo import Reference, run_dpo, sequence_logprobs
+from rlhfkit.stages.dpo import Reference, logprob_forward, run_dpo, sequence_logprobs
 
-from conftest import read_metrics, run_cli, write_jsonl
+from conftest import read_metrics, run_cli, sharpened, write_jsonl
 from test_reliability import comparable, start, wait_for_step
 from test_rm import rule_rows  # the labellers prefer responses that contain "honey"
 
@@ -172,6 +175,57 @@ def test_sequence_logprobs_sum_response_tokens_only_whatever_the_padding(tiny_mo
     counts = [len(r[f"{k}_ids"]) - r["prompt_len"] for k in ("chosen", "rejected") for r in rows]
     torch.testing.assert_close(logps.double(), torch.tensor(want, dtype=torch.float64), atol=2e-5, rtol=0)
     assert lengths.tolist() == counts
+
+
+def padded_full_logprobs(model, rows, pad_id):
+    """Each sequence alone in one right-padded (2B, T) forward: summed response log-probs, (2B,)."""
+    batch = collate_preferences(rows, pad_id)
+    ids, mask = batch["input_ids"], batch["attention_mask"]
+    logp = token_logprobs(causal_logits(model, ids, mask)[:, :-1], ids[:, 1:])  # (2B, T - 1)
+    prompt_len = torch.tensor([r["prompt_len"] for r in rows] * 2)
+    valid = (torch.arange(1, ids.size(1))[None] >= prompt_len[:, None]) & mask[:, 1:].bool()
+    return masked_sum(logp, valid, dim=-1)
+
+
+@pytest.mark.parametrize("attention, checkpointing", [("sdpa", False), ("eager", False), ("sdpa", True)])
+def test_packed_prompt_sharing_pairs_give_the_full_forward_values_and_gradients(tiny_model_dir, attention,
+                                                                                 checkpointing):
+    """Pairs packed as [prompt | chosen | rejected] segments under the custom mask (DPO's forward wherever the model
+    takes one): the same log-probs and gradients as every sequence alone in a padded batch. The weights are
+    sharpened so that a response that saw the other response, or another pair, would show."""
+    tok = load_tokenizer(str(tiny_model_dir))
+    rows = encode_pair_rows(tok, [{"prompt": "say apple", "chosen": "apple apple apple", "rejected": "river"},
+                                  {"prompt": "say honey please now", "chosen": "honey", "rejected": "stone stone"},
+                                  {"prompt": "say stone", "chosen": "stone stone stone stone", "rejected": "apple"}])
+    model = sharpened(AutoModelForCausalLM.from_pretrained(tiny_model_dir, attn_implementation=attention))
+    if checkpointing:
+        model.gradient_checkpointing_enable()
+    model.train()
+    assert logprob_forward(model) == "packed"
+    packed = collate_prompt_sharing_pairs(rows, tok.pad_token_id)
+    assert packed["input_ids"].numel() < collate_preferences(rows, tok.pad_token_id)["input_ids"].numel()
+    results = []
+    for compute in (lambda: sequence_logprobs(model, rows, tok.pad_token_id, torch.device("cpu"))[0],
+                    lambda: padded_full_logprobs(model, rows, tok.pad_token_id)):
+        model.zero_grad()
+        logps = compute()
+        (logps * torch.arange(1.0, 7.0)).sum().backward()  # a different weight per sequence
+        results.append((logps.detach(), [p.grad.clone() for p in model.parameters()]))
+    (got, got_grads), (want, want_grads) = results
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-5)
+    assert (want[:3] - want[3:]).abs().min() > 0.1  # the sequences differ: a swap would show
+    # float32 with sharpened weights: gradients up to ~5e3; the paths agree to ~1e-7 of each parameter's largest
+    # (measured), a response that saw the other would be off by its whole size
+    for a, b in zip(got_grads, want_grads):
+        assert (a - b).abs().max() <= 1e-5 * b.abs().max()
+
+
+def test_a_model_without_custom_masks_takes_the_shared_prompt_forward(tiny_model_dir):
+    model = load_causal_lm(str(tiny_model_dir))
+    model.config._attn_implementation = "flash_attention_2"  # takes no custom 4D mask
+    assert logprob_forward(model) == "shared-prompt"
+    model.gradient_checkpointing_enable()
+    assert logprob_forward(model) == "full"
 
 
 def test_lora_reference_equals_the_frozen_copy(tiny_model_dir):

@@ -87,6 +87,37 @@ def test_pack_bins_first_fit_decreasing_within_the_longest_row():
     assert sum(len(b) for b in pack_bins([7, 7, 7], 7)) == 3
 
 
+def test_prompt_sharing_pairs_layout_positions_mask_and_scored_tokens():
+    """Two pairs by hand: A = prompt [10, 11], chosen [12, 13], rejected [14]; B = prompt [20], chosen [21],
+    rejected [22, 23]. Segment lengths 5 and 4: one bin of width 5 each (first fit in the longest's width)."""
+    from rlhfkit.data.tokenize import collate_prompt_sharing_pairs
+
+    rows = [{"chosen_ids": [10, 11, 12, 13], "rejected_ids": [10, 11, 14], "prompt_len": 2},
+            {"chosen_ids": [20, 21], "rejected_ids": [20, 22, 23], "prompt_len": 1}]
+    out = collate_prompt_sharing_pairs(rows, pad_id=0)
+    assert out["input_ids"].tolist() == [[10, 11, 12, 13, 14], [20, 21, 22, 23, 0]]
+    # the rejected response continues from the prompt's length, not from the chosen one; the pad restarts at 0
+    assert out["position_ids"].tolist() == [[0, 1, 2, 3, 2], [0, 1, 1, 2, 0]]
+    allowed = out["allowed"][:, 0].int().tolist()  # (query, key)
+    assert allowed[0] == [[1, 0, 0, 0, 0],   # prompt 10
+                          [1, 1, 0, 0, 0],   # prompt 11
+                          [1, 1, 1, 0, 0],   # chosen 12: prompt and itself
+                          [1, 1, 1, 1, 0],   # chosen 13
+                          [1, 1, 0, 0, 1]]   # rejected 14: the prompt and itself, not the chosen response
+    assert allowed[1] == [[1, 0, 0, 0, 0],   # prompt 20
+                          [1, 1, 0, 0, 0],   # chosen 21
+                          [1, 0, 1, 0, 0],   # rejected 22
+                          [1, 0, 1, 1, 0],   # rejected 23
+                          [0, 0, 0, 0, 1]]   # padding: itself only
+    # predictions (row-major over the scored positions): the prompt's last token predicts both first tokens
+    assert out["scored"].int().tolist() == [[0, 1, 1, 0, 0], [1, 0, 1, 0, 0]]
+    flat = [[0, 1], [0, 2], [1, 0], [1, 2]]  # (bin, column) of the scored positions, in order
+    got = sorted((tuple(flat[s]), t, o) for s, t, o in zip(*(out[k].tolist() for k in ("source", "target", "owner"))))
+    # owners: 0 A chosen, 1 B chosen, 2 A rejected, 3 B rejected
+    assert got == sorted([((0, 1), 12, 0), ((0, 2), 13, 0), ((0, 1), 14, 2),
+                          ((1, 0), 21, 1), ((1, 0), 22, 3), ((1, 2), 23, 3)])
+
+
 def test_packed_rows_give_the_padded_loss_and_gradients(tiny_model_dir):
     """collate_packed (positions restarting per row, no attention mask): transformers keeps each row's
     attention inside the row, so the summed NLL, its token count and every gradient equal the padded batch's."""

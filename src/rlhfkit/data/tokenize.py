@@ -197,3 +197,61 @@ def collate_preferences(rows: list[dict], pad_id: int) -> dict:
     """Chosen rows then rejected rows in ONE right-padded batch (one forward for both): (2B, T)."""
     ids = [r["chosen_ids"] for r in rows] + [r["rejected_ids"] for r in rows]
     return {"input_ids": pad_sequences(ids, pad_id), "attention_mask": pad_sequences([[1] * len(s) for s in ids], 0)}
+
+
+def collate_prompt_sharing_pairs(rows: list[dict], pad_id: int) -> dict:
+    """Each pair once as `[prompt | chosen response | rejected response]`, pairs packed into bins without padding
+    (as `collate_packed`), with the attention mask that makes every token see what it sees in its own sequence.
+
+    Positions restart at 0 with each pair's prompt and both responses continue from the prompt's length, so the
+    rejected response has the positions it has after the prompt alone. The mask (a custom 4D one, which
+    transformers passes through unchanged) lets a prompt token see the earlier tokens of its prompt, and a
+    response token its pair's prompt and the earlier tokens of its own response: never the other response, never
+    another pair. A bin's unused tail is padding that sees only itself.
+
+    Returns (N, W) input_ids and position_ids, (N, 1, W, W) bool `allowed` (query, key), and the tokens to score:
+    (N, W) bool `scored` (the positions whose logits predict a response token: the prompt's last token predicts
+    both responses' first tokens), and per scored prediction, in `scored`'s row-major order, flattened, (K,)
+    `source` (its index among the scored positions), `target` (the token predicted) and `owner` (the sequence:
+    0..B-1 chosen, B..2B-1 rejected).
+    """
+    prompts = [r["chosen_ids"][:r["prompt_len"]] for r in rows]
+    answers = [(r["chosen_ids"][r["prompt_len"]:], r["rejected_ids"][r["prompt_len"]:]) for r in rows]
+    lengths = [len(p) + len(c) + len(x) for p, (c, x) in zip(prompts, answers)]
+    width = max(lengths)
+    bins = pack_bins(lengths, width)
+    ids = torch.full((len(bins), width), pad_id, dtype=torch.long)
+    positions = torch.zeros((len(bins), width), dtype=torch.long)
+    segment = torch.full((len(bins), width), -1, dtype=torch.long)  # the pair a column belongs to (-1: padding)
+    branch = torch.zeros((len(bins), width), dtype=torch.long)  # 0 prompt, 1 chosen, 2 rejected
+    predictions = []  # (flat index of the predicting position, target token, owner)
+    for b, members in enumerate(bins):
+        column = 0
+        for i in members:
+            prompt, (chosen, rejected) = prompts[i], answers[i]
+            last = b * width + column + len(prompt) - 1  # the prompt's last token predicts both first tokens
+            for part, (tokens, start) in enumerate(((prompt, 0), (chosen, len(prompt)), (rejected, len(prompt)))):
+                span = slice(column, column + len(tokens))
+                ids[b, span] = torch.tensor(tokens, dtype=torch.long)
+                positions[b, span] = torch.arange(start, start + len(tokens))
+                segment[b, span], branch[b, span] = i, part
+                if part:
+                    owner = i if part == 1 else len(rows) + i
+                    sources = [last] + [b * width + column + j for j in range(len(tokens) - 1)]
+                    predictions += [(s, t, owner) for s, t in zip(sources, tokens)]
+                column += len(tokens)
+        positions[b, column:] = torch.arange(width - column)
+    index = torch.arange(width)
+    same_pair = (segment[:, :, None] == segment[:, None, :]) & (segment[:, :, None] >= 0)
+    causal = index[None, :, None] >= index[None, None, :]
+    visible = (branch[:, None, :] == 0) | (branch[:, :, None] == branch[:, None, :])  # the key is prompt or own side
+    itself = (index[:, None] == index[None, :])[None]  # padding: only itself, so no row of the mask is empty
+    allowed = (same_pair & causal & visible) | ((segment < 0)[:, :, None] & itself)
+    scored = torch.zeros(len(bins) * width, dtype=torch.bool)
+    flat = torch.tensor([p[0] for p in predictions], dtype=torch.long)
+    scored[flat] = True
+    rank = torch.cumsum(scored.long(), 0) - 1  # flat position -> its index among the scored positions
+    return {"input_ids": ids, "position_ids": positions, "allowed": allowed[:, None],
+            "scored": scored.view(len(bins), width), "source": rank[flat],
+            "target": torch.tensor([p[1] for p in predictions], dtype=torch.long),
+            "owner": torch.tensor([p[2] for p in predictions], dtype=torch.long)}

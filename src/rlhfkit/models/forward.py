@@ -9,6 +9,8 @@ Two rules make results independent of padding side and of pad == EOS:
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
@@ -45,6 +47,49 @@ def packed_logits(model, input_ids: torch.Tensor, position_ids: torch.Tensor) ->
     """(N, T, V) logits of packed rows (`data.tokenize.collate_packed`): no attention mask, positions that
     restart at 0 for every sequence, from which transformers builds the block-diagonal causal mask."""
     return model(input_ids=input_ids, position_ids=position_ids, attention_mask=None, use_cache=False).logits
+
+
+def custom_mask_kind(model) -> str | None:
+    """How `model` takes a custom (N, 1, T, T) attention mask: "bool" (sdpa: True = attend), "additive" (eager: 0 or
+    the dtype's minimum, added to the scores), or None (flash and other kernels take none)."""
+    kind = getattr(base_model(model).config, "_attn_implementation", None)
+    return {"sdpa": "bool", "eager": "additive"}.get(kind)
+
+
+@functools.lru_cache(maxsize=None)
+def _keeps_flagged_positions() -> bool:
+    """Whether this transformers' `logits_to_keep` takes a (N, T) bool tensor (the flagged positions' logits,
+    flattened); older versions take an int or a 1D index only."""
+    try:
+        from transformers.modeling_utils import slice_logits_to_keep
+
+        flags = torch.tensor([[True, False, True], [False, True, False]])
+        return tuple(slice_logits_to_keep(torch.zeros(2, 3, 1), flags).shape) == (3, 1)
+    except Exception:  # noqa: BLE001 - no such helper, or it refuses the tensor
+        return False
+
+
+def masked_logits(model, input_ids: torch.Tensor, position_ids: torch.Tensor, allowed: torch.Tensor,
+                  keep: torch.Tensor) -> torch.Tensor | None:
+    """(K, V) logits at the K True positions of `keep` (N, T), in row-major order, of a forward of (N, T) rows under
+    the custom attention mask `allowed` (N, 1, T, T) bool (query, key). The LM head runs on those positions only
+    where transformers can say so. None when the model takes no custom mask (`custom_mask_kind`)."""
+    kind = custom_mask_kind(model)
+    if kind is None:
+        return None
+    mask = allowed
+    if kind == "additive":
+        dtype = next(base_model(model).parameters()).dtype
+        mask = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(~allowed, torch.finfo(dtype).min)
+    kwargs = dict(input_ids=input_ids, position_ids=position_ids, attention_mask=mask, use_cache=False)
+    if _keeps_flagged_positions():
+        try:
+            logits = model(**kwargs, logits_to_keep=keep).logits
+            return logits.reshape(-1, logits.size(-1))  # (K, V), whatever leading shape the model gave
+        except TypeError as exc:  # a model class without logits_to_keep
+            if "logits_to_keep" not in str(exc):
+                raise
+    return model(**kwargs).logits[keep]
 
 
 def shares_prefixes(model) -> bool:

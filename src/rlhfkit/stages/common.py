@@ -8,6 +8,7 @@ import os
 import random
 import sys
 from pathlib import Path
+from typing import Callable
 
 import torch
 from tqdm.auto import tqdm
@@ -141,6 +142,12 @@ def plan_steps(n_rows: int, train, world_size: int) -> tuple[int, int, int]:
                        f"train.batch_size or add data")
     total = train.max_steps if train.max_steps > 0 else train.epochs * steps_per_epoch
     return per_rank, per_rank // train.micro_batch_size, total
+
+
+def longest_first(idx: list[int], rows: list, length: Callable[[dict], int]) -> list[int]:
+    """`idx` ordered by the length of its rows, longest first (ties keep their order): cut into consecutive
+    micro-batches, each then holds rows of similar length, so less of it is padding."""
+    return sorted(idx, key=lambda i: -length(rows[i]))
 
 
 def batches(n_rows: int, batch_size: int, seed: int, start_step: int = 0):

@@ -37,14 +37,15 @@ from rlhfkit.config.dpo_schema import DPOConfig, DPOSection
 from rlhfkit.data import cache
 from rlhfkit.data.loader import load_stage_data, skipped_rows
 from rlhfkit.data.templates import end_token_ids
-from rlhfkit.data.tokenize import collate_preferences, pad_sequences
+from rlhfkit.data.tokenize import collate_preferences, collate_prompt_sharing_pairs, pad_sequences
 from rlhfkit.engine import make_engine
 from rlhfkit.errors import ModelError
 from rlhfkit.models import load_causal_lm, load_tokenizer
-from rlhfkit.models.forward import causal_logits, shared_prefix_logits
+from rlhfkit.models.forward import causal_logits, custom_mask_kind, masked_logits, shared_prefix_logits
 from rlhfkit.models.loading import load_generation_config
 from rlhfkit.models.lora import adapter_disabled, apply_lora, base_model, is_lora
-from rlhfkit.stages.common import MetricsLogger, epoch_order, plan_steps, prepare_output_dir, set_seed
+from rlhfkit.stages.common import (MetricsLogger, epoch_order, longest_first, plan_steps, prepare_output_dir,
+                                   set_seed)
 from rlhfkit.stages.guard import resume_state
 from rlhfkit.stages.loop import TrainLoop
 from rlhfkit.stages.reward import pair_means
@@ -65,18 +66,39 @@ def checkpointed(model) -> bool:
     return bool(getattr(plain, name, False))
 
 
+def logprob_forward(model) -> str:
+    """Which forward `sequence_logprobs` takes for `model`: "packed" where the model takes a custom attention
+    mask, else "full" under gradient checkpointing and "shared-prompt" otherwise. The reference cache's key names
+    it: the forwards agree only up to float rounding, which step 0's exact zero rewards would show."""
+    if custom_mask_kind(model):
+        return "packed"
+    return "full" if checkpointed(model) else "shared-prompt"
+
+
 def sequence_logprobs(model, rows: list[dict], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
     """Summed log-probs of the response tokens and their counts, each (2B,): chosen rows then rejected rows.
     A row's response is its tokens from `prompt_len` on.
 
-    A pair's chosen and rejected sequences share their prompt: the B prompts run once and the 2B responses attend
-    to their KV cache (`forward.shared_prefix_logits`: the full forward's values and gradients up to float
-    rounding; ~15% fewer tokens through the model where prompts are ~40% of a sequence). The prompt's last token
-    runs with the responses, so every scored logit comes from one LM-head matmul over all response rows, as in
-    the full forward (a few-row matmul for the prompts' last positions rounds differently with the weights'
-    memory alignment: a LoRA policy with its adapter disabled would differ from a frozen copy by an ulp). Under
-    gradient checkpointing (`checkpointed`), or for a model without a plain full-attention cache, it is ONE
-    (2B, T) right-padded forward of the whole sequences."""
+    A pair's chosen and rejected sequences share their prompt, which goes through the model once. Where the
+    model takes a custom attention mask (sdpa, eager: `logprob_forward` "packed"), each pair is one
+    `[prompt | chosen | rejected]` segment, segments are packed into rows without padding, and the mask keeps
+    each response to its prompt and itself (`data.tokenize.collate_prompt_sharing_pairs`): every token once, no
+    padding, the LM head on the scored positions only. Otherwise the B prompts run once and the 2B responses
+    attend to their KV cache (`forward.shared_prefix_logits`); the prompt's last token runs with the responses,
+    so every scored logit comes from one LM-head matmul over all response rows, as in the full forward (a
+    few-row matmul for the prompts' last positions rounds differently with the weights' memory alignment: a LoRA
+    policy with its adapter disabled would differ from a frozen copy by an ulp). Under gradient checkpointing
+    (`checkpointed`), or for a model without a plain full-attention cache, it is ONE (2B, T) right-padded forward
+    of the whole sequences. All of them give the full forward's values and gradients up to float rounding."""
+    if logprob_forward(model) == "packed" and min(r["prompt_len"] for r in rows) >= 1:
+        packed = collate_prompt_sharing_pairs(rows, pad_id)
+        logits = masked_logits(model, packed["input_ids"].to(device), packed["position_ids"].to(device),
+                               packed["allowed"].to(device), packed["scored"].to(device))  # (K', V)
+        if logits is not None:
+            source, target, owner = (packed[k].to(device) for k in ("source", "target", "owner"))  # (K,) each
+            logps = token_logprobs(logits[source][None], target[None])[0]  # (K,) one per response token
+            sums = torch.zeros(2 * len(rows), dtype=logps.dtype, device=device).index_add(0, owner, logps)
+            return sums, torch.bincount(owner, minlength=2 * len(rows)).float()
     prompts = [r["chosen_ids"][:r["prompt_len"] - 1] for r in rows] * 2  # (2B,) each pair's prompt twice
     # (2B,) the prompt's last token, then the response: position j predicts token j + 1
     tails = [r[key][r["prompt_len"] - 1:] for key in ("chosen_ids", "rejected_ids") for r in rows]
@@ -164,17 +186,15 @@ def _rows_digest(*row_lists: list) -> str:
     return digest.hexdigest()
 
 
-def reference_cache_path(cfg: DPOConfig, reference_name: str, tokenizer, train: list, evals: list):
+def reference_cache_path(cfg: DPOConfig, reference_name: str, tokenizer, train: list, evals: list, forward: str):
     """(path, key) of the reference log-probs' cache entry, next to the data cache's entries; (None, reason) when
-    it cannot be keyed (data.cache off, or a reference that is not a local folder)."""
+    it cannot be keyed (data.cache off, or a reference that is not a local folder). `forward`: the forward that
+    computes them (`logprob_forward`)."""
     if not cfg.data.cache:
         return None, "off (data.cache=false)"
     if not Path(reference_name).expanduser().is_dir():
         return None, "off (the reference is not a local folder)"
     identity = cache.source_identity(str(Path(reference_name).expanduser()))  # every file's size and mtime
-    # "forward": which forward sequence_logprobs takes (and entries of the code before it, which had none): the two
-    # differ at float rounding, which step 0's exact zero rewards would show
-    forward = "full" if cfg.load.gradient_checkpointing else "shared-prompt"
     key = cache.make_key({"stage": "dpo-reference", "forward": forward, "reference": identity, "dtype": cfg.load.dtype,
                           "precision": cfg.engine.precision, "backend": cfg.engine.backend,
                           "tokenizer": cache.tokenizer_fingerprint(tokenizer), "rows": _rows_digest(train, evals)})
@@ -201,6 +221,20 @@ def compute_reference_logprobs(reference: Reference, rows: list[dict], pad_id: i
             for k, i in enumerate(part):
                 out[i] = [chosen[k], rejected[k]]
     return out
+
+
+def pair_length(row: dict) -> int:
+    """The tokens of a pair in `sequence_logprobs`' packed forward: the prompt once and both responses."""
+    return len(row["chosen_ids"]) + len(row["rejected_ids"]) - row["prompt_len"]
+
+
+def first_epoch_order(rows: list[dict], train) -> list[int]:
+    """The rows in the order the first epoch's micro-batches take them: `TrainLoop.steps` cuts the epoch's
+    permutation into steps of `train.batch_size` and orders each by `pair_length` (a partial last batch is not
+    trained, but its reference log-probs are computed all the same)."""
+    order = epoch_order(len(rows), train.seed, 0)
+    size = train.batch_size
+    return [i for s in range(0, len(order), size) for i in longest_first(order[s:s + size], rows, pair_length)]
 
 
 def with_reference(rows: list[dict], values: list) -> list[dict]:
@@ -236,7 +270,7 @@ def setup_reference(cfg: DPOConfig, data, policy, engine, tokenizer, fresh: bool
         reference.note += ", every micro-batch"
         return reference
     name = cfg.reference or cfg.model
-    path, key = reference_cache_path(cfg, name, tokenizer, data.train, data.eval)
+    path, key = reference_cache_path(cfg, name, tokenizer, data.train, data.eval, logprob_forward(policy.module))
     cached = cache.load(path, key, warn=say) if path is not None else None
     # every rank must take the same branch (ZeRO-3 forwards are collectives): a hit only when all ranks hit
     if engine.reduce_sum(1 if cached is not None else 0) == engine.world_size and cached is not None:
@@ -245,7 +279,7 @@ def setup_reference(cfg: DPOConfig, data, policy, engine, tokenizer, fresh: bool
     reference = reference_model(cfg, policy, engine, tokenizer, fresh)
     tick = time.perf_counter()
     micro, device, pad_id = cfg.train.micro_batch_size, engine.device, tokenizer.pad_token_id
-    first_epoch = epoch_order(len(data.train), cfg.train.seed, 0)  # the order `TrainLoop.steps` starts with
+    first_epoch = first_epoch_order(data.train, cfg.train)  # the first step's micro-batches, and so on
     train = compute_reference_logprobs(reference, data.train, pad_id, micro, device, first_epoch)
     evals = compute_reference_logprobs(reference, data.eval, pad_id, micro, device)  # as evaluate_dpo groups them
     data.train, data.eval = with_reference(data.train, train), with_reference(data.eval, evals)
@@ -367,7 +401,7 @@ def run_dpo(cfg: DPOConfig, resume: bool = False, force: bool = False) -> dict:
         # 3. the loop: each step sees batch_size pairs over all ranks, in micro-batches
         with TrainLoop(engine, out, "dpo", total, cfg.train, log, {"model": policy}, evaluate=evaluate,
                        show=("loss", "accuracy", "eval/accuracy")) as loop:
-            for step, epoch, rows in loop.steps(data.train, start):
+            for step, epoch, rows in loop.steps(data.train, start, length=pair_length):
                 tick = time.perf_counter()
                 metrics = train_step(policy, rows, accum, micro_size, cfg.train.batch_size, pad_id, engine, loss_fn,
                                      reference)

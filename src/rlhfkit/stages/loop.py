@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from rlhfkit.config.schema import TrainConfig
-from rlhfkit.stages.common import MetricsLogger, batches
+from rlhfkit.stages.common import MetricsLogger, batches, longest_first
 from rlhfkit.stages.guard import RunGuard
 
 
@@ -35,12 +35,16 @@ class TrainLoop:
     def __exit__(self, *exc) -> None:
         self.guard.close()
 
-    def steps(self, rows: list, start: int = 0):
+    def steps(self, rows: list, start: int = 0, length: Optional[Callable[[dict], int]] = None):
         """(step, epoch, this rank's share of the step's rows) from `start` to the last step: every rank draws
-        the same global batch (a seeded permutation per epoch) and keeps its own slice."""
+        the same global batch (a seeded permutation per epoch) and keeps its own slice. With `length` (a row's
+        length) the global batch is ordered longest first before it is split (`common.longest_first`), so every
+        rank's micro-batches hold rows of similar length, the same ones on any number of ranks."""
         for step, epoch, idx in batches(len(rows), self.train.batch_size, self.train.seed, start):
             if step >= self.total:
                 return
+            if length is not None:
+                idx = longest_first(idx, rows, length)
             yield step, epoch, self.engine.shard([rows[i] for i in idx])
 
     def due(self, every: int, done: int) -> bool:
