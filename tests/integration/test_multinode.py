@@ -98,7 +98,15 @@ def checkpoints_tool(*args) -> tuple[int, str]:
 
 
 # -- two nodes give the losses of one node with two ranks -------------------------------------------------------
-def rm_zero2(tmp_path, ppo_world):
+def sft_zero3(tmp_path, ppo_world, tiny_model_dir):
+    """The pinned zero3/sft run of test_deepspeed.py (its sft_args, on ZeRO-3)."""
+    data = write_jsonl(tmp_path / "train.jsonl", sft_rows())
+    return ["sft", f"model={tiny_model_dir}", f"data.train={data}", "train.max_steps=12", "train.batch_size=8",
+            "train.micro_batch_size=2", "train.lr=1e-2", "train.eval_every=6", "data.eval_fraction=0.1",
+            f"output_dir={tmp_path / 'run'}", "engine.backend=deepspeed", "engine.zero_stage=3"], ("loss", "eval/loss")
+
+
+def rm_zero2(tmp_path, ppo_world, tiny_model_dir):
     """The pinned zero2/rm run of test_deepspeed.py."""
     return ["rm", f"model={ppo_world / 'sft' / 'final'}", f"data.train={_pairs(tmp_path / 'pairs.jsonl')}",
             f"output_dir={tmp_path / 'run'}", "train.batch_size=16", "train.micro_batch_size=4", "train.lr=5e-3",
@@ -106,7 +114,7 @@ def rm_zero2(tmp_path, ppo_world):
             "engine.backend=deepspeed", "engine.zero_stage=2"], ("loss", "eval/loss", "accuracy")
 
 
-def ppo_zero3(tmp_path, ppo_world):
+def ppo_zero3(tmp_path, ppo_world, tiny_model_dir):
     """The pinned zero3/ppo run of test_deepspeed.py."""
     return ["ppo", f"actor={ppo_world / 'sft' / 'final'}", f"reward={ppo_world / 'rewards.py'}:four_words",
             f"data.prompts={ppo_world / 'prompts.jsonl'}", f"data.eval_prompts={ppo_world / 'eval.jsonl'}",
@@ -115,9 +123,11 @@ def ppo_zero3(tmp_path, ppo_world):
             "engine.zero_stage=3", "engine.critic_zero_stage=2"], ("reward/mean", "kl", "policy_loss", "value_loss")
 
 
-@pytest.mark.parametrize("pin, make_args", [("zero2/rm", rm_zero2), ("zero3/ppo", ppo_zero3)])
-def test_two_nodes_give_the_losses_of_one_node_with_two_ranks(tmp_path, ppo_world, pin, make_args):
-    args, keys = make_args(tmp_path, ppo_world)
+# every stage once and both ZeRO stages: the nodes differ from one node's ranks only in the rendezvous
+@pytest.mark.parametrize("pin, make_args", [("zero3/sft", sft_zero3), ("zero2/rm", rm_zero2),
+                                            ("zero3/ppo", ppo_zero3)])
+def test_two_nodes_give_the_losses_of_one_node_with_two_ranks(tmp_path, ppo_world, tiny_model_dir, pin, make_args):
+    args, keys = make_args(tmp_path, ppo_world, tiny_model_dir)
     run_nodes(args, tmp_path)
     out = tmp_path / "run"
     check_pinned(pin, series_of(read_metrics(out / "metrics.jsonl"), *keys))
