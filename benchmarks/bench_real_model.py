@@ -58,6 +58,12 @@ def rows(model: Path, steps: int, prompts: Path, rewards: Path) -> dict:
             "time/iteration", [*ppo, f"reward={rewards}:length", f"data.prompts={hh}",
                                "data.max_prompt_length=128", "train.batch_size=8", "train.micro_batch_size=4",
                                "gen.max_new_tokens=64", "gen.min_new_tokens=64", "data.eval_fraction=0"]),
+        # memory at length: 512 new tokens per response
+        **{f"ppo: 4 HH prompts <= 128 tokens x 512 new tokens, micro 2{label}": (
+            "time/iteration", [*ppo, f"reward={rewards}:length", f"data.prompts={hh}",
+                               "data.max_prompt_length=128", "train.batch_size=4", "train.micro_batch_size=2",
+                               "gen.max_new_tokens=512", "gen.min_new_tokens=512", "data.eval_fraction=0", *extra])
+           for label, extra in (("", []), (", checkpointing", ["load.gradient_checkpointing=true"]))},
     }
 
 

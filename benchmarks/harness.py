@@ -136,6 +136,33 @@ def build_world(root: Path = CACHE, log=print) -> Path:
     return root
 
 
+REAL_SIZE = "SmolLM2"  # the real model as a size of the world: SmolLM2-135M-Instruct and its scalar-head twin
+
+
+def add_real_model(world: Path, log=print) -> None:
+    """world/SmolLM2/policy (SmolLM2-135M-Instruct, materialised by `rlhfkit fetch`; a link to its folder) and
+    world/SmolLM2/reward (the same weights under a seeded scalar head, saved once), so that every
+    `world / size / folder` path of the benchmarks works for the real model too."""
+    target = world / REAL_SIZE
+    if (target / "reward" / "config.json").is_file():
+        return
+    import torch
+    from rlhfkit.demo.tiny import save_model_folder
+    from rlhfkit.models import load_tokenizer
+    from rlhfkit.models.fetch import fetch
+    from transformers import AutoModelForSequenceClassification
+
+    folder = fetch("smollm2-135m-instruct", log=log)
+    target.mkdir(parents=True, exist_ok=True)
+    if not (target / "policy").exists():
+        (target / "policy").symlink_to(folder, target_is_directory=True)
+    torch.manual_seed(1)
+    scalar = AutoModelForSequenceClassification.from_pretrained(folder, num_labels=1)
+    tok = load_tokenizer(str(folder))
+    scalar.config.pad_token_id = tok.pad_token_id
+    save_model_folder(scalar, tok, target / "reward")
+
+
 def prompt_rows(world: Path, n: int) -> Path:
     """A prompt file with the first n prompts (one iteration's batch: every iteration sees the same set)."""
     target = world / f"prompts-{n}.jsonl"
@@ -370,7 +397,9 @@ class Worker:
 
 # stage -> (its module, its run function, its config module, its config class), for rlhfkit_lockstep
 LOCKSTEP_STAGES = {"ppo": ("rlhfkit.stages.ppo", "run_ppo", "rlhfkit.config.ppo_schema", "PPOConfig"),
-                   "dpo": ("rlhfkit.stages.dpo", "run_dpo", "rlhfkit.config.dpo_schema", "DPOConfig")}
+                   "dpo": ("rlhfkit.stages.dpo", "run_dpo", "rlhfkit.config.dpo_schema", "DPOConfig"),
+                   "sft": ("rlhfkit.stages.sft", "run_sft", "rlhfkit.config.schema", "SFTConfig"),
+                   "rm": ("rlhfkit.stages.reward", "run_rm", "rlhfkit.config.schema", "RMConfig")}
 
 
 def rlhfkit_lockstep(overrides: list[str], threads: int, report: dict | None = None, stage: str = "ppo") -> None:
