@@ -80,7 +80,8 @@ def masked_logits(model, input_ids: torch.Tensor, position_ids: torch.Tensor, al
     mask = allowed
     if kind == "additive":
         dtype = next(base_model(model).parameters()).dtype
-        mask = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(~allowed, torch.finfo(dtype).min)
+        blocked = torch.finfo(dtype).min
+        mask = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(~allowed, blocked)
     kwargs = dict(input_ids=input_ids, position_ids=position_ids, attention_mask=mask, use_cache=False)
     if _keeps_flagged_positions():
         try:
