@@ -532,16 +532,8 @@ def main() -> None:
     if args.check:
         check(args, trl_python, world)
         return
-    print(harness.machine_line(args.threads), flush=True)
-    if args.quick:
-        args.iters, args.warmup = min(args.iters, 4), 1
-    rows = []
-    with tempfile.TemporaryDirectory(prefix="bench_dpo_") as tmp:
-        for size in args.sizes.split(","):
-            rows.append(compare(world, trl_python, size, args, Path(tmp)))
-    print_table(rows)
-    if args.json:
-        Path(args.json).write_text(json.dumps(rows, indent=2))
+    harness.run_comparisons(args, "bench_dpo_", lambda tmp: [
+        compare(world, trl_python, size, args, tmp) for size in args.sizes.split(",")], print_table)
 
 
 if __name__ == "__main__":

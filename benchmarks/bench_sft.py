@@ -409,17 +409,9 @@ def main() -> None:
     if args.check:
         check(args, trl_python, world)
         return
-    print(harness.machine_line(args.threads), flush=True)
-    if args.quick:
-        args.iters, args.warmup = min(args.iters, 4), 1
-    rows = []
-    with tempfile.TemporaryDirectory(prefix="bench_sft_") as tmp:
-        for size in args.sizes.split(","):
-            for stage in args.stages.split(","):
-                rows.append(compare(world, trl_python, size, stage, args, Path(tmp)))
-    print_table(rows)
-    if args.json:
-        Path(args.json).write_text(json.dumps(rows, indent=2))
+    harness.run_comparisons(args, "bench_sft_", lambda tmp: [
+        compare(world, trl_python, size, stage, args, tmp)
+        for size in args.sizes.split(",") for stage in args.stages.split(",")], print_table)
 
 
 if __name__ == "__main__":

@@ -454,6 +454,22 @@ def run_lockstep(workers: list[Worker], warmup: int, iters: int, log=print) -> d
     return results
 
 
+def run_comparisons(args, prefix: str, comparisons, print_table) -> list[dict]:
+    """The timed part of a TRL comparison's main: the machine line, `--quick` (1 warm-up + at most 4 measured
+    iterations), `comparisons(tmp)` (a list of table rows, run in a temporary folder), the table and `--json`."""
+    import tempfile
+
+    print(machine_line(args.threads), flush=True)
+    if args.quick:
+        args.iters, args.warmup = min(args.iters, 4), 1
+    with tempfile.TemporaryDirectory(prefix=prefix) as tmp:
+        rows = comparisons(Path(tmp))
+    print_table(rows)
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=2))
+    return rows
+
+
 def median(values) -> float:
     values = list(values)
     return statistics.median(values) if values else float("nan")
