@@ -92,13 +92,13 @@ def sequence_logprobs(model, rows: list[dict], pad_id: int, device) -> tuple[tor
     of the whole sequences. All of them give the full forward's values and gradients up to float rounding."""
     if logprob_forward(model) == "packed" and min(r["prompt_len"] for r in rows) >= 1:
         packed = collate_prompt_sharing_pairs(rows, pad_id)
+        # (K', V): never None here, the model takes a custom mask ("packed")
         logits = masked_logits(model, packed["input_ids"].to(device), packed["position_ids"].to(device),
-                               packed["allowed"].to(device), packed["scored"].to(device))  # (K', V)
-        if logits is not None:
-            source, target, owner = (packed[k].to(device) for k in ("source", "target", "owner"))  # (K,) each
-            logps = token_logprobs(logits[source][None], target[None])[0]  # (K,) one per response token
-            sums = torch.zeros(2 * len(rows), dtype=logps.dtype, device=device).index_add(0, owner, logps)
-            return sums, torch.bincount(owner, minlength=2 * len(rows)).float()
+                               packed["allowed"].to(device), packed["scored"].to(device))
+        source, target, owner = (packed[k].to(device) for k in ("source", "target", "owner"))  # (K,) each
+        logps = token_logprobs(logits[source][None], target[None])[0]  # (K,) one per response token
+        sums = torch.zeros(2 * len(rows), dtype=logps.dtype, device=device).index_add(0, owner, logps)
+        return sums, torch.bincount(owner, minlength=2 * len(rows)).float()
     prompts = [r["chosen_ids"][:r["prompt_len"] - 1] for r in rows] * 2  # (2B,) each pair's prompt twice
     # (2B,) the prompt's last token, then the response: position j predicts token j + 1
     tails = [r[key][r["prompt_len"] - 1:] for key in ("chosen_ids", "rejected_ids") for r in rows]
