@@ -25,8 +25,8 @@ real_forward, real_step = sft.lm_forward, DeepSpeedTrainable.step
 counts = {"forward": 0, "step": 0}
 
 
-def poisoned_forward(model, batch, device):
-    nll, n = real_forward(model, batch, device)
+def poisoned_forward(model, batch, device, *args, **kwargs):
+    nll, n = real_forward(model, batch, device, *args, **kwargs)
     if not (torch.is_grad_enabled() and model.training):  # eval and the packing check are not training forwards
         return nll, n
     counts["forward"] += 1

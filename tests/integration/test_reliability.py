@@ -171,8 +171,8 @@ def test_non_finite_loss_is_skipped_and_counted_then_stops_the_run(tmp_path, sta
     calls = {"n": 0}
     bad_calls = {3}  # the third training forward: step 3, with one micro-batch per step
 
-    def poisoned(model, batch, device):
-        nll, n = real_forward(model, batch, device)
+    def poisoned(model, batch, device, *args, **kwargs):
+        nll, n = real_forward(model, batch, device, *args, **kwargs)
         if not model.training:  # eval forwards are not counted
             return nll, n
         calls["n"] += 1

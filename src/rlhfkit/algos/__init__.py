@@ -15,7 +15,7 @@ from .group import (
     rloo_advantages,
 )
 from .kl import KL_ESTIMATORS, AdaptiveKLController, FixedKLController, kl_penalty
-from .logprobs import entropy_from_logits, lm_loss_sum, token_logprobs
+from .logprobs import entropy_from_logits, linear_lm_loss_sum, lm_loss_sum, token_logprobs
 from .losses import AGGREGATIONS, aggregate, pairwise_loss, policy_loss, value_loss
 from .masked import masked_mean, masked_sum, masked_var, masked_whiten
 from .preference import (
@@ -51,6 +51,7 @@ __all__ = [
     "ipo_loss",
     "kl_penalty",
     "last_valid_index",
+    "linear_lm_loss_sum",
     "lm_loss_sum",
     "masked_mean",
     "masked_sum",

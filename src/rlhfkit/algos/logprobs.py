@@ -75,3 +75,72 @@ def lm_loss_sum(
     )
     n_tokens = int((labels != ignore_index).sum().item())
     return nll_sum, n_tokens
+
+
+# Rows of logits one chunk of the fused loss holds at a time: ~64 MiB of float32 for any vocabulary.
+_CHUNK_ELEMENTS = 1 << 24
+
+
+class _LinearCrossEntropySum(torch.autograd.Function):
+    """sum_k CE(hidden_k @ weight.T, label_k), in chunks of rows, never holding (K, V) logits.
+
+    The loss is a plain sum, so its gradient is known in the forward up to the one scalar the backward brings:
+    d/dz_k = softmax(z_k) - onehot(label_k). Each chunk's logits become that gradient in place, give their
+    contribution to d/dhidden and d/dweight, and are freed; the backward only scales the two by grad_output.
+    Same arithmetic as logits + cross-entropy (no recomputation), one chunk of logits at a time.
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, weight, labels, chunk, grad_hidden_needed, grad_weight_needed):
+        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        grad_hidden = torch.empty_like(hidden) if grad_hidden_needed else None
+        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) \
+            if grad_weight_needed else None
+        w = weight.to(hidden.dtype)
+        for start in range(0, hidden.size(0), chunk):
+            h, y = hidden[start:start + chunk], labels[start:start + chunk]
+            z = (h @ w.T).float()  # (c, V), upcast as the model's own loss does
+            lse = torch.logsumexp(z, dim=-1)
+            total += (lse - z.gather(1, y[:, None]).squeeze(1)).sum()
+            if grad_hidden is None and grad_weight is None:
+                continue
+            dz = z.sub_(lse[:, None]).exp_()  # softmax, in place of the logits
+            dz[torch.arange(y.numel(), device=y.device), y] -= 1.0
+            if grad_hidden is not None:
+                grad_hidden[start:start + chunk] = dz.to(w.dtype) @ w
+            if grad_weight is not None:
+                grad_weight.addmm_(dz.T, h.float())
+        ctx.save_for_backward(grad_hidden, grad_weight)
+        ctx.weight_dtype = weight.dtype
+        return total
+
+    @staticmethod
+    def backward(ctx, grad_total):
+        grad_hidden, grad_weight = ctx.saved_tensors
+        if grad_hidden is not None:
+            grad_hidden = grad_hidden * grad_total.to(grad_hidden.dtype)
+        if grad_weight is not None:
+            grad_weight = (grad_weight * grad_total).to(ctx.weight_dtype)
+        return grad_hidden, grad_weight, None, None, None, None
+
+
+def linear_lm_loss_sum(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
+                       chunk: int = 0) -> torch.Tensor:
+    """Summed token negative log-likelihood of an LM head without bias, ``sum_k CE(hidden_k @ weight.T,
+    labels_k)``, equal to ``lm_loss_sum`` on the head's logits but holding one chunk of them at a time.
+
+    Args:
+        hidden: ``(K, H)`` final hidden states of the K positions that have a label (no ignored ones).
+        weight: ``(V, H)`` the LM head's weight.
+        labels: ``(K,)`` the token each position predicts.
+        chunk: rows of logits per chunk; 0 picks ~64 MiB of float32.
+
+    Returns:
+        A scalar float32 tensor; its gradient reaches ``hidden`` and ``weight`` (those that require one).
+    """
+    if hidden.dim() != 2 or labels.shape != hidden.shape[:1]:
+        raise ValueError(f"hidden (K, H) and labels (K,) expected, got {tuple(hidden.shape)} and {tuple(labels.shape)}")
+    chunk = chunk or max(64, _CHUNK_ELEMENTS // weight.size(0))
+    grads = torch.is_grad_enabled()
+    return _LinearCrossEntropySum.apply(hidden, weight, labels, chunk, grads and hidden.requires_grad,
+                                        grads and weight.requires_grad)

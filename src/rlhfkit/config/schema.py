@@ -165,6 +165,12 @@ class SFTConfig:
                                            "packed-sequence mask (same loss, no compute on padding); null = on "
                                            "when a check on the first rows finds the padded batch's loss (dpo "
                                            "pads)")
+    chunked_loss: Optional[bool] = option(None, "sft: the LM head runs on the labelled positions only and its "
+                                                "cross-entropy in chunks, gradients formed chunk by chunk, never "
+                                                "holding the (tokens x vocabulary) logits (same loss, less memory "
+                                                "and no head compute on prompt tokens); null = on when the head is "
+                                                "a plain linear layer held on this rank (not ZeRO-3, not LoRA) and "
+                                                "a check on the first rows finds the model's own loss")
 
     def validate(self, prefix: str = "") -> None:
         if not self.model:

@@ -358,6 +358,10 @@ class DeepSpeedEngine:
         parameters ZeRO-3 keeps whole), else the parameter itself."""
         return {name: _partition(p) for name, p in module.named_parameters() if p.requires_grad}
 
+    def holds_whole(self, module: torch.nn.Module) -> bool:
+        """Not under ZeRO-3, where each rank holds a partition of every parameter between forwards."""
+        return not self._is_zero3(module)
+
     def parameters_written(self, module: torch.nn.Module) -> None:
         """After partitions were written: the parameters ZeRO-3 keeps gathered (its persistent ones) still hold
         the old values, so release them and gather them again from the partitions, as ZeRO-3 does after a

@@ -204,6 +204,10 @@ class LocalEngine:
         """{name: parameter} of the trainable parameters: one process holds them whole."""
         return {name: p for name, p in module.named_parameters() if p.requires_grad}
 
+    def holds_whole(self, module: torch.nn.Module) -> bool:
+        """Always: one process holds every parameter."""
+        return True
+
     def parameters_written(self, module: torch.nn.Module) -> None:
         """Nothing to do: the module computes with the parameters written."""
 

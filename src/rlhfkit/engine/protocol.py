@@ -109,6 +109,11 @@ class Engine(Protocol):
         (ZeRO-3: the rank's partition, flat): what a per-rank average such as the EMA keeps."""
         ...
 
+    def holds_whole(self, module: torch.nn.Module) -> bool:
+        """Whether every parameter of `module` is held whole on this rank outside its forward (ZeRO-3: no, each
+        rank keeps a partition), so that a loss may use a weight directly, as the chunked LM-head loss does."""
+        ...
+
     def parameters_written(self, module: torch.nn.Module) -> None:
         """After writing into `held_parameters(module)`: make the module compute with the new values (ZeRO-3:
         gathers again the parameters it keeps whole). Every rank calls it at the same point."""

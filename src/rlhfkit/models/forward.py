@@ -49,6 +49,39 @@ def packed_logits(model, input_ids: torch.Tensor, position_ids: torch.Tensor) ->
     return model(input_ids=input_ids, position_ids=position_ids, attention_mask=None, use_cache=False).logits
 
 
+def lm_head_weight(model) -> torch.Tensor | None:
+    """The (V, H) weight of `model`'s LM head when it is a plain bias-free linear layer whose weight is held here
+    (not a ZeRO-3 shard, not a LoRA or quantised wrapper), else None: then only the model's own head will do."""
+    head = base_model(model).get_output_embeddings()
+    if type(head) is not torch.nn.Linear or head.bias is not None or head.weight.numel() == 0:
+        return None
+    return head.weight
+
+
+def final_hidden(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
+                 positions: torch.Tensor) -> torch.Tensor:
+    """(N, T, H) hidden states that `model`'s LM head would read, from the model's own forward (engine hooks,
+    autocast, checkpointing all apply): its decoder's output is captured and the head runs on one position only."""
+    captured = {}
+
+    def grab(_module, _inputs, output):
+        captured["hidden"] = output[0] if isinstance(output, tuple) else output.last_hidden_state
+
+    handle = base_model(model).get_decoder().register_forward_hook(grab)
+    try:
+        causal_kwargs = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions,
+                             use_cache=False)
+        try:
+            model(**causal_kwargs, logits_to_keep=1)
+        except TypeError as exc:  # a model class without logits_to_keep
+            if "logits_to_keep" not in str(exc):
+                raise
+            model(**causal_kwargs)
+    finally:
+        handle.remove()
+    return captured["hidden"]
+
+
 def custom_mask_kind(model) -> str | None:
     """How `model` takes a custom (N, 1, T, T) attention mask: "bool" (sdpa: True = attend), "additive" (eager: 0 or
     the dtype's minimum, added to the scores), or None (flash and other kernels take none)."""

@@ -7,14 +7,14 @@ import time
 
 import torch
 
-from rlhfkit.algos import lm_loss_sum
+from rlhfkit.algos import linear_lm_loss_sum, lm_loss_sum
 from rlhfkit.config.schema import SFTConfig
 from rlhfkit.data.loader import load_stage_data, skipped_rows
 from rlhfkit.data.templates import end_token_ids
 from rlhfkit.data.tokenize import collate_packed, collate_sft
 from rlhfkit.engine import make_engine
 from rlhfkit.models import load_causal_lm, load_tokenizer
-from rlhfkit.models.forward import causal_logits, packed_logits
+from rlhfkit.models.forward import causal_logits, final_hidden, lm_head_weight, packed_logits, position_ids
 from rlhfkit.models.loading import load_generation_config
 from rlhfkit.models.lora import apply_lora
 from rlhfkit.stages.common import MetricsLogger, plan_steps, prepare_output_dir, set_seed
@@ -22,16 +22,27 @@ from rlhfkit.stages.guard import resume_state
 from rlhfkit.stages.loop import TrainLoop
 
 
-def lm_forward(model, batch: dict, device) -> tuple[torch.Tensor, int]:
+def lm_forward(model, batch: dict, device, fused: bool = False) -> tuple[torch.Tensor, int]:
     """Summed next-token NLL over labelled tokens and their count, for one (micro-)batch, padded
-    (`collate_sft`) or packed (`collate_packed`)."""
+    (`collate_sft`) or packed (`collate_packed`).
+
+    `fused`: the LM head runs on the labelled positions only and its cross-entropy in chunks
+    (`algos.linear_lm_loss_sum`), never holding the (tokens x vocabulary) logits; where the head allows it
+    (`lm_head_weight`) and `fused_loss_is_exact` said so for this model."""
     batch = {k: v.to(device) for k, v in batch.items()}
+    labels = batch["labels"][:, 1:]  # position t predicts token t+1
+    weight = lm_head_weight(model) if fused else None
+    if weight is not None:
+        mask = batch.get("attention_mask")
+        positions = batch["position_ids"] if "position_ids" in batch else position_ids(mask)
+        hidden = final_hidden(model, batch["input_ids"], mask, positions)[:, :-1]
+        keep = labels != -100
+        return linear_lm_loss_sum(hidden[keep], weight, labels[keep]), int(keep.sum().item())
     if "position_ids" in batch:
         logits = packed_logits(model, batch["input_ids"], batch["position_ids"])
     else:
         logits = causal_logits(model, batch["input_ids"], batch["attention_mask"])
-    # position t predicts token t+1
-    return lm_loss_sum(logits[:, :-1], batch["labels"][:, 1:])
+    return lm_loss_sum(logits[:, :-1], labels)
 
 
 @torch.no_grad()
@@ -54,12 +65,29 @@ def packing_is_exact(model, rows: list, pad_id: int, device, rtol: float = 1e-4)
 
 
 @torch.no_grad()
-def evaluate_lm(model, rows: list, pad_id: int, micro: int, device) -> dict:
+def fused_loss_is_exact(model, rows: list, pad_id: int, device, rtol: float = 1e-4) -> bool:
+    """Whether the chunked LM-head loss (`lm_forward(fused=True)`) gives the model's own logits' loss on `rows`,
+    checked once per run: a model that changes its logits after the head (a soft cap, a scale) fails it."""
+    if lm_head_weight(model) is None or not rows:
+        return False
+    was_training = model.training
+    model.eval()
+    try:
+        batch = collate_sft(rows, pad_id)
+        fused, _ = lm_forward(model, batch, device, fused=True)
+        plain, _ = lm_forward(model, batch, device)
+    finally:
+        model.train(was_training)
+    return bool(torch.isclose(fused.float(), plain.float(), rtol=rtol, atol=1e-4))
+
+
+@torch.no_grad()
+def evaluate_lm(model, rows: list, pad_id: int, micro: int, device, fused: bool = False) -> dict:
     """Token-weighted eval loss. Every rank evaluates all rows: ZeRO-3 needs the same forwards on all ranks."""
     model.eval()
     total, count = 0.0, 0
     for i in range(0, len(rows), micro):
-        nll, n = lm_forward(model, collate_sft(rows[i:i + micro], pad_id), device)
+        nll, n = lm_forward(model, collate_sft(rows[i:i + micro], pad_id), device, fused)
         total, count = total + nll.item(), count + n
     model.train()
     loss = total / max(count, 1)
@@ -71,13 +99,14 @@ def count_labels(rows: list) -> int:
     return sum(sum(1 for t in r["labels"][1:] if t != -100) for r in rows)
 
 
-def train_step(actor, rows: list, accum: int, micro: int, pad_id: int, engine, collate=collate_sft) -> dict:
+def train_step(actor, rows: list, accum: int, micro: int, pad_id: int, engine, collate=collate_sft,
+               fused: bool = False) -> dict:
     """One optimizer step over `rows` (this rank's share of the batch) in `accum` micro-batches."""
     # normalise by the tokens of the whole batch over all ranks, so micro 1 x accum 4 == micro 4 x accum 1
     n_tokens = engine.total(count_labels(rows))
     loss_sum = 0.0
     for m in range(accum):
-        nll, _ = lm_forward(actor.module, collate(rows[m * micro:(m + 1) * micro], pad_id), engine.device)
+        nll, _ = lm_forward(actor.module, collate(rows[m * micro:(m + 1) * micro], pad_id), engine.device, fused)
         actor.backward(nll, n_tokens)
         loss_sum += nll.item()
     lr = actor.lr
@@ -102,11 +131,17 @@ def run_sft(cfg: SFTConfig, resume: bool = False, force: bool = False) -> dict:
     actor = engine.prepare(model, cfg.train, total)
     start = resume_state(engine, out, {"model": actor})["step"] if resume else 0
     pad_id, device, micro = tokenizer.pad_token_id, engine.device, cfg.train.micro_batch_size
-    evaluate = (lambda: evaluate_lm(actor.module, data.eval, pad_id, micro, device)) if data.eval else None
-    packing = cfg.packing or (cfg.packing is None and engine.reduce_sum(float(packing_is_exact(
-        actor.module, data.train[:max(micro, 2)], pad_id, device, 1e-4 if cfg.engine.precision == "fp32" else 2e-2)))
-        == engine.world_size)
+    rtol, probe = (1e-4 if cfg.engine.precision == "fp32" else 2e-2), data.train[:max(micro, 2)]
+
+    def everywhere(check) -> bool:  # a check that every rank passed
+        return engine.reduce_sum(float(check(actor.module, probe, pad_id, device, rtol))) == engine.world_size
+
+    packing = cfg.packing or (cfg.packing is None and everywhere(packing_is_exact))
     collate = collate_packed if packing else collate_sft
+    fused = cfg.chunked_loss is not False and engine.holds_whole(actor.module) and \
+        lm_head_weight(actor.module) is not None and \
+        (cfg.chunked_loss or everywhere(fused_loss_is_exact))
+    evaluate = (lambda: evaluate_lm(actor.module, data.eval, pad_id, micro, device, fused)) if data.eval else None
 
     # 3. the loop: each step sees batch_size rows over all ranks, in micro-batches
     with MetricsLogger(out, "sft", total, cfg.log, engine.is_main, initial=start) as log:
@@ -114,14 +149,15 @@ def run_sft(cfg: SFTConfig, resume: bool = False, force: bool = False) -> dict:
         log.write(f"sft: {data.info['train_rows']} train / {data.info['eval_rows']} eval rows, template "
                   f"{data.info['template']}, {data.info['truncated']} truncated, {data.info['dropped']} dropped"
                   f"{'; skipped ' + skipped if skipped else ''}; {total} steps of {cfg.train.batch_size} "
-                  f"(accumulation {accum}); {'packed' if packing else 'padded'} micro-batches")
+                  f"(accumulation {accum}); {'packed' if packing else 'padded'} micro-batches"
+                  f"{', LM-head loss in chunks' if fused else ''}")
         if start == 0 and evaluate:  # the starting point, so curves show what training changed
             log.log(0, evaluate())
         with TrainLoop(engine, out, "sft", total, cfg.train, log, {"model": actor}, evaluate=evaluate,
                        show=("loss", "eval/loss", "lr")) as loop:
             for step, epoch, rows in loop.steps(data.train, start):
                 tick = time.perf_counter()
-                metrics = train_step(actor, rows, accum, micro, pad_id, engine, collate)
+                metrics = train_step(actor, rows, accum, micro, pad_id, engine, collate, fused)
                 loop.end_step(step + 1, {**metrics, "time/step": time.perf_counter() - tick, "epoch": epoch})
 
     # 4. export a plain transformers folder (LoRA merged, ZeRO-3 gathered)
