@@ -79,14 +79,19 @@ def _rows(tok, lengths, prompt=2, seed=0):
     return rows
 
 
-@pytest.mark.parametrize("collate", [collate_sft, collate_packed])
-def test_sft_forward_in_chunks_gives_the_logits_loss_and_gradients(tiny_model_dir, collate):
+@pytest.mark.parametrize("collate,fast_linear", [(collate_sft, False), (collate_packed, False), (collate_packed, True)])
+def test_sft_forward_in_chunks_gives_the_logits_loss_and_gradients(tiny_model_dir, collate, fast_linear):
     """On a real (tiny, tied-embedding) Llama: the same summed NLL, token count and every parameter's gradient
-    as the model's own logits, padded and packed."""
+    as the model's own logits, padded and packed, also with the linear layers on oneDNN (where it is faster)."""
+    from rlhfkit.models.cpu_linear import use_fast_cpu_linear
+    from rlhfkit.models.forward import lm_head_weight
     from rlhfkit.stages.sft import fused_loss_is_exact, lm_forward
 
     tok = load_tokenizer(str(tiny_model_dir))
     model = sharpened(load_causal_lm(str(tiny_model_dir), tokenizer=tok))
+    if fast_linear:
+        use_fast_cpu_linear(model, torch.device("cpu"))
+    assert lm_head_weight(model) is model.lm_head.weight  # the head's own weight, also as a FastCPULinear
     rows = _rows(tok, (9, 4, 6, 3, 8))
     batch = collate(rows, tok.pad_token_id)
 

@@ -15,6 +15,7 @@ import torch
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
 from rlhfkit.algos import last_valid_index
+from rlhfkit.models.cpu_linear import FastCPULinear
 from rlhfkit.models.lora import base_model
 
 HEAD_NAMES = ("score", "classifier", "v_head")
@@ -53,7 +54,7 @@ def lm_head_weight(model) -> torch.Tensor | None:
     """The (V, H) weight of `model`'s LM head when it is a plain bias-free linear layer whose weight is held here
     (not a ZeRO-3 shard, not a LoRA or quantised wrapper), else None: then only the model's own head will do."""
     head = base_model(model).get_output_embeddings()
-    if type(head) is not torch.nn.Linear or head.bias is not None or head.weight.numel() == 0:
+    if type(head) not in (torch.nn.Linear, FastCPULinear) or head.bias is not None or head.weight.numel() == 0:
         return None
     return head.weight
 
