@@ -115,12 +115,14 @@ class _LinearCrossEntropySum(torch.autograd.Function):
         return total
 
     @staticmethod
+    @torch.autograd.function.once_differentiable
     def backward(ctx, grad_total):
+        # scaled in place: the buffers are this node's own and are used once (no second backward through it)
         grad_hidden, grad_weight = ctx.saved_tensors
         if grad_hidden is not None:
-            grad_hidden = grad_hidden * grad_total.to(grad_hidden.dtype)
+            grad_hidden = grad_hidden.mul_(grad_total.to(grad_hidden.dtype))
         if grad_weight is not None:
-            grad_weight = (grad_weight * grad_total).to(ctx.weight_dtype)
+            grad_weight = grad_weight.mul_(grad_total).to(ctx.weight_dtype)
         return grad_hidden, grad_weight, None, None, None, None
 
 

@@ -46,7 +46,7 @@ def lm_forward(model, batch: dict, device, fused: bool = False) -> tuple[torch.T
 
 
 @torch.no_grad()
-def packing_is_exact(model, rows: list, pad_id: int, device, rtol: float = 1e-4) -> bool:
+def packing_is_exact(model, rows: list, pad_id: int, device, rtol: float = 1e-4, fused: bool = False) -> bool:
     """Whether packed rows give the padded batch's loss on `rows`, checked once per run on real rows: a model
     whose attention does not read packed positions (transformers builds the block-diagonal mask for most
     architectures, not all) would let rows see each other and fails this check."""
@@ -55,8 +55,8 @@ def packing_is_exact(model, rows: list, pad_id: int, device, rtol: float = 1e-4)
     was_training = model.training
     model.eval()
     try:
-        padded, _ = lm_forward(model, collate_sft(rows, pad_id), device)
-        packed, _ = lm_forward(model, collate_packed(rows, pad_id), device)
+        padded, _ = lm_forward(model, collate_sft(rows, pad_id), device, fused)
+        packed, _ = lm_forward(model, collate_packed(rows, pad_id), device, fused)
     finally:
         model.train(was_training)
     # float32 rounds the two ways apart by ~1e-6 relative (`rtol` for bf16: 2e-2); a leak across rows moves the
@@ -79,6 +79,12 @@ def fused_loss_is_exact(model, rows: list, pad_id: int, device, rtol: float = 1e
     finally:
         model.train(was_training)
     return bool(torch.isclose(fused.float(), plain.float(), rtol=rtol, atol=1e-4))
+
+
+def probe_rows(rows: list, n: int = 2, tokens: int = 256) -> list[dict]:
+    """The rows the one-off checks run on: the last `tokens` tokens (where the labelled response is) of the first
+    `n` rows, so that the checks' full logits stay small whatever the data's length."""
+    return [{k: v[-tokens:] if isinstance(v, list) else v for k, v in row.items()} for row in rows[:n]]
 
 
 @torch.no_grad()
@@ -131,16 +137,16 @@ def run_sft(cfg: SFTConfig, resume: bool = False, force: bool = False) -> dict:
     actor = engine.prepare(model, cfg.train, total)
     start = resume_state(engine, out, {"model": actor})["step"] if resume else 0
     pad_id, device, micro = tokenizer.pad_token_id, engine.device, cfg.train.micro_batch_size
-    rtol, probe = (1e-4 if cfg.engine.precision == "fp32" else 2e-2), data.train[:max(micro, 2)]
+    rtol, probe = (1e-4 if cfg.engine.precision == "fp32" else 2e-2), probe_rows(data.train)
 
-    def everywhere(check) -> bool:  # a check that every rank passed
-        return engine.reduce_sum(float(check(actor.module, probe, pad_id, device, rtol))) == engine.world_size
+    def everywhere(check, **kwargs) -> bool:  # a check that every rank passed
+        passed = check(actor.module, probe, pad_id, device, rtol, **kwargs)
+        return engine.reduce_sum(float(passed)) == engine.world_size
 
-    packing = cfg.packing or (cfg.packing is None and everywhere(packing_is_exact))
-    collate = collate_packed if packing else collate_sft
     fused = cfg.chunked_loss is not False and engine.holds_whole(actor.module) and \
-        lm_head_weight(actor.module) is not None and \
-        (cfg.chunked_loss or everywhere(fused_loss_is_exact))
+        lm_head_weight(actor.module) is not None and (cfg.chunked_loss or everywhere(fused_loss_is_exact))
+    packing = cfg.packing or (cfg.packing is None and everywhere(packing_is_exact, fused=fused))
+    collate = collate_packed if packing else collate_sft
     evaluate = (lambda: evaluate_lm(actor.module, data.eval, pad_id, micro, device, fused)) if data.eval else None
 
     # 3. the loop: each step sees batch_size rows over all ranks, in micro-batches
