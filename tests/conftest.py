@@ -97,9 +97,9 @@ def ppo_world(tiny_model_dir, tmp_path_factory) -> Path:
                                         "train.max_steps=800", "train.batch_size=16", "train.micro_batch_size=16",
                                         "train.lr=3e-3", "train.eval_every=0", "log.tensorboard=false",
                                         # the starting model of every pinned RM/PPO curve: padded, the model's own
-                                        # logits, as they were recorded (packing's and the chunked loss's rounding
-                                        # differ by ~1e-6, and 800 steps amplify it)
-                                        "packing=false", "chunked_loss=false"])
+                                        # logits and modules, as they were recorded (packing's, the chunked loss's
+                                        # and the lean modules' rounding differ by ~1e-6; 800 steps amplify it)
+                                        "packing=false", "chunked_loss=false", "load.lean_activations=false"])
     run_sft(cfg)
     return root
 

@@ -17,6 +17,7 @@ from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForSequence
 
 from rlhfkit.config.schema import LoadConfig
 from rlhfkit.errors import ModelError
+from rlhfkit.models.lean import use_lean_activations
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "auto": "auto"}
 # A folder holding none of these has no tokenizer (fast, sentencepiece, BPE vocab, or a config naming one).
@@ -96,6 +97,8 @@ def _prepare(model, opts: LoadConfig, tokenizer=None):
             model.resize_token_embeddings(len(tokenizer))
         if model.config.pad_token_id is None:
             model.config.pad_token_id = tokenizer.pad_token_id
+    if opts.lean_activations:
+        use_lean_activations(model)
     if opts.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.config.use_cache = False

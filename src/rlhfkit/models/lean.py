@@ -1,0 +1,141 @@
+"""RMSNorm and SwiGLU that keep fewer activations for backward: the same values, ~25% less activation memory.
+
+A Llama-style decoder layer's autograd graph keeps, per token, besides what the linear layers need:
+- in each RMSNorm, its input, the normalised input and the output (the next linear keeps the output);
+- in the MLP, the gate output, SiLU(gate), the up output and their product (the down projection keeps it).
+
+`LeanRMSNorm` keeps the input and one number per token (1 / rms) and recomputes the normalised input in backward;
+`LeanSwiGLU` keeps the gate and up outputs and recomputes SiLU(gate) in backward. Both are element-wise
+recomputations (no matmul), so the time hardly moves, while the memory a micro-batch's activations take falls by
+~2,700 floats per token and layer out of ~11,000 on SmolLM2 (hidden 576, MLP 1536).
+
+`use_lean_activations(model)` switches the modules of the known Llama-family classes (by class swap, like
+`cpu_linear.FastCPULinear`: same parameters, same state dict) after checking on a random input that the lean
+forward gives the module's own values; ZeRO-3 partitioned weights and anything unusual keep the original forward.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from rlhfkit.engine.partition import is_partitioned
+
+# Llama-style RMSNorm (weight * normalised, computed in float32) and gate/up/down SwiGLU MLP classes
+RMSNORM_CLASSES = ("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "SmolLM3RMSNorm")
+MLP_CLASSES = ("LlamaMLP", "MistralMLP", "Qwen2MLP", "Qwen3MLP", "SmolLM3MLP")
+
+
+class _RMSNormFunction(torch.autograd.Function):
+    """y = w * (x / rms(x)), rms over the last dim in float32; keeps x and 1 / rms for backward."""
+
+    @staticmethod
+    def forward(ctx, x, weight, eps):
+        xf = x.float()
+        inv_rms = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+        ctx.save_for_backward(x, weight, inv_rms)
+        return weight * (xf * inv_rms).to(x.dtype)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad):
+        x, weight, inv_rms = ctx.saved_tensors
+        normed = x.float() * inv_rms  # recomputed: the one tensor not kept
+        grad_weight = None
+        if ctx.needs_input_grad[1]:
+            grad_weight = (grad * normed.to(x.dtype)).reshape(-1, grad.size(-1)).sum(0).to(weight.dtype)
+        grad_x = None
+        if ctx.needs_input_grad[0]:
+            # d/dx of x * r(x), r = 1 / rms: r * (g - normed * mean(g * normed)), g = grad * weight
+            g = (grad * weight).float()
+            grad_x = (inv_rms * (g - normed * (g * normed).mean(-1, keepdim=True))).to(x.dtype)
+        return grad_x, grad_weight, None
+
+
+class _SiluMulFunction(torch.autograd.Function):
+    """SiLU(gate) * up; keeps gate and up, recomputes SiLU(gate) in backward."""
+
+    @staticmethod
+    def forward(ctx, gate, up):
+        ctx.save_for_backward(gate, up)
+        return F.silu(gate) * up
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad):
+        gate, up = ctx.saved_tensors
+        sig = torch.sigmoid(gate)
+        grad_up = grad * (gate * sig) if ctx.needs_input_grad[1] else None
+        # SiLU'(g) = s * (1 + g * (1 - s)), s = sigmoid(g)
+        grad_gate = grad * up * sig * (1 + gate * (1 - sig)) if ctx.needs_input_grad[0] else None
+        return grad_gate, grad_up
+
+
+class LeanRMSNorm(torch.nn.Module):
+    """Stands in for a Llama-style RMSNorm (`weight`, `variance_epsilon`); see the module docstring."""
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        if not (torch.is_grad_enabled() and hidden_states.requires_grad) or is_partitioned(self.weight):
+            return type(self).__mro__[1].forward(self, hidden_states)  # the original class's forward
+        return _RMSNormFunction.apply(hidden_states, self.weight, self.variance_epsilon)
+
+
+class LeanSwiGLU(torch.nn.Module):
+    """Stands in for a gate/up/down SiLU MLP; the three projections stay modules (LoRA and hooks see them)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not torch.is_grad_enabled():
+            return type(self).__mro__[1].forward(self, x)
+        return self.down_proj(_SiluMulFunction.apply(self.gate_proj(x), self.up_proj(x)))
+
+
+_LEAN_CLASSES: dict[type, type] = {}
+
+
+def _lean_class(original: type, lean: type) -> type:
+    """A subclass of `original` (and of `lean`, for isinstance) whose forward is `lean`'s, falling back to
+    `original.forward` (the first class after it in the MRO)."""
+    if original not in _LEAN_CLASSES:
+        _LEAN_CLASSES[original] = type(f"Lean{original.__name__}", (original, lean), {"forward": lean.forward})
+    return _LEAN_CLASSES[original]
+
+
+def _same_values(module: torch.nn.Module, lean: type, width: int) -> bool:
+    """Whether `lean`'s forward and gradients equal the module's own on a random input (float rounding aside)."""
+    dtype = next(module.parameters()).dtype
+    x = torch.randn(3, 5, width, dtype=torch.float32, generator=torch.Generator().manual_seed(0)).to(dtype)
+    x.requires_grad_(True)
+    original = type(module)
+    with torch.enable_grad():
+        expected = original.forward(module, x)
+        (expected_grad,) = torch.autograd.grad(expected.float().square().sum(), x)
+        got = _lean_class(original, lean).forward(module, x)
+        (got_grad,) = torch.autograd.grad(got.float().square().sum(), x)
+    for p in module.parameters():
+        p.grad = None
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+
+    def close(a: torch.Tensor, b: torch.Tensor) -> bool:  # relative to the largest value: rounding, not a bug
+        return float((a.float() - b.float()).abs().max()) <= tol * float(b.float().abs().max()) + 1e-12
+
+    return close(got, expected) and close(got_grad, expected_grad)
+
+
+def use_lean_activations(model: torch.nn.Module) -> int:
+    """Switch `model`'s Llama-style RMSNorm and SwiGLU MLP modules to their lean forwards (see the module
+    docstring). Returns how many modules were switched; unknown classes and partitioned weights keep theirs."""
+    switched = 0
+    for module in model.modules():
+        name = type(module).__name__
+        if name in RMSNORM_CLASSES and hasattr(module, "variance_epsilon") and not is_partitioned(module.weight):
+            lean, width = LeanRMSNorm, module.weight.numel()
+        elif name in MLP_CLASSES and all(hasattr(module, a) for a in ("gate_proj", "up_proj", "down_proj")) and \
+                (isinstance(module.act_fn, torch.nn.SiLU) or type(module.act_fn).__name__ == "SiLUActivation") and \
+                not any(is_partitioned(p) for p in module.parameters()):
+            lean, width = LeanSwiGLU, module.gate_proj.in_features
+        else:
+            continue
+        if _same_values(module, lean, width):
+            module.__class__ = _lean_class(type(module), lean)
+            switched += 1
+    return switched
