@@ -24,9 +24,10 @@ def echo_model(tmp_path_factory, tiny_model_dir):
                                         "train.max_steps=300", "train.batch_size=8", "train.micro_batch_size=8",
                                         "train.lr=1e-2", "data.eval_fraction=0", "train.save_every=0",
                                         "log.tensorboard=false", "log.progress=false",
-                                        # padded, as when the answers below were written: at lr 1e-2 a 1e-6
-                                        # rounding difference (packing's) grows into another model by step 100
-                                        "packing=false"])
+                                        # padded, the model's own logits and modules, as when the answers below
+                                        # were written: at lr 1e-2 a 1e-6 rounding difference (packing's, the
+                                        # chunked loss's, the lean modules') grows into another model by step 100
+                                        "packing=false", "chunked_loss=false", "load.lean_activations=false"])
     run_sft(cfg)
     return tmp / "sft" / "final"
 

@@ -1,4 +1,4 @@
-"""RMSNorm and SwiGLU that keep fewer activations for backward: the same values, ~25% less activation memory.
+"""RMSNorm and SwiGLU that keep fewer activations for backward: the same values, ~20% less activation memory.
 
 A Llama-style decoder layer's autograd graph keeps, per token, besides what the linear layers need:
 - in each RMSNorm, its input, the normalised input and the output (the next linear keeps the output);
