@@ -6,13 +6,17 @@
     python benchmarks/bench_ppo.py --zero3    # 2 ranks, ZeRO-3: gather-once vs per-token generation (and TRL)
     python benchmarks/bench_ppo.py --bf16     # both in bf16 mixed precision (TRL's bf16=True, rlhfkit's
                                               # engine.precision=bf16) instead of float32
-    --threads N sets torch's threads for both systems (default 1: steadier on a shared machine)
+    python benchmarks/bench_ppo.py --sizes SmolLM2 --shapes 8:64,16:64 --threads 2
+                                              # SmolLM2-135M-Instruct (rlhfkit fetch) and its scalar-head twin
+    --threads N sets torch's threads for both systems (default 1: steadier on a shared machine); --shapes
+    batch:response pairs instead of the default ones; --micro the update's micro-batch size (default 8)
 
-Identical work: the same model folders (a ~5M and a ~20M Llama built locally; the policy folder is actor and
-reference, its scalar-head twin is reward model and critic), the same prompts (the dataset is exactly one
+Identical work: the same model folders (a ~5M and a ~20M Llama built locally, or SmolLM2-135M-Instruct; the
+policy folder is actor and reference, its scalar-head twin is reward model and critic), the same prompts (token
+ids from rlhfkit's data layer with the model's own tokenizer) (the dataset is exactly one
 batch, so every iteration of both systems rolls out the same prompt set), responses of exactly R tokens (EOS
 forbidden until R in rlhfkit, no stop token in TRL), float32, no gradient checkpointing, one PPO epoch over one
-mini-batch (the whole batch) in micro-batches of 8, KL coefficient 0.05, temperature 1. TRL generates the whole
+mini-batch (the whole batch) in micro-batches of 8 (--micro), KL coefficient 0.05, temperature 1. TRL generates the whole
 batch in one generate() call (local_rollout_forward_batch_size = batch), as rlhfkit does.
 
 Each system runs in its own subprocess; the two advance one iteration at a time in turn (harness.Lockstep),
@@ -46,15 +50,16 @@ ZERO3_BATCH, ZERO3_RESPONSE = 16, 32
 
 def rlhfkit_worker(args) -> None:
     """rlhfkit's real PPO loop, in lock-step with the parent (harness.rlhfkit_lockstep)."""
-    overrides = rlhfkit_overrides(Path(args.world), args.size, args.batch, args.response, args.out, 100000)
+    overrides = rlhfkit_overrides(Path(args.world), args.size, args.batch, args.response, args.out, 100000, args.micro)
     harness.rlhfkit_lockstep(overrides + args.extra, args.threads)
 
 
-def rlhfkit_overrides(world: Path, size: str, batch: int, response: int, out, steps: int) -> list[str]:
+def rlhfkit_overrides(world: Path, size: str, batch: int, response: int, out, steps: int,
+                      micro: int = MICRO) -> list[str]:
     """The `rlhfkit ppo` settings of the identical work (see the module docstring)."""
     return [f"actor={world / size / 'policy'}", f"reward={world / size / 'reward'}",
             f"data.prompts={harness.prompt_rows(world, batch)}", "data.eval_fraction=0", f"output_dir={out}",
-            f"train.batch_size={batch}", f"train.micro_batch_size={MICRO}", f"train.max_steps={steps}",
+            f"train.batch_size={batch}", f"train.micro_batch_size={micro}", f"train.max_steps={steps}",
             f"train.lr={LR}", "train.warmup_steps=0", "train.scheduler=constant", "train.save_every=0",
             "train.eval_every=0", "train.log_every=1", f"gen.max_new_tokens={response}",
             f"gen.min_new_tokens={response}", "gen.temperature=1.0", f"ppo.kl_coef={KL_COEF}", "ppo.epochs=1",
@@ -91,11 +96,11 @@ def trl_worker(args) -> None:
     world = Path(args.world)
     policy, reward = world / args.size / "policy", world / args.size / "reward"
     tok = AutoTokenizer.from_pretrained(policy, padding_side="left")
-    prompt_ids = json.loads(harness.tokenized_prompts(world, args.batch).read_text())
+    prompt_ids = json.loads(harness.tokenized_prompts(world, args.batch, args.size).read_text())
     data = Dataset.from_dict({"input_ids": prompt_ids})
     local = args.batch // int(os.environ.get("WORLD_SIZE", "1"))  # prompts per rank (accelerate launch)
-    config = PPOConfig(output_dir=args.out, per_device_train_batch_size=MICRO,
-                       gradient_accumulation_steps=local // MICRO, num_mini_batches=1, num_ppo_epochs=1,
+    config = PPOConfig(output_dir=args.out, per_device_train_batch_size=args.micro,
+                       gradient_accumulation_steps=local // args.micro, num_mini_batches=1, num_ppo_epochs=1,
                        local_rollout_forward_batch_size=local, response_length=args.response,
                        stop_token=None, temperature=1.0, kl_coef=KL_COEF, learning_rate=LR,
                        lr_scheduler_type="constant", total_episodes=args.batch * (args.free_run or 100000),
@@ -118,9 +123,10 @@ def trl_worker(args) -> None:
 
 
 def worker_cmd(system: str, python: Path, world: Path, size: str, batch: int, response: int, threads: int,
-               out: Path, extra: list[str] = (), bf16: bool = False) -> list[str]:
+               out: Path, extra: list[str] = (), bf16: bool = False, micro: int = MICRO) -> list[str]:
     cmd = [str(python), str(Path(__file__).resolve()), "--worker", system, "--world", str(world), "--size", size,
-           "--batch", str(batch), "--response", str(response), "--threads", str(threads), "--out", str(out)]
+           "--batch", str(batch), "--response", str(response), "--threads", str(threads), "--out", str(out),
+           "--micro", str(micro)]
     if bf16:
         cmd += ["--bf16", "--extra=engine.precision=bf16"]
     return cmd + [f"--extra={e}" for e in extra]
@@ -138,7 +144,8 @@ def compare(world: Path, trl_python: Path, size: str, batch: int, response: int,
     env = thread_env(args.threads)
     harness.uncache_libraries(Path(sys.prefix), trl_python.parent.parent)  # the same start for both (peak RSS)
     workers = [harness.Worker(name, worker_cmd(name, py, world, size, batch, response, args.threads,
-                                               tmp / f"{name}-{size}-{batch}-{response}", bf16=args.bf16),
+                                               tmp / f"{name}-{size}-{batch}-{response}", bf16=args.bf16,
+                                               micro=min(args.micro, batch)),
                               tmp / f"{name}-{size}-{batch}-{response}.log", env)
                for name, py in (("rlhfkit", Path(sys.executable)), ("trl", trl_python))]
     results = harness.run_lockstep(workers, args.warmup, args.iters)
@@ -155,7 +162,7 @@ def compare(world: Path, trl_python: Path, size: str, batch: int, response: int,
 def floor(world: Path, size: str, batch: int, response: int, gflops: float, phases: dict) -> dict:
     """The iteration's floor (harness.ppo_floor) for the phases rlhfkit ran: the policy folder is actor and
     reference, its scalar twin reward model and critic; the prompts are the benchmark's own."""
-    prompts = json.loads(harness.tokenized_prompts(world, batch).read_text())
+    prompts = json.loads(harness.tokenized_prompts(world, batch, size).read_text())
     policy, scalar = harness.linear_sizes(world / size / "policy"), harness.linear_sizes(world / size / "reward")
     return harness.ppo_floor(policy, scalar, scalar, batch, sum(map(len, prompts)) / len(prompts), response,
                              gflops, phases=[k for k in PHASES if k in phases])
@@ -265,7 +272,10 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="one config (5M, batch 16, response 32), 1+5 iterations")
     p.add_argument("--full", action="store_true", help="batch {16,64} x response {32,64} for both sizes")
-    p.add_argument("--sizes", default="5M,20M")
+    p.add_argument("--sizes", default="5M,20M", help=f"comma-separated model sizes (5M, 20M, {harness.REAL_SIZE})")
+    p.add_argument("--shapes", help="comma-separated batch:response pairs instead of the defaults, e.g. 8:64,16:64")
+    p.add_argument("--micro", type=int, default=MICRO, help="micro-batch size of both systems' updates (at most the "
+                                                          "batch)")
     p.add_argument("--iters", type=int, default=5, help="measured iterations per system (median)")
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--threads", type=int, default=1,
@@ -294,13 +304,19 @@ def main() -> None:
     world = harness.build_world()
     print(harness.machine_line(args.threads), flush=True)
     args.gflops = harness.peak_matmul_gflops(args.threads)
-    for n in (16, 64):
-        harness.tokenized_prompts(world, n)
     if args.quick:
         configs, args.iters, args.warmup = [("5M", 16, 32)], min(args.iters, 5), 1
     else:
         shapes = [(16, 32), (16, 64), (64, 32), (64, 64)] if args.full else [(16, 32), (64, 64)]
+        if args.shapes:
+            shapes = [tuple(int(x) for x in shape.split(":")) for shape in args.shapes.split(",")]
         configs = [(s, b, r) for s in args.sizes.split(",") for b, r in shapes]
+    if any(size == harness.REAL_SIZE for size, _, _ in configs):
+        harness.add_real_model(world)
+    for size, batch, _ in configs:
+        harness.tokenized_prompts(world, batch, size)
+        if batch % min(args.micro, batch):
+            raise SystemExit(f"batch {batch} is not a multiple of --micro {args.micro}")
     rows = []
     with tempfile.TemporaryDirectory(prefix="bench_ppo_") as tmp:
         for size, batch, response in configs:

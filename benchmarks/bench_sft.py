@@ -96,16 +96,33 @@ FOLDER = {"sft": "policy", "rm": "reward"}  # stage -> the model folder it train
 # ------------------------------------------------------------------------------------------ the data
 
 
-def rows_file(world: Path, stage: str, n: int) -> Path:
+def rows_file(world: Path, stage: str, n: int, length: int = 0, size: str = "5M") -> Path:
     """n seeded rows in the world's pseudo-language: SFT {prompt, response}, RM {prompt, chosen, rejected};
-    prompts "Tell a story about" + 3-14 words, responses 4-100 words (lengths vary, so padding matters)."""
-    target = world / (f"sft-rows-{n}.jsonl" if stage == "sft" else f"rm-pairs-{n}.jsonl")
+    prompts "Tell a story about" + 3-14 words, responses 4-100 words (lengths vary, so padding matters), or with
+    `length` every response just reaches `length` tokens of `size`'s tokenizer (the cost curves' rows)."""
+    sides = ("response",) if stage == "sft" else ("chosen", "rejected")
+    name = f"sft-rows-{n}" if stage == "sft" else f"rm-pairs-{n}"
+    if length:
+        name += f"-{length}-tokens" + ("" if size in harness.SIZES else f"-{size}")
+    target = world / f"{name}.jsonl"
     if not target.is_file():
         words = harness._lexicon(random.Random(0))  # the words the world's tokenizer was trained on
         rng = random.Random(23 if stage == "sft" else 29)
-        sides = ("response",) if stage == "sft" else ("chosen", "rejected")
+        if length:
+            from rlhfkit.models import load_tokenizer
+
+            tok = load_tokenizer(str(world / ("5M" if size in harness.SIZES else size) / "policy"))
+
+            def response() -> str:  # words until the text is `length` tokens or just over
+                text = harness._sentence(rng, words, 1)
+                while len(tok(text, add_special_tokens=False)["input_ids"]) < length:
+                    text += " " + harness._sentence(rng, words, max(1, (length - len(tok(text)["input_ids"])) // 3))
+                return text
+        else:
+            def response() -> str:
+                return harness._sentence(rng, words, rng.randint(4, 100))
         rows = [{"prompt": "Tell a story about " + harness._sentence(rng, words, rng.randint(3, 14)),
-                 **{side: harness._sentence(rng, words, rng.randint(4, 100)) for side in sides}} for _ in range(n)]
+                 **{side: response() for side in sides}} for _ in range(n)]
         target.write_text("".join(json.dumps(row) + "\n" for row in rows))
     return target
 
@@ -185,7 +202,7 @@ def rlhfkit_worker(args) -> None:
     """rlhfkit's real loop (run_sft / run_rm), in lock-step with the parent (harness.rlhfkit_lockstep)."""
     world = Path(args.world)
     overrides = rlhfkit_overrides(args.stage, world / args.size / FOLDER[args.stage],
-                                  rows_file(world, args.stage, args.rows), args.out, args.rows)
+                                  rows_file(world, args.stage, args.rows, args.length, args.size), args.out, args.rows)
     harness.rlhfkit_lockstep(overrides, args.threads, report={"loss": "loss"}, stage=args.stage)
 
 
@@ -259,7 +276,8 @@ def rlhfkit_check(args) -> None:
 
     world = Path(args.world)
     overrides = rlhfkit_overrides(args.stage, world / args.size / FOLDER[args.stage],
-                                  rows_file(world, args.stage, args.rows), args.out, args.rows, steps=1)
+                                  rows_file(world, args.stage, args.rows, args.length, args.size), args.out, args.rows,
+                                  steps=1)
     config_class, run = (SFTConfig, run_sft) if args.stage == "sft" else (RMConfig, run_rm)
     run(load_config(config_class, None, overrides), force=True)
     first = json.loads((Path(args.out) / "metrics.jsonl").read_text().splitlines()[0])
@@ -286,12 +304,12 @@ def trl_check(args) -> None:
 def worker_cmd(system: str, python: Path, world: Path, size: str, stage: str, args, out: Path, spec: Path) -> list:
     return [str(python), str(Path(__file__).resolve()), "--worker", system, "--world", str(world), "--size", size,
             "--stage", stage, "--rows", str(args.rows), "--threads", str(args.threads), "--out", str(out),
-            "--spec", str(spec), "--trl-batches", args.trl_batches]
+            "--spec", str(spec), "--trl-batches", args.trl_batches, "--length", str(args.length)]
 
 
 def write_spec(stage: str, world: Path, size: str, args, tmp: Path) -> tuple[list[dict], Path]:
     """rlhfkit's tokenised rows, written for the TRL worker to train on and check against."""
-    rows = rlhfkit_rows(stage, world, size, rows_file(world, stage, args.rows))
+    rows = rlhfkit_rows(stage, world, size, rows_file(world, stage, args.rows, args.length, size))
     spec = tmp / f"rows-{stage}-{size}.json"
     spec.write_text(json.dumps(rows))
     return rows, spec
@@ -383,6 +401,7 @@ def main() -> None:
     p.add_argument("--iters", type=int, default=8, help="measured iterations per system (median)")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--rows", type=int, default=ROWS, help="rows (SFT) or pairs (RM) per optimizer step: the data set")
+    p.add_argument("--length", type=int, default=0, help="responses of this many tokens instead of 4-100 words")
     p.add_argument("--threads", type=int, default=1,
                    help="torch threads, the same for both systems (1: steadier on a shared machine)")
     p.add_argument("--trl-batches", choices=("padding_free", "padded"), default="padding_free",

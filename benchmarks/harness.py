@@ -172,16 +172,18 @@ def prompt_rows(world: Path, n: int) -> Path:
     return target
 
 
-def tokenized_prompts(world: Path, n: int) -> Path:
-    """The same n prompts rendered and tokenised by rlhfkit's own data layer, for TRL to use as they are."""
-    target = world / f"prompt-ids-{n}.json"
+def tokenized_prompts(world: Path, n: int, size: str = "5M") -> Path:
+    """The same n prompts rendered and tokenised by rlhfkit's own data layer with `size`'s tokenizer (the built
+    sizes share one; the real model has its own), for TRL to use as they are."""
+    own = size in SIZES
+    target = world / (f"prompt-ids-{n}.json" if own else f"prompt-ids-{size}-{n}.json")
     if target.is_file():
         return target
     from rlhfkit.config.ppo_schema import PPODataConfig
     from rlhfkit.data.loader import load_stage_data
     from rlhfkit.models import load_tokenizer
 
-    tok = load_tokenizer(str(world / "5M" / "policy"), padding_side="left")
+    tok = load_tokenizer(str(world / ("5M" if own else size) / "policy"), padding_side="left")
     data_cfg = PPODataConfig(prompts=str(prompt_rows(world, n)), eval_fraction=0.0).as_prompt_data()
     data = load_stage_data("prompts", data_cfg, tok, seed=0)
     target.write_text(json.dumps([row["prompt_ids"] for row in data.train]))
