@@ -252,8 +252,9 @@ def grouped_batch(tok, model, n: int = 3) -> RolloutBatch:
 
 
 def test_prompt_shared_by_a_group_is_computed_once_with_the_same_logprobs_and_gradients(tiny, tiny_model_dir):
-    """shared_prefix_logits (each distinct prompt once, its KV cache indexed out to the group) gives the full
-    forward's logits on every valid response token, and the same parameter gradients."""
+    """shared_prefix_logits (each distinct prompt once, its KV cache broadcast to the group's block of rows, or
+    indexed out to rows in any order) gives the full forward's logits on every valid response token, and the
+    same parameter gradients."""
     from rlhfkit.models.forward import causal_logits, shared_prefix_logits, unique_rows
 
     tok, _ = tiny
@@ -265,10 +266,10 @@ def test_prompt_shared_by_a_group_is_computed_once_with_the_same_logprobs_and_gr
     valid = batch.response_mask.bool()[..., None]
     weights = torch.randn(*batch.response_ids.shape, len(tok), generator=torch.Generator().manual_seed(1)) * valid
 
-    def run(fn):
+    def run(fn, row_weights=weights):
         model.zero_grad()
         logits = fn()
-        (logits * weights).sum().backward()
+        (logits * row_weights).sum().backward()
         return logits.detach(), [p.grad.clone() for p in model.parameters()]
 
     full, full_grads = run(lambda: causal_logits(model, batch.input_ids, batch.attention_mask,
@@ -277,6 +278,14 @@ def test_prompt_shared_by_a_group_is_computed_once_with_the_same_logprobs_and_gr
                                                             batch.response_ids, batch.response_mask))
     torch.testing.assert_close(shared * valid, full * valid, atol=1e-5, rtol=1e-5)
     for a, b in zip(shared_grads, full_grads):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+    # rows of a prompt not next to each other: the cache is indexed out (not broadcast by blocks), same result
+    mixed = [0, 3, 1, 4, 2, 5]
+    interleaved, interleaved_grads = run(lambda: shared_prefix_logits(
+        model, batch.prompt_ids[mixed], batch.prompt_mask[mixed], batch.response_ids[mixed],
+        batch.response_mask[mixed]), weights[mixed])
+    torch.testing.assert_close(interleaved * valid[mixed], full[mixed] * valid[mixed], atol=1e-5, rtol=1e-5)
+    for a, b in zip(interleaved_grads, full_grads):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
     # distinct prompts: nothing to share, the caller runs the plain forward; unless `always` (ZeRO-3: every
     # rank makes the same two calls), which gives the same logits
@@ -287,13 +296,18 @@ def test_prompt_shared_by_a_group_is_computed_once_with_the_same_logprobs_and_gr
         forced = shared_prefix_logits(model, batch.prompt_ids[two], batch.prompt_mask[two], batch.response_ids[two],
                                       batch.response_mask[two], always=True)
     torch.testing.assert_close(forced * valid[two], full[two] * valid[two], atol=1e-5, rtol=1e-5)
-    # under gradient checkpointing transformers drops the cache in every layer: no sharing while training
+    # under gradient checkpointing transformers drops the cache in every layer of a model in training mode,
+    # with or without autograd: no sharing then (a no-grad forward of the training actor included)
     model.gradient_checkpointing_enable()
     assert shared_prefix_logits(model, batch.prompt_ids, batch.prompt_mask, batch.response_ids,
                                 batch.response_mask) is None
     with torch.no_grad():
         assert shared_prefix_logits(model, batch.prompt_ids, batch.prompt_mask, batch.response_ids,
-                                    batch.response_mask) is not None
+                                    batch.response_mask) is None
+        model.eval()
+        evaluated = shared_prefix_logits(model, batch.prompt_ids, batch.prompt_mask, batch.response_ids,
+                                         batch.response_mask)
+    torch.testing.assert_close(evaluated * valid, full * valid, atol=1e-5, rtol=1e-5)
 
 
 def test_group_rows_share_micro_batches_and_give_the_same_experience(tiny):
@@ -314,6 +328,23 @@ def test_group_rows_share_micro_batches_and_give_the_same_experience(tiny):
     torch.testing.assert_close(grouped.ref_logprobs, plain.ref_logprobs, atol=1e-5, rtol=1e-5)
     whole = add_model_outputs(batch, model, None, model, temperature=0.7, micro_batch_size=batch.size)
     torch.testing.assert_close(whole.ref_logprobs, plain.ref_logprobs, atol=1e-5, rtol=1e-5)
+
+
+def test_old_logprobs_of_a_checkpointed_actor_in_training_mode_see_the_prompt(tiny, tiny_model_dir):
+    """The actor trains with gradient checkpointing (train mode), and its old log-probs are a no-grad forward:
+    transformers drops the KV cache there, so the group's shared-prompt forward must not be used; the values
+    equal the eval-mode ones (before the fix they were computed without the prompt)."""
+    from conftest import sharpened
+
+    tok, _ = tiny
+    model = sharpened(load_causal_lm(str(tiny_model_dir), tokenizer=tok))
+    batch = grouped_batch(tok, model.eval())
+    expected = add_model_outputs(batch, model, None, model, temperature=1.0, micro_batch_size=6)
+    model.gradient_checkpointing_enable()
+    model.train()
+    got = add_model_outputs(batch, model, None, model, temperature=1.0, micro_batch_size=6)
+    torch.testing.assert_close(got.old_logprobs, expected.old_logprobs, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got.ref_logprobs, expected.ref_logprobs, atol=1e-5, rtol=1e-5)
 
 
 def test_generation_prefills_a_shared_prompt_once_and_samples_the_same(tiny, monkeypatch):

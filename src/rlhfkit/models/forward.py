@@ -129,9 +129,11 @@ def masked_logits(model, input_ids: torch.Tensor, position_ids: torch.Tensor, al
 
 def shares_prefixes(model) -> bool:
     """Whether a forward may compute a prompt shared by several rows once and reuse its KV cache: not while
-    gradient checkpointing trains the model (transformers then drops the cache inside every layer)."""
+    a model with gradient checkpointing is in training mode. transformers then drops the cache inside every
+    layer, with or without autograd (so a no-grad forward of the training actor, its old log-probs or the
+    reference with the LoRA adapter off, would run the responses without their prompt)."""
     plain = base_model(model)
-    if not (torch.is_grad_enabled() and plain.training):
+    if not plain.training:
         return True
     name = "is_activation_checkpointing" if hasattr(type(plain), "is_activation_checkpointing") else \
         "is_gradient_checkpointing"  # transformers < 5.x's name
@@ -162,6 +164,17 @@ def unique_rows(ids: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, to
     return first, inverse
 
 
+def contiguous_groups(inverse: torch.Tensor) -> int:
+    """G when the rows come in blocks of G >= 2 consecutive samples of one prompt, a different prompt per block
+    (`inverse[i]`: row i's prompt, as `unique_rows` numbers them), else 0."""
+    rows, prompts = inverse.numel(), int(inverse.unique().numel())
+    if rows % prompts or rows == prompts:
+        return 0
+    group = rows // prompts
+    blocks = inverse.view(prompts, group)
+    return group if bool((blocks == blocks[:, :1]).all()) else 0
+
+
 def shared_prefix_logits(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, response_ids: torch.Tensor,
                          response_mask: torch.Tensor, always: bool = False) -> torch.Tensor | None:
     """(B, R, V) logits predicting each response token, with every distinct prompt computed once.
@@ -187,6 +200,10 @@ def shared_prefix_logits(model, prompt_ids: torch.Tensor, prompt_mask: torch.Ten
     if cache is None:
         return None
     first, inverse = unique
+    group = contiguous_groups(inverse)
+    if group:  # blocks of G rows per prompt: each block's first row, and the cache repeated by a broadcast
+        first = torch.arange(0, prompt_ids.size(0), group, device=prompt_ids.device)
+        inverse = torch.arange(first.numel(), device=prompt_ids.device).repeat_interleave(group)
     mask = prompt_mask.long()[first]
     try:
         out = model(input_ids=prompt_ids[first], attention_mask=mask, position_ids=position_ids(mask),
@@ -195,7 +212,12 @@ def shared_prefix_logits(model, prompt_ids: torch.Tensor, prompt_mask: torch.Ten
         if any(name in str(exc) for name in ("logits_to_keep", "past_key_values", "use_cache")):
             return None
         raise
-    cache.reorder_cache(inverse)  # index_select per layer: differentiable, the prompt's gradient sums over rows
+    if group:  # a copy by broadcast: its gradient is a sum over each block (index_select's is a scatter-add)
+        for layer in cache.layers:
+            layer.keys, layer.values = (x.unsqueeze(1).expand(-1, group, *x.shape[1:]).flatten(0, 1)
+                                        for x in (layer.keys, layer.values))
+    else:
+        cache.reorder_cache(inverse)  # index_select per layer: differentiable, the gradient sums over rows
     head = out.logits[:, -1:][inverse]  # predicts response token 0
     if response_ids.size(1) == 1:
         return head

@@ -9,9 +9,10 @@ from rlhfkit.config.ppo_schema import GenConfig
 from rlhfkit.data.templates import end_token_ids
 from rlhfkit.data.tokenize import pad_sequences
 from rlhfkit.models.cpu_linear import packed_weights
-from rlhfkit.models.forward import full_attention_cache, unique_rows
+from rlhfkit.models.forward import contiguous_groups, full_attention_cache, unique_rows
 from rlhfkit.models.lora import base_model
 from rlhfkit.rollout.batch import RolloutBatch
+from rlhfkit.rollout.group_decode import GroupCache, decoding_in_groups, group_cache, group_decode_is_exact
 
 
 def eos_token_ids(tokenizer, model) -> list[int]:
@@ -135,15 +136,29 @@ def kv_cache(model, capacity: int):
     return cache
 
 
-def _prefill(model, prompt_ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, cache):
-    """The prompts' forward that fills the KV cache: `(cache, logits of the last position)`.
+def _prefill(model, prompt_ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, capacity: int,
+             groups_allowed: bool = True):
+    """The prompts' forward that fills the KV cache: `(cache, logits of the last position, groups)`.
 
-    Rows with the same prompt (a group of samples of one prompt) are computed once and the cache is indexed
-    out to every row, when the cache is one this module knows how to index (`kv_cache`'s).
+    Rows with the same prompt (a group of samples of one prompt) are computed once. When the rows come in
+    blocks of G consecutive samples per prompt and the model passes `group_decode_is_exact`, the cache keeps
+    each prompt once and `groups` (a `GroupCache`) is what the decode steps' attention needs; otherwise the
+    cache (`kv_cache`'s, `capacity` positions) is indexed out to every row and `groups` is None. Not
+    `groups_allowed` while every forward is a collective across ranks (ZeRO-3 without a gather): all ranks
+    must then make the same calls, whatever their rows.
     """
+    cache = kv_cache(model, capacity)
     unique = unique_rows(prompt_ids, mask) if cache is not None else None
+    group = 0
     if unique is not None:
         first, inverse = unique
+        group = contiguous_groups(inverse)
+        if group and groups_allowed and group_decode_is_exact(model):  # each block's first row, in row order
+            first = torch.arange(0, prompt_ids.size(0), group, device=prompt_ids.device)
+            inverse = torch.arange(first.numel(), device=prompt_ids.device).repeat_interleave(group)
+            cache = group_cache(model, capacity - prompt_ids.size(1))
+        else:
+            group = 0
         prompt_ids, mask, positions = prompt_ids[first], mask[first], positions[first]
     kwargs = dict(input_ids=prompt_ids, attention_mask=mask, position_ids=positions, use_cache=True,
                   past_key_values=cache)
@@ -154,10 +169,12 @@ def _prefill(model, prompt_ids: torch.Tensor, mask: torch.Tensor, positions: tor
             raise
         out = model(**kwargs)
     cache, logits = out.past_key_values, out.logits[:, -1]
-    if unique is not None:
-        cache.reorder_cache(inverse)
-        logits = logits[inverse]
-    return cache, logits
+    if unique is None:
+        return cache, logits, None
+    if group:
+        return cache, logits[inverse], GroupCache(cache, mask, group)
+    cache.reorder_cache(inverse)
+    return cache, logits[inverse], None
 
 
 def sample_tokens(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, cfg: GenConfig, eos_ids: list[int],
@@ -185,7 +202,8 @@ def sample_tokens(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, cf
     temperature = 1.0 if greedy else cfg.temperature
     mask = prompt_mask.long()
     positions = (mask.cumsum(-1) - 1).clamp(min=0)  # left padding does not shift positions
-    cache, logits = _prefill(model, prompt_ids, mask, positions, kv_cache(model, prompt_ids.size(1) + cfg.max_new_tokens))
+    cache, logits, groups = _prefill(model, prompt_ids, mask, positions, prompt_ids.size(1) + cfg.max_new_tokens,
+                                     groups_allowed=synced is None)
     position = positions[:, -1:]
     done = torch.zeros(batch, dtype=torch.bool, device=prompt_ids.device)
     filtered = 0 < cfg.top_k < logits.size(-1) or cfg.top_p < 1.0
@@ -209,10 +227,15 @@ def sample_tokens(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, cf
         all_done = bool(done.all()) if synced is None else synced(bool(done.all()))
         if all_done or step == cfg.max_new_tokens - 1:
             break
-        mask = torch.cat([mask, mask.new_ones(batch, 1)], dim=1)
         position = position + 1
-        out = model(input_ids=token, attention_mask=mask, position_ids=position, past_key_values=cache,
-                    use_cache=True)
+        if groups is not None:  # the prompts' padding is in `groups`; every response token is attended
+            with decoding_in_groups(model):
+                out = model(input_ids=token, position_ids=position, past_key_values=cache, use_cache=True,
+                            rlhfkit_groups=groups)
+        else:
+            mask = torch.cat([mask, mask.new_ones(batch, 1)], dim=1)
+            out = model(input_ids=token, attention_mask=mask, position_ids=position, past_key_values=cache,
+                        use_cache=True)
         cache, logits = out.past_key_values, out.logits[:, -1]
     return torch.cat(tokens, dim=1), torch.cat(logprobs, dim=1)
 

@@ -1,0 +1,220 @@
+"""Decoding G samples of each prompt without copying the prompt's KV cache to every sample.
+
+GRPO, RLOO and the other group estimators sample G responses per prompt. The rollout computes each distinct
+prompt once (`generate._prefill`), but a plain KV cache then holds G copies of it, and every decoding step
+reads all G: at each token the attention streams B x (prompt + response) keys and values where
+U x prompt + B x response would do (U = B / G prompts). On a CPU that traffic is most of the attention's time
+(5M Llama, 8 prompts x 4 samples, 58-token prompts: the attention is a third of the decode).
+
+Here the cache keeps the U prompts' keys and values once (`GroupCacheLayer`) and each row's response part
+apart. A decode step's attention (`group_attention`, registered with transformers' `AttentionInterface` and
+switched in for the decode steps only) takes the G rows of a prompt as G queries of one matmul against the
+prompt's keys, attends each row to its own response keys, and merges the two parts by their log-sum-exp:
+softmax over [prompt, response] = w_p * softmax_p + w_r * softmax_r with w = exp(lse_part - lse_all). The
+result equals full attention over the concatenated cache up to float rounding.
+
+It is used where it is exact, which `group_decode_is_exact` checks once per model on a tiny random batch
+against the model's own attention. An architecture with attention options this function does not apply
+(logit soft-capping, sliding windows, attention sinks: it refuses them by name) or that does not pass the
+call's keyword arguments down to its attention function fails the check and decodes the plain way.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from transformers import AttentionInterface
+from transformers.cache_utils import DynamicLayer
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+from rlhfkit.models.forward import full_attention_cache
+from rlhfkit.models.lora import base_model
+
+NAME = "rlhfkit_group_decode"
+_BASES = ("sdpa", "eager")  # the attention implementations this path stands in for (CPU and plain GPU)
+_UNSUPPORTED = ("softcap", "sliding_window", "s_aux", "sinks")  # attention-function options it does not apply
+
+
+class GroupCacheLayer(DynamicLayer):
+    """One layer's cache for G consecutive rows per prompt: the U distinct prompts' keys and values as the
+    prefill wrote them, and each of the B = U x G rows' response keys and values in a buffer of `capacity`
+    positions written in place. `keys` / `values` are the response part once decoding has begun."""
+
+    def __init__(self, capacity: int):
+        super().__init__()
+        self.capacity, self.length = capacity, 0
+        self.prompt_keys = self.prompt_values = self.key_buffer = self.value_buffer = None
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if self.prompt_keys is None:  # the prefill: the distinct prompts, attended the usual way
+            self.dtype, self.device = key_states.dtype, key_states.device
+            # half precision is kept in float32 here: the decode attention then multiplies in float32, as
+            # the fused attention kernels accumulate (bf16 scores lose ~1e-2 of a logit)
+            wide = torch.float32 if key_states.dtype in (torch.float16, torch.bfloat16) else key_states.dtype
+            self.prompt_keys = key_states.to(wide, memory_format=torch.contiguous_format)
+            self.prompt_values = value_states.to(wide, memory_format=torch.contiguous_format)
+            self.is_initialized = True
+            self.keys, self.values = key_states, value_states
+            return key_states, value_states
+        if self.key_buffer is None:
+            rows, heads, _, dim = key_states.shape
+            self.key_buffer = self.prompt_keys.new_empty(rows, heads, self.capacity, dim)
+            self.value_buffer = self.prompt_values.new_empty(rows, heads, self.capacity, dim)
+        end = self.length + key_states.size(-2)
+        self.key_buffer[:, :, self.length:end] = key_states
+        self.value_buffer[:, :, self.length:end] = value_states
+        self.length = end
+        self.keys, self.values = self.key_buffer[:, :, :end], self.value_buffer[:, :, :end]
+        return self.keys, self.values
+
+    def get_seq_length(self) -> int:
+        return (0 if self.prompt_keys is None else self.prompt_keys.size(-2)) + self.length
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        raise NotImplementedError("a group cache keeps its rows in prompt order")
+
+
+class GroupCache:
+    """What the decode steps' attention needs besides each layer's cache: the group size and the prompts'
+    padding as an additive bias, (U, 1, 1, P): 0 on tokens, the dtype's minimum on left padding."""
+
+    def __init__(self, cache, prompt_mask: torch.Tensor, group: int):
+        self.cache, self.group = cache, group
+        dtype = cache.layers[0].prompt_keys.dtype  # the attention's (float32 for half-precision models)
+        self.prompt_bias = torch.zeros(prompt_mask.shape, dtype=dtype, device=prompt_mask.device).masked_fill(
+            prompt_mask == 0, torch.finfo(dtype).min)[:, None, None, :]
+
+
+def _part(scores: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """softmax(scores) @ values and the scores' log-sum-exp (float32 for the normaliser)."""
+    lse = torch.logsumexp(scores.float(), dim=-1, keepdim=True)
+    return torch.bmm((scores.float() - lse).exp_().to(values.dtype), values), lse
+
+
+def group_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask,
+                    dropout: float = 0.0, scaling: float | None = None, rlhfkit_groups: GroupCache | None = None,
+                    **kwargs):
+    """One decode step's attention for rows in groups (`GroupCache`): query (B, H, 1, D); key / value (B, Hk, t,
+    D) are the rows' response parts; the prompt part comes from the layer's `GroupCacheLayer`. Returns
+    (B, 1, H, D) as transformers' attention functions do. `attention_mask` is not used: the prompts' padding is
+    `prompt_bias` and response tokens are all attended (finished rows only carry padding tokens)."""
+    if rlhfkit_groups is None or query.size(2) != 1 or dropout:
+        raise RuntimeError("group_attention serves decode steps of a GroupCache only")
+    unsupported = [name for name in _UNSUPPORTED if kwargs.get(name) is not None]
+    if unsupported:  # attention options this function does not apply: the model decodes the plain way
+        raise NotImplementedError(f"group_attention does not apply {', '.join(unsupported)}")
+    layer = rlhfkit_groups.cache.layers[module.layer_idx]
+    dtype, query = query.dtype, query.to(layer.prompt_keys.dtype)
+    rows, heads, _, dim = query.shape
+    prompts, kv_heads, prompt_len, _ = layer.prompt_keys.shape
+    group, rep = rows // prompts, heads // kv_heads  # query head h reads key/value head h // rep
+    scale = dim ** -0.5 if scaling is None else scaling
+    # prompt part: a group's G x rep queries of one key/value head against the prompt's keys, one matmul
+    q = query.reshape(prompts, group, kv_heads, rep, dim).transpose(1, 2).reshape(prompts * kv_heads, group * rep, dim)
+    bias = rlhfkit_groups.prompt_bias.expand(prompts, kv_heads, 1, prompt_len).reshape(prompts * kv_heads, 1, prompt_len)
+    scores = torch.baddbmm(bias, q, layer.prompt_keys.reshape(prompts * kv_heads, prompt_len, dim).transpose(1, 2),
+                           alpha=scale)
+    out_p, lse_p = _part(scores, layer.prompt_values.reshape(prompts * kv_heads, prompt_len, dim))
+    out_p = out_p.view(prompts, kv_heads, group, rep, dim).transpose(1, 2).reshape(rows * kv_heads, rep, dim)
+    lse_p = lse_p.view(prompts, kv_heads, group, rep, 1).transpose(1, 2).reshape(rows * kv_heads, rep, 1)
+    # response part: each row's rep queries per key/value head against its own response keys
+    length = key.size(2)
+    scores = torch.bmm(query.reshape(rows * kv_heads, rep, dim), key.reshape(rows * kv_heads, length, dim).transpose(1, 2))
+    out_r, lse_r = _part(scores.mul_(scale), value.reshape(rows * kv_heads, length, dim))
+    lse = torch.logaddexp(lse_p, lse_r)
+    out = out_p * (lse_p - lse).exp_().to(out_p.dtype) + out_r * (lse_r - lse).exp_().to(out_r.dtype)
+    return out.view(rows, 1, heads, dim).to(dtype), None
+
+
+AttentionInterface.register(NAME, group_attention)
+AttentionMaskInterface.register(NAME, sdpa_mask)  # decode steps pass no mask; this only has to exist
+
+
+def group_cache(model, capacity: int) -> object | None:
+    """An empty cache of `GroupCacheLayer`s with room for `capacity` response tokens, for a model whose cache
+    is plain full attention and whose attention this path can stand in for; otherwise None."""
+    if getattr(base_model(model).config, "_attn_implementation", None) not in _BASES:
+        return None
+    cache = full_attention_cache(model)
+    if cache is None:
+        return None
+    cache.layers = [GroupCacheLayer(capacity) for _ in cache.layers]
+    return cache
+
+
+@contextlib.contextmanager
+def decoding_in_groups(model):
+    """While active, the model's attention is `group_attention` (decode steps with a GroupCache); the
+    configured implementation is restored on exit."""
+    config = base_model(model).config
+    before = config._attn_implementation
+    config._attn_implementation = NAME
+    try:
+        yield
+    finally:
+        config._attn_implementation = before
+
+
+def _decode(model, prompt_ids, mask, tokens, grouped: bool) -> torch.Tensor:
+    """Logits of every step of teacher-forced decoding, by the plain cache or the group path (for the check)."""
+    from rlhfkit.rollout.generate import kv_cache  # the plain path's cache
+
+    rows, steps = tokens.shape
+    group = rows // prompt_ids.size(0)
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    if grouped:
+        cache = group_cache(model, steps)
+        out = model(input_ids=prompt_ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
+                    use_cache=True)
+        groups = GroupCache(cache, mask, group)
+    else:
+        cache = kv_cache(model, prompt_ids.size(1) + steps)
+        repeat = torch.arange(prompt_ids.size(0), device=prompt_ids.device).repeat_interleave(group)
+        prompt_ids, mask, positions = prompt_ids[repeat], mask[repeat], positions[repeat]
+        out = model(input_ids=prompt_ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
+                    use_cache=True)
+    logits = [out.logits[:, -1].repeat_interleave(group, 0) if grouped else out.logits[:, -1]]
+    position = positions[:, -1:].repeat_interleave(group, 0) if grouped else positions[:, -1:]
+    for step in range(steps - 1):
+        position = position + 1
+        if grouped:
+            with decoding_in_groups(model):
+                out = model(input_ids=tokens[:, step:step + 1], position_ids=position, past_key_values=cache,
+                            use_cache=True, rlhfkit_groups=groups)
+        else:
+            mask = torch.cat([mask, mask.new_ones(rows, 1)], dim=1)
+            out = model(input_ids=tokens[:, step:step + 1], attention_mask=mask, position_ids=position,
+                        past_key_values=cache, use_cache=True)
+        logits.append(out.logits[:, -1])
+    return torch.stack(logits, 1).float()
+
+
+@torch.no_grad()
+def group_decode_is_exact(model) -> bool:
+    """Whether decoding through `group_attention` gives the model's own logits (within float rounding), checked
+    once per model object on 2 prompts (one left-padded) x 2 samples x 3 tokens of random ids. False for
+    architectures whose attention takes options this path does not apply, or that do not pass the call's
+    keyword arguments down to the attention function."""
+    known = getattr(model, "_rlhfkit_group_decode_exact", None)
+    if known is not None:
+        return known
+    exact = False
+    if group_cache(model, 1) is not None:
+        vocab = base_model(model).get_input_embeddings().weight.size(0)
+        device = next(model.parameters()).device
+        generator = torch.Generator().manual_seed(0)
+        prompt_ids = torch.randint(vocab, (2, 6), generator=generator).to(device)
+        mask = torch.ones(2, 6, dtype=torch.long, device=device)
+        mask[1, :2] = 0
+        tokens = torch.randint(vocab, (4, 3), generator=generator).to(device)
+        try:
+            plain = _decode(model, prompt_ids, mask, tokens, grouped=False)
+            grouped = _decode(model, prompt_ids, mask, tokens, grouped=True)
+            scale = plain.abs().max().clamp(min=1e-6)
+            tolerance = 1e-4 if next(model.parameters()).dtype == torch.float32 else 5e-2  # bf16: rounding ~1e-2
+            exact = bool(((plain - grouped).abs().max() / scale) < tolerance)
+        except (RuntimeError, TypeError, ValueError, NotImplementedError):
+            exact = False
+    model._rlhfkit_group_decode_exact = exact
+    return exact
