@@ -87,7 +87,8 @@ def test_sampling_in_groups_draws_what_every_rows_copy_of_the_cache_draws(dtype,
     tokens, logprobs = _sample(model, ids, mask, True)
     cache, _, groups = seen[-1]
     assert groups is not None and groups.group == 4
-    assert cache.layers[0].prompt_keys.size(0) == 3 and cache.layers[0].keys.size(0) == 12
+    assert cache.layers[0].prompt_keys.shape[:2] == (3, 2)  # 3 prompts x 2 key/value heads, held once
+    assert cache.layers[0].key_buffer.shape[:3] == (3, 2, 4)  # 4 rows' own responses per prompt and head
     plain_tokens, plain_logprobs = _sample(model, ids, mask, False)
     assert seen[-1][2] is None
     tolerance = 1e-5 if dtype == torch.float32 else 0.1

@@ -175,6 +175,19 @@ def contiguous_groups(inverse: torch.Tensor) -> int:
     return group if bool((blocks == blocks[:, :1]).all()) else 0
 
 
+class PrefixLayer(DynamicLayer):
+    """A KV-cache layer that keeps only the prefix it was filled with (the first `update`): later calls get
+    the prefix with their own keys/values appended, and the cache does not keep them. The response forward
+    of `shared_prefix_logits` is the last use of the cache, so holding every layer's (B, P + R) keys and
+    values to its end is waste: without autograd (reference, old log-probs) each layer's are freed after its
+    attention; with autograd the attention keeps them for the backward anyway."""
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.is_initialized:
+            return super().update(key_states, value_states, *args, **kwargs)
+        return torch.cat([self.keys, key_states], dim=-2), torch.cat([self.values, value_states], dim=-2)
+
+
 def shared_prefix_logits(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, response_ids: torch.Tensor,
                          response_mask: torch.Tensor, always: bool = False) -> torch.Tensor | None:
     """(B, R, V) logits predicting each response token, with every distinct prompt computed once.
@@ -199,6 +212,7 @@ def shared_prefix_logits(model, prompt_ids: torch.Tensor, prompt_mask: torch.Ten
     cache = full_attention_cache(model) if unique is not None else None
     if cache is None:
         return None
+    cache.layers = [PrefixLayer() for _ in cache.layers]
     first, inverse = unique
     group = contiguous_groups(inverse)
     if group:  # blocks of G rows per prompt: each block's first row, and the cache repeated by a broadcast

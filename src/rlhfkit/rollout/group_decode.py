@@ -38,8 +38,10 @@ _UNSUPPORTED = ("softcap", "sliding_window", "s_aux", "sinks")  # attention-func
 
 class GroupCacheLayer(DynamicLayer):
     """One layer's cache for G consecutive rows per prompt: the U distinct prompts' keys and values as the
-    prefill wrote them, and each of the B = U x G rows' response keys and values in a buffer of `capacity`
-    positions written in place. `keys` / `values` are the response part once decoding has begun."""
+    prefill wrote them, (U, Hk, P, D), and the B = U x G rows' response keys and values in buffers of
+    `capacity` positions written in place, laid out (U, Hk, G, capacity, D) so that a group's rows of one
+    key/value head are one block. Once decoding has begun, `update` returns the response part as
+    (U x Hk, G, t, D) views, which only `group_attention` reads."""
 
     def __init__(self, capacity: int):
         super().__init__()
@@ -52,20 +54,23 @@ class GroupCacheLayer(DynamicLayer):
             # half precision is kept in float32 here: the decode attention then multiplies in float32, as
             # the fused attention kernels accumulate (bf16 scores lose ~1e-2 of a logit)
             wide = torch.float32 if key_states.dtype in (torch.float16, torch.bfloat16) else key_states.dtype
-            self.prompt_keys = key_states.to(wide, memory_format=torch.contiguous_format)
-            self.prompt_values = value_states.to(wide, memory_format=torch.contiguous_format)
+            self.prompt_keys, self.prompt_values = key_states.to(wide).contiguous(), value_states.to(wide).contiguous()
             self.is_initialized = True
             self.keys, self.values = key_states, value_states
             return key_states, value_states
+        prompts, kv_heads, _, dim = self.prompt_keys.shape
+        group = key_states.size(0) // prompts
         if self.key_buffer is None:
-            rows, heads, _, dim = key_states.shape
-            self.key_buffer = self.prompt_keys.new_empty(rows, heads, self.capacity, dim)
-            self.value_buffer = self.prompt_values.new_empty(rows, heads, self.capacity, dim)
+            shape = (prompts, kv_heads, group, self.capacity, dim)
+            self.key_buffer = self.prompt_keys.new_empty(shape)
+            self.value_buffer = self.prompt_values.new_empty(shape)
         end = self.length + key_states.size(-2)
-        self.key_buffer[:, :, self.length:end] = key_states
-        self.value_buffer[:, :, self.length:end] = value_states
+        for buffer, states in ((self.key_buffer, key_states), (self.value_buffer, value_states)):
+            # rows (u, g) of head k go to buffer[u, k, g]
+            buffer.transpose(1, 2)[:, :, :, self.length:end] = states.view(prompts, group, kv_heads, -1, dim)
         self.length = end
-        self.keys, self.values = self.key_buffer[:, :, :end], self.value_buffer[:, :, :end]
+        self.keys, self.values = (buffer[:, :, :, :end].flatten(0, 1) for buffer in (self.key_buffer,
+                                                                                      self.value_buffer))
         return self.keys, self.values
 
     def get_seq_length(self) -> int:
@@ -86,19 +91,17 @@ class GroupCache:
             prompt_mask == 0, torch.finfo(dtype).min)[:, None, None, :]
 
 
-def _part(scores: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """softmax(scores) @ values and the scores' log-sum-exp (float32 for the normaliser)."""
-    lse = torch.logsumexp(scores.float(), dim=-1, keepdim=True)
-    return torch.bmm((scores.float() - lse).exp_().to(values.dtype), values), lse
-
-
 def group_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask,
                     dropout: float = 0.0, scaling: float | None = None, rlhfkit_groups: GroupCache | None = None,
                     **kwargs):
-    """One decode step's attention for rows in groups (`GroupCache`): query (B, H, 1, D); key / value (B, Hk, t,
-    D) are the rows' response parts; the prompt part comes from the layer's `GroupCacheLayer`. Returns
-    (B, 1, H, D) as transformers' attention functions do. `attention_mask` is not used: the prompts' padding is
-    `prompt_bias` and response tokens are all attended (finished rows only carry padding tokens)."""
+    """One decode step's attention for rows in groups (`GroupCache`): query (B, H, 1, D); key / value the
+    rows' response parts as `GroupCacheLayer.update` returns them; the prompt part comes from the layer.
+    Returns (B, 1, H, D) as transformers' attention functions do. `attention_mask` is not used: the prompts'
+    padding is `prompt_bias`, and every response token is attended (finished rows only carry padding).
+
+    The G x rep queries of a group on one key/value head (rep query heads share it) are one matrix: one
+    matmul against the prompt's keys, one batch of matmuls against each row's response keys, one softmax
+    over both parts' scores side by side, and the two parts' weighted values added."""
     if rlhfkit_groups is None or query.size(2) != 1 or dropout:
         raise RuntimeError("group_attention serves decode steps of a GroupCache only")
     unsupported = [name for name in _UNSUPPORTED if kwargs.get(name) is not None]
@@ -109,22 +112,21 @@ def group_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch
     rows, heads, _, dim = query.shape
     prompts, kv_heads, prompt_len, _ = layer.prompt_keys.shape
     group, rep = rows // prompts, heads // kv_heads  # query head h reads key/value head h // rep
+    blocks, length = prompts * kv_heads, key.size(2)
     scale = dim ** -0.5 if scaling is None else scaling
-    # prompt part: a group's G x rep queries of one key/value head against the prompt's keys, one matmul
-    q = query.reshape(prompts, group, kv_heads, rep, dim).transpose(1, 2).reshape(prompts * kv_heads, group * rep, dim)
-    bias = rlhfkit_groups.prompt_bias.expand(prompts, kv_heads, 1, prompt_len).reshape(prompts * kv_heads, 1, prompt_len)
-    scores = torch.baddbmm(bias, q, layer.prompt_keys.reshape(prompts * kv_heads, prompt_len, dim).transpose(1, 2),
-                           alpha=scale)
-    out_p, lse_p = _part(scores, layer.prompt_values.reshape(prompts * kv_heads, prompt_len, dim))
-    out_p = out_p.view(prompts, kv_heads, group, rep, dim).transpose(1, 2).reshape(rows * kv_heads, rep, dim)
-    lse_p = lse_p.view(prompts, kv_heads, group, rep, 1).transpose(1, 2).reshape(rows * kv_heads, rep, 1)
-    # response part: each row's rep queries per key/value head against its own response keys
-    length = key.size(2)
-    scores = torch.bmm(query.reshape(rows * kv_heads, rep, dim), key.reshape(rows * kv_heads, length, dim).transpose(1, 2))
-    out_r, lse_r = _part(scores.mul_(scale), value.reshape(rows * kv_heads, length, dim))
-    lse = torch.logaddexp(lse_p, lse_r)
-    out = out_p * (lse_p - lse).exp_().to(out_p.dtype) + out_r * (lse_r - lse).exp_().to(out_r.dtype)
-    return out.view(rows, 1, heads, dim).to(dtype), None
+    # (U, G, Hk, rep, D) -> (U x Hk, G x rep, D): a group's queries of one key/value head
+    q = query.reshape(prompts, group, kv_heads, rep, dim).transpose(1, 2).reshape(blocks, group * rep, dim)
+    bias = rlhfkit_groups.prompt_bias.expand(prompts, kv_heads, 1, prompt_len).reshape(blocks, 1, prompt_len)
+    prompt_scores = torch.baddbmm(bias, q, layer.prompt_keys.view(blocks, prompt_len, dim).transpose(1, 2),
+                                  alpha=scale)
+    response_scores = torch.bmm(q.view(blocks * group, rep, dim),
+                                key.reshape(blocks * group, length, dim).transpose(1, 2)).mul_(scale)
+    weights = torch.cat([prompt_scores, response_scores.view(blocks, group * rep, length)], dim=-1).softmax(-1)
+    out = torch.bmm(weights[..., :prompt_len], layer.prompt_values.view(blocks, prompt_len, dim))
+    out += torch.bmm(weights[..., prompt_len:].reshape(blocks * group, rep, length),
+                     value.reshape(blocks * group, length, dim)).view(blocks, group * rep, dim)
+    out = out.view(prompts, kv_heads, group, rep, dim).transpose(1, 2).reshape(rows, 1, heads, dim)
+    return out.to(dtype), None
 
 
 AttentionInterface.register(NAME, group_attention)
