@@ -128,3 +128,28 @@ def test_the_check_accepts_llama_and_gpt2_and_refuses_attention_it_does_not_appl
 
     assert group_decode_is_exact(gemma(None)) is True
     assert group_decode_is_exact(gemma(5.0)) is False
+
+
+def test_contiguous_groups_finds_blocks_of_rows_with_one_prompt():
+    """The largest G >= 2 with every block of G consecutive rows on one prompt; 0 otherwise."""
+    from rlhfkit.models.forward import contiguous_groups
+
+    cases = {(7, 7, 2, 2, 5, 5): 2, (3, 3, 3, 3): 4, (0, 0, 1, 1, 0, 0): 2,  # a prompt repeated in two blocks
+             (0, 0, 0, 0, 1, 1): 2, (0, 0, 0, 1, 1, 1): 3, (7, 2, 7, 2): 0, (0, 1, 2): 0, (0, 0, 0, 1): 0}
+    for inverse, group in cases.items():
+        assert contiguous_groups(torch.tensor(inverse)) == group, inverse
+
+
+def test_a_prompt_repeated_in_two_blocks_decodes_in_groups_with_the_same_draws(monkeypatch):
+    """Rows [p0 x 2, p1 x 2, p0 x 2]: three blocks of 2 (p0's computed twice), the plain path's tokens."""
+    model = _gqa_llama()
+    ids, mask = _rows(2, 2)
+    ids, mask = torch.cat([ids, ids[:2]]), torch.cat([mask, mask[:2]])
+    seen = []
+    real_prefill = generate._prefill
+    monkeypatch.setattr(generate, "_prefill", lambda *a, **k: seen.append(real_prefill(*a, **k)) or seen[-1])
+    tokens, logprobs = _sample(model, ids, mask, True, greedy=True)
+    assert seen[-1][2] is not None and seen[-1][2].group == 2
+    plain, plain_logprobs = _sample(model, ids, mask, False, greedy=True)
+    assert torch.equal(tokens, plain) and torch.equal(tokens[:2], tokens[4:])
+    torch.testing.assert_close(logprobs, plain_logprobs, atol=1e-5, rtol=1e-5)

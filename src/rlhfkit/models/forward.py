@@ -10,6 +10,7 @@ Two rules make results independent of padding side and of pad == EOS:
 from __future__ import annotations
 
 import functools
+import math
 
 import torch
 from transformers.cache_utils import DynamicCache, DynamicLayer
@@ -165,14 +166,15 @@ def unique_rows(ids: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, to
 
 
 def contiguous_groups(inverse: torch.Tensor) -> int:
-    """G when the rows come in blocks of G >= 2 consecutive samples of one prompt, a different prompt per block
-    (`inverse[i]`: row i's prompt, as `unique_rows` numbers them), else 0."""
-    rows, prompts = inverse.numel(), int(inverse.unique().numel())
-    if rows % prompts or rows == prompts:
-        return 0
-    group = rows // prompts
-    blocks = inverse.view(prompts, group)
-    return group if bool((blocks == blocks[:, :1]).all()) else 0
+    """The largest G >= 2 such that the rows come in blocks of G consecutive rows of one prompt each
+    (`inverse[i]`: row i's prompt, as `unique_rows` numbers them), else 0. Blocks may repeat a prompt (the
+    same prompt twice in a batch) and runs of one prompt may span several blocks."""
+    rows = inverse.numel()
+    starts = torch.ones(rows, dtype=torch.bool, device=inverse.device)
+    starts[1:] = inverse[1:] != inverse[:-1]
+    edges = starts.nonzero().flatten().tolist() + [rows]
+    group = math.gcd(*(b - a for a, b in zip(edges, edges[1:])))
+    return group if group >= 2 else 0
 
 
 class PrefixLayer(DynamicLayer):
