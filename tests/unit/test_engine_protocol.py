@@ -66,6 +66,30 @@ def test_backward_takes_a_loss_sum_and_the_global_count():
     torch.testing.assert_close(grad([x]), mean.weight.grad)
 
 
+def test_kept_gradients_are_zeroed_in_place_and_train_the_same():
+    """keep_grads: after a step the gradient tensors are the same objects, zeroed (allocated once); the
+    parameters after three steps equal those of the default, which frees them."""
+    torch.manual_seed(0)
+    x, start = torch.randn(8, 3), torch.randn(2, 3)
+
+    def train(keep: bool):
+        layer = torch.nn.Linear(3, 2)
+        layer.weight.data, layer.bias.data = start.clone(), torch.tensor([0.5, -0.5])
+        trainable = LocalEngine().prepare(layer, TrainConfig(lr=0.1), total_steps=3, keep_grads=keep)
+        grads = []
+        for _ in range(3):
+            trainable.backward((trainable.module(x) ** 2).sum(), 8)
+            grads.append(layer.weight.grad)
+            trainable.step()
+        return layer, grads
+
+    kept, kept_grads = train(True)
+    freed, freed_grads = train(False)
+    assert kept_grads[0] is kept_grads[2] and torch.equal(kept.weight.grad, torch.zeros(2, 3))
+    assert freed.weight.grad is None and freed_grads[0] is not freed_grads[2]
+    assert torch.equal(kept.weight, freed.weight) and torch.equal(kept.bias, freed.bias)
+
+
 def test_one_rank_keeps_every_row_and_counts_at_least_one():
     engine = LocalEngine()
     assert engine.shard([3, 1, 2]) == [3, 1, 2] and engine.total(0) == 1 and engine.total(7) == 7

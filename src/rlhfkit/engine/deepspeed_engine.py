@@ -319,7 +319,8 @@ class DeepSpeedEngine:
 
     # -- models ----------------------------------------------------------------------------------------
     def prepare(self, model: torch.nn.Module, train: TrainConfig, total_steps: int, role: str = "policy",
-                lr: float | None = None) -> DeepSpeedTrainable:
+                lr: float | None = None, keep_grads: bool = False) -> DeepSpeedTrainable:
+        # keep_grads: DeepSpeed owns the gradient buffers (ZeRO-1/2 keep flat ones anyway)
         stage = ds_config.stage_of(self.cfg, role)
         groups = param_groups(model, train.weight_decay)
         peak = train.lr if lr is None else lr

@@ -62,8 +62,10 @@ class Trainable:
     """A model with its optimizer and schedule (`protocol.Trainable`). The loop calls forward on `.module`, then
     backward / step."""
 
-    def __init__(self, module: torch.nn.Module, cfg: TrainConfig, total_steps: int, lr: float | None = None):
+    def __init__(self, module: torch.nn.Module, cfg: TrainConfig, total_steps: int, lr: float | None = None,
+                 keep_grads: bool = False):
         self.module = module
+        self.keep_grads = keep_grads  # zero the gradients after a step instead of freeing them (see `prepare`)
         self.max_grad_norm = cfg.max_grad_norm
         self.optimizer = adamw(param_groups(module, cfg.weight_decay), lr=cfg.lr if lr is None else lr,
                                betas=tuple(cfg.betas))
@@ -86,11 +88,11 @@ class Trainable:
         norm = torch.nn.utils.clip_grad_norm_(params, self.max_grad_norm if self.max_grad_norm > 0 else float("inf"))
         if self.bad or not torch.isfinite(norm):
             self.bad = False
-            self.optimizer.zero_grad(set_to_none=True)
+            self.optimizer.zero_grad(set_to_none=not self.keep_grads)
             return {"grad_norm": float("nan"), "skipped": 1.0}
         self.optimizer.step()
         self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        self.optimizer.zero_grad(set_to_none=not self.keep_grads)
         return {"grad_norm": float(norm)}
 
     @property
@@ -185,11 +187,12 @@ class LocalEngine:
         return self.autocast.attach(model) if self.autocast is not None else model
 
     def prepare(self, model: torch.nn.Module, train: TrainConfig, total_steps: int, role: str = "policy",
-                lr: float | None = None) -> Trainable:
-        """A trainable model: AdamW + warmup/decay schedule (every role alike on one device)."""
+                lr: float | None = None, keep_grads: bool = False) -> Trainable:
+        """A trainable model: AdamW + warmup/decay schedule (every role alike on one device). `keep_grads`:
+        the gradient tensors stay allocated between steps (zeroed, not freed; see the protocol)."""
         model.to(self.device)
         model.train()
-        return Trainable(self._mixed(model), train, total_steps, lr)
+        return Trainable(self._mixed(model), train, total_steps, lr, keep_grads=keep_grads)
 
     def prepare_frozen(self, model: torch.nn.Module, role: str = "reference") -> torch.nn.Module:
         model.to("cpu" if self._offload() else self.device)

@@ -98,8 +98,15 @@ class Engine(Protocol):
 
     # -- models ----------------------------------------------------------------------------------------
     def prepare(self, model: torch.nn.Module, train: TrainConfig, total_steps: int, role: str = "policy",
-                lr: float | None = None) -> Trainable:
-        """A trainable model for `role` (its ZeRO stage), AdamW and the warmup/decay schedule of `train`."""
+                lr: float | None = None, keep_grads: bool = False) -> Trainable:
+        """A trainable model for `role` (its ZeRO stage), AdamW and the warmup/decay schedule of `train`.
+
+        `keep_grads`: the gradients stay allocated between steps, zeroed instead of freed, for a stage whose
+        peak memory is its update (SFT, RM): allocated once, they do not fragment the heap around each step's
+        activations (SmolLM2 on a CPU: SFT 5745 instead of 5985 MiB peak, RM 6951 instead of 7021). Not for
+        RL, where they would sit through generation (PPO on SmolLM2: 1 GiB more), nor DPO (its reference
+        forward comes between steps; measured no better). Backends that own their gradient buffers
+        (DeepSpeed) ignore it."""
 
     def prepare_frozen(self, model: torch.nn.Module, role: str = "reference") -> torch.nn.Module:
         """An inference model (no gradients, eval mode) placed and partitioned for this backend."""

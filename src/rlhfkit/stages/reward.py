@@ -145,7 +145,7 @@ def run_rm(cfg: RMConfig, resume: bool = False, force: bool = False) -> dict:
     out = prepare_output_dir(cfg, resume, force, engine.is_main)
 
     # 2. the optimizer (and the state of a resumed run)
-    rm = engine.prepare(model, cfg.train, total, role="reward_model")
+    rm = engine.prepare(model, cfg.train, total, role="reward_model", keep_grads=True)
     start = resume_state(engine, out, {"model": rm})["step"] if resume else 0
     pad_id, device, micro_size = tokenizer.pad_token_id, engine.device, cfg.train.micro_batch_size
     margin = cfg.rm.margin or None

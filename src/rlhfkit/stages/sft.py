@@ -134,7 +134,7 @@ def run_sft(cfg: SFTConfig, resume: bool = False, force: bool = False) -> dict:
     out = prepare_output_dir(cfg, resume, force, engine.is_main)
 
     # 2. the optimizer (and the state of a resumed run)
-    actor = engine.prepare(model, cfg.train, total)
+    actor = engine.prepare(model, cfg.train, total, keep_grads=True)
     start = resume_state(engine, out, {"model": actor})["step"] if resume else 0
     pad_id, device, micro = tokenizer.pad_token_id, engine.device, cfg.train.micro_batch_size
     rtol, probe = (1e-4 if cfg.engine.precision == "fp32" else 2e-2), probe_rows(data.train)
