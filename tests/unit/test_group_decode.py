@@ -24,7 +24,7 @@ def test_group_attention_equals_attention_over_every_rows_copy_of_the_cache():
     prompts, group, heads, kv_heads, prompt_len, dim, steps = 3, 4, 4, 2, 7, 8, 5
     rows = prompts * group
     layer = GroupCacheLayer(capacity=steps)
-    prompt_k, prompt_v = torch.randn(prompts, kv_heads, prompt_len, dim), torch.randn(prompts, kv_heads, prompt_len, dim)
+    prompt_k, prompt_v = (torch.randn(prompts, kv_heads, prompt_len, dim) for _ in range(2))
     layer.update(prompt_k, prompt_v)
     mask = torch.ones(prompts, prompt_len, dtype=torch.long)
     mask[1, :3] = 0  # left padding of prompt 1

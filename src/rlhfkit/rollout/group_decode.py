@@ -9,9 +9,9 @@ U x prompt + B x response would do (U = B / G prompts). On a CPU that traffic is
 Here the cache keeps the U prompts' keys and values once (`GroupCacheLayer`) and each row's response part
 apart. A decode step's attention (`group_attention`, registered with transformers' `AttentionInterface` and
 switched in for the decode steps only) takes the G rows of a prompt as G queries of one matmul against the
-prompt's keys, attends each row to its own response keys, and merges the two parts by their log-sum-exp:
-softmax over [prompt, response] = w_p * softmax_p + w_r * softmax_r with w = exp(lse_part - lse_all). The
-result equals full attention over the concatenated cache up to float rounding.
+prompt's keys, scores each row against its own response keys, and runs one softmax over both parts' scores
+side by side. The result equals full attention over the concatenated cache up to float rounding (rollout on
+the 5M Llama, 8 prompts x 4 samples x 32 tokens: 0.45-0.47 instead of 0.52-0.53 s).
 
 It is used where it is exact, which `group_decode_is_exact` checks once per model on a tiny random batch
 against the model's own attention. An architecture with attention options this function does not apply
