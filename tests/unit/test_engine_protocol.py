@@ -67,27 +67,38 @@ def test_backward_takes_a_loss_sum_and_the_global_count():
 
 
 def test_kept_gradients_are_zeroed_in_place_and_train_the_same():
-    """keep_grads: after a step the gradient tensors are the same objects, zeroed (allocated once); the
-    parameters after three steps equal those of the default, which frees them."""
+    """keep_grads: the gradients and AdamW's moments exist from `prepare` on (zeros, step 0) and stay the same
+    tensors through the steps, the gradients zeroed after each; the parameters and moments after three steps
+    equal those of the default, which makes them lazily and frees the gradients."""
     torch.manual_seed(0)
     x, start = torch.randn(8, 3), torch.randn(2, 3)
 
     def train(keep: bool):
         layer = torch.nn.Linear(3, 2)
         layer.weight.data, layer.bias.data = start.clone(), torch.tensor([0.5, -0.5])
-        trainable = LocalEngine().prepare(layer, TrainConfig(lr=0.1), total_steps=3, keep_grads=keep)
+        trainable = LocalEngine().prepare(layer, TrainConfig(lr=0.1, weight_decay=0.1), total_steps=3,
+                                          keep_grads=keep)
+        state = trainable.optimizer.state.get(layer.weight, {})
+        before = (layer.weight.grad, {k: (v, v.clone()) for k, v in state.items()})  # (tensor, its value now)
         grads = []
         for _ in range(3):
             trainable.backward((trainable.module(x) ** 2).sum(), 8)
             grads.append(layer.weight.grad)
             trainable.step()
-        return layer, grads
+        return layer, grads, before, trainable.optimizer.state[layer.weight]
 
-    kept, kept_grads = train(True)
-    freed, freed_grads = train(False)
-    assert kept_grads[0] is kept_grads[2] and torch.equal(kept.weight.grad, torch.zeros(2, 3))
+    kept, kept_grads, (first_grad, first_state), kept_state = train(True)
+    freed, freed_grads, (no_grad, no_state), freed_state = train(False)
+    assert torch.equal(first_grad, torch.zeros(2, 3)) and first_grad is kept_grads[0] is kept_grads[2]
+    assert float(first_state["step"][1]) == 0 and torch.equal(first_state["exp_avg_sq"][1], torch.zeros(2, 3))
+    assert all(kept_state[k] is first_state[k][0] for k in ("step", "exp_avg", "exp_avg_sq"))
+    assert torch.equal(kept.weight.grad, torch.zeros(2, 3))
+    assert no_grad is None and no_state == {}
     assert freed.weight.grad is None and freed_grads[0] is not freed_grads[2]
     assert torch.equal(kept.weight, freed.weight) and torch.equal(kept.bias, freed.bias)
+    assert float(kept_state["step"]) == float(freed_state["step"]) == 3
+    assert torch.equal(kept_state["exp_avg"], freed_state["exp_avg"])
+    assert torch.equal(kept_state["exp_avg_sq"], freed_state["exp_avg_sq"])
 
 
 def test_one_rank_keeps_every_row_and_counts_at_least_one():

@@ -58,6 +58,31 @@ def adamw(groups: list[dict], **kwargs) -> torch.optim.AdamW:
     return torch.optim.AdamW(groups, **kwargs)
 
 
+def allocate_training_state(optimizer: torch.optim.Optimizer) -> None:
+    """Allocate the gradients and AdamW's moments now, before the first forward, rather than inside the first
+    step (the gradients in its backward, the moments in its update). Long-lived tensors made in the middle of
+    a step land in the holes its activations leave, and every later step's activations then need fresh heap
+    above them; made first, they sit below all of it (SmolLM2 SFT on a CPU, peak RSS: 5501 vs 6027 MiB).
+
+    The moments go in through `load_state_dict`, as a resumed run's do: zeros and step 0, which is exactly the
+    state AdamW creates itself on its first step, so the updates are the same. Only for torch's Adam/AdamW."""
+    if not isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)) or optimizer.state:
+        return
+    state, index = {}, 0
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if p.requires_grad:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                state[index] = {"step": torch.zeros((), dtype=torch.float32),
+                                "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
+                                "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format)}
+                if group.get("amsgrad"):
+                    state[index]["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            index += 1
+    optimizer.load_state_dict({"state": state, "param_groups": optimizer.state_dict()["param_groups"]})
+
+
 class Trainable:
     """A model with its optimizer and schedule (`protocol.Trainable`). The loop calls forward on `.module`, then
     backward / step."""
@@ -71,6 +96,8 @@ class Trainable:
                                betas=tuple(cfg.betas))
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(cfg, total_steps))
         self.bad = False  # a non-finite loss was seen since the last step
+        if keep_grads:
+            allocate_training_state(self.optimizer)
 
     def backward(self, loss_sum: torch.Tensor, total: float) -> None:
         """Accumulate the gradient of `loss_sum / total`: `loss_sum` summed over this micro-batch, `total` the
