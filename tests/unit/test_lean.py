@@ -1,10 +1,12 @@
 """Lean RMSNorm and SwiGLU (`models/lean.py`): the module's own values and gradients, fewer saved tensors."""
 
+import weakref
+
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from rlhfkit.models.lean import LeanRMSNorm, LeanSwiGLU, use_lean_activations
+from rlhfkit.models.lean import LeanRMSNorm, LeanSwiGLU, recompute_saved, register_recomputable, use_lean_activations
 
 
 def saved_floats(module, x) -> int:
@@ -93,3 +95,82 @@ def test_an_unknown_activation_or_norm_is_left_alone():
     assert not isinstance(model.model.layers[0].mlp, LeanSwiGLU)
     assert isinstance(model.model.layers[1].mlp, LeanSwiGLU)
     assert switched == 5 + 1
+
+
+def norm_and_product_outputs(model) -> list:
+    """Weak references to the last layer's first RMSNorm output and its SwiGLU product in the next forward
+    (the last layer's: under LoRA the first layer's input needs no gradient, and its norm runs the plain way)."""
+    refs, layer = [], model.model.layers[-1]
+    layer.input_layernorm.register_forward_hook(lambda m, a, out: refs.append(weakref.ref(out)))
+    layer.mlp.down_proj.register_forward_pre_hook(lambda m, args: refs.append(weakref.ref(args[0])))
+    return refs
+
+
+@pytest.mark.parametrize("variant", ["plain", "lora", "checkpointed"])
+def test_recomputed_activations_give_the_same_gradients_and_are_not_kept(variant):
+    """With the recompute hooks (the default) the norm outputs and the SwiGLU product are freed after the
+    forward, and the loss and every gradient are bit for bit those of the lean model that keeps them."""
+    results = []
+    for recompute in (False, True):
+        model = tiny_llama()
+        use_lean_activations(model)
+        if not recompute:
+            for handle in model._rlhfkit_recompute_hooks:
+                handle.remove()
+        if variant == "lora":
+            from peft import LoraConfig, get_peft_model
+            model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0,
+                                                     target_modules=["q_proj", "down_proj"]))
+            torch.manual_seed(3)
+            for name, p in model.named_parameters():
+                if "lora_B" in name:  # not zero, so the adapters' own gradients flow back to the inputs
+                    torch.nn.init.normal_(p, std=0.1)
+        if variant == "checkpointed":
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            model.train()
+        base = model.base_model.model if variant == "lora" else model
+        refs = norm_and_product_outputs(base)
+        ids = torch.randint(97, (3, 11), generator=torch.Generator().manual_seed(1))
+        loss = model(input_ids=ids, labels=ids).loss
+        kept = [r() is not None for r in refs]
+        loss.backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        results.append((loss.detach(), grads, kept))
+    (loss_kept, grads_kept, alive_kept), (loss_rc, grads_rc, alive_rc) = results
+    # checkpointed layers keep neither either way
+    assert alive_kept == ([True, True] if variant != "checkpointed" else [False, False])
+    assert alive_rc == [False, False]
+    assert torch.equal(loss_rc, loss_kept) and grads_rc.keys() == grads_kept.keys()
+    assert all(torch.equal(grads_rc[n], grads_kept[n]) for n in grads_kept)
+
+
+def test_recompute_saved_hand_made_graph():
+    """y = 2x is registered, y @ w keeps y for w's gradient: y itself is not held, the gradient is 2x^T 1; a
+    registered tensor changed in place before it is saved is kept as it is; an input of the recipe changed in
+    place after the forward stops the backward with an error."""
+    x = torch.arange(6.0).reshape(2, 3)
+    w = torch.ones(3, 2, requires_grad=True)
+    with recompute_saved():
+        y = register_recomputable(x * 2, lambda t: t * 2, x)
+        out = (y.t().t() @ w).sum()  # a view of y is what the matmul saves
+    ref = weakref.ref(y)
+    del y
+    assert ref() is None
+    out.backward()
+    torch.testing.assert_close(w.grad, (2 * x).t() @ torch.ones(2, 2), rtol=0, atol=0)
+
+    w.grad = None
+    with recompute_saved():
+        y = register_recomputable(x * 2, lambda t: t * 2, x)
+        y.add_(1)  # no longer what the recipe computes: kept
+        out = (y @ w).sum()
+    out.backward()
+    torch.testing.assert_close(w.grad, (2 * x + 1).t() @ torch.ones(2, 2), rtol=0, atol=0)
+
+    source = x.clone()
+    with recompute_saved():
+        y = register_recomputable(source * 2, lambda t: t * 2, source)
+        out = (y @ w).sum()
+    source.add_(1)
+    with pytest.raises(RuntimeError, match="modified in place"):
+        out.backward()

@@ -9,6 +9,14 @@ A Llama-style decoder layer's autograd graph keeps, per token, besides what the 
 recomputations (no matmul), so the time hardly moves, while the memory a micro-batch's activations take falls by
 ~2,700 floats per token and layer out of ~11,000 on SmolLM2 (hidden 576, MLP 1536).
 
+Two more tensors are not kept but computed again when backward needs them: each RMSNorm's output, which the
+linear layers after it (q/k/v, gate/up) would keep as their input, and the SwiGLU product, which the down
+projection would keep. Both are one element-wise pass over tensors kept anyway (the norm's input and 1 / rms;
+the gate and up outputs), recomputed bit for bit. This is done with autograd's saved-tensor hooks
+(`recompute_saved`), open while the model's forward runs, so the linear layers stay the modules they are (LoRA,
+oneDNN linears and hooks see them unchanged); a tensor saved by a layer is replaced by its recipe only when it
+is, storage and version, the output the lean module registered. SmolLM2: another ~2,700 floats per token and layer.
+
 `use_lean_activations(model)` switches the modules of the known Llama-family classes (by class swap, like
 `cpu_linear.FastCPULinear`: same parameters, same state dict) after checking on a random input that the lean
 forward gives the module's own values; ZeRO-3 partitioned weights and anything unusual keep the original forward.
@@ -16,10 +24,106 @@ forward gives the module's own values; ZeRO-3 partitioned weights and anything u
 
 from __future__ import annotations
 
+import threading
+import weakref
+
 import torch
 import torch.nn.functional as F
 
 from rlhfkit.engine.partition import is_partitioned
+
+
+class _Recipe:
+    """How to compute a tensor again: fn(*args), from tensors autograd keeps anyway; the value is made once on
+    the first unpack and shared by every layer that saved the tensor (it goes when their saved copies go)."""
+
+    __slots__ = ("fn", "args", "versions", "value")
+
+    def __init__(self, fn, args):
+        self.fn, self.args, self.versions, self.value = fn, args, [a._version for a in args], None
+
+    def compute(self) -> torch.Tensor:
+        if self.value is None:
+            if [a._version for a in self.args] != self.versions:
+                raise RuntimeError("rlhfkit.models.lean: a tensor needed to recompute an activation for backward "
+                                   "was modified in place after the forward")
+            with torch.no_grad():
+                self.value = self.fn(*self.args)
+        return self.value
+
+
+class _Saved:
+    """What autograd keeps instead of a registered output (or of a view of it): its recipe and the view."""
+
+    __slots__ = ("recipe", "size", "stride", "offset")
+
+    def __init__(self, recipe: _Recipe, t: torch.Tensor):
+        self.recipe, self.size, self.stride, self.offset = recipe, t.size(), t.stride(), t.storage_offset()
+
+
+_OPEN = threading.local()  # .stack: the registries of the open `recompute_saved` contexts, innermost last
+
+
+class recompute_saved(torch.autograd.graph.saved_tensors_hooks):
+    """While open, tensors registered by `register_recomputable` are not kept for backward but recomputed."""
+
+    def __init__(self):
+        self.registry: dict[int, tuple[weakref.ref, int, _Recipe]] = {}
+        super().__init__(self._pack, _unpack)
+
+    def __enter__(self):
+        super().__enter__()
+        _stack().append(self.registry)
+        return self
+
+    def __exit__(self, *exc):
+        _stack().pop()
+        self.registry.clear()
+        return super().__exit__(*exc)
+
+    def _pack(self, t: torch.Tensor):
+        if t.layout != torch.strided or t.device.type == "meta":
+            return t
+        try:
+            entry = self.registry.get(t.untyped_storage().data_ptr())
+        except (RuntimeError, NotImplementedError):  # tensors without a plain storage
+            return t
+        if entry is None:
+            return t
+        ref, version, recipe = entry
+        output = ref()
+        if output is None or output._version != version or output.dtype != t.dtype or t._version != version:
+            return t
+        return _Saved(recipe, t)
+
+
+def _unpack(saved):
+    if isinstance(saved, _Saved):
+        return saved.recipe.compute().as_strided(saved.size, saved.stride, saved.offset)
+    return saved
+
+
+def _stack() -> list:
+    if not hasattr(_OPEN, "stack"):
+        _OPEN.stack = []
+    return _OPEN.stack
+
+
+def register_recomputable(output: torch.Tensor, fn, *args: torch.Tensor) -> torch.Tensor:
+    """Mark `output` (a fresh tensor equal to fn(*args), bit for bit) as one to recompute rather than keep, in
+    the innermost open `recompute_saved` context; nothing happens outside one."""
+    stack = _stack()
+    if stack and output.is_contiguous() and output.storage_offset() == 0:
+        stack[-1][output.untyped_storage().data_ptr()] = (weakref.ref(output), output._version, _Recipe(fn, args))
+    return output
+
+
+def _norm_output(x: torch.Tensor, weight: torch.Tensor, inv_rms: torch.Tensor) -> torch.Tensor:
+    return weight * (x.float() * inv_rms).to(x.dtype)
+
+
+def _silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return F.silu(gate) * up
 
 # Llama-style RMSNorm (weight * normalised, computed in float32) and gate/up/down SwiGLU MLP classes
 RMSNORM_CLASSES = ("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "SmolLM3RMSNorm")
@@ -31,10 +135,9 @@ class _RMSNormFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, eps):
-        xf = x.float()
-        inv_rms = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+        inv_rms = torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps)
         ctx.save_for_backward(x, weight, inv_rms)
-        return weight * (xf * inv_rms).to(x.dtype)
+        return register_recomputable(_norm_output(x, weight, inv_rms), _norm_output, x, weight, inv_rms)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
@@ -58,7 +161,7 @@ class _SiluMulFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, gate, up):
         ctx.save_for_backward(gate, up)
-        return F.silu(gate) * up
+        return register_recomputable(_silu_mul(gate, up), _silu_mul, gate, up)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
@@ -139,4 +242,20 @@ def use_lean_activations(model: torch.nn.Module) -> int:
         if _same_values(module, lean, width):
             module.__class__ = _lean_class(type(module), lean)
             switched += 1
+    if switched and not hasattr(model, "_rlhfkit_recompute_hooks"):
+        opened = []  # the contexts of the forwards running now (a model may be called inside its own forward)
+
+        def enter(_module, _args):
+            context = recompute_saved() if torch.is_grad_enabled() else None
+            if context is not None:
+                context.__enter__()
+            opened.append(context)
+
+        def leave(_module, _args, _output):
+            context = opened.pop() if opened else None
+            if context is not None:
+                context.__exit__(None, None, None)
+
+        model._rlhfkit_recompute_hooks = (model.register_forward_pre_hook(enter),
+                                          model.register_forward_hook(leave, always_call=True))
     return switched
