@@ -119,8 +119,8 @@ def test_prompt_sharing_pairs_layout_positions_mask_and_scored_tokens():
 
 
 def test_packed_rows_give_the_padded_loss_and_gradients(tiny_model_dir):
-    """collate_packed (positions restarting per row, no attention mask): transformers keeps each row's
-    attention inside the row, so the summed NLL, its token count and every gradient equal the padded batch's."""
+    """collate_packed (positions restarting per row, no attention mask): attention stays inside each row (per
+    sequence, or transformers' block-diagonal mask), so the summed NLL, its token count and every gradient equal the padded batch's."""
     from rlhfkit.data.tokenize import collate_packed
     from rlhfkit.models import load_causal_lm
     from rlhfkit.stages.sft import lm_forward, packing_is_exact
@@ -147,7 +147,9 @@ def test_packed_rows_give_the_padded_loss_and_gradients(tiny_model_dir):
     assert n_packed == n_pad
     torch.testing.assert_close(nll_packed, nll_pad, atol=1e-4, rtol=1e-5)
     for a, b in zip(grads_packed, grads_pad):
-        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+        # the per-sequence attention (models/segments.py) sums in another order than the padded batch's masked
+        # kernel: the sharpened model's gradients (up to ~250) then differ by float rounding of their scale
+        torch.testing.assert_close(a, b, atol=1e-6 * float(b.abs().max()) + 1e-6, rtol=1e-4)
     assert packing_is_exact(model, rows, tok.pad_token_id, torch.device("cpu"))
     # an attention that ignores the packed positions (here: every row attends across the whole bin) is caught
     plain_forward = model.forward

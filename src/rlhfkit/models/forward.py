@@ -17,7 +17,8 @@ from transformers.cache_utils import DynamicCache, DynamicLayer
 
 from rlhfkit.algos import last_valid_index
 from rlhfkit.models.cpu_linear import FastCPULinear
-from rlhfkit.models.lora import base_model
+from rlhfkit.models.lora import base_model, checkpointed
+from rlhfkit.models.segments import packed_attention
 
 HEAD_NAMES = ("score", "classifier", "v_head")
 
@@ -47,8 +48,10 @@ def causal_logits(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, 
 
 def packed_logits(model, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
     """(N, T, V) logits of packed rows (`data.tokenize.collate_packed`): no attention mask, positions that
-    restart at 0 for every sequence, from which transformers builds the block-diagonal causal mask."""
-    return model(input_ids=input_ids, position_ids=position_ids, attention_mask=None, use_cache=False).logits
+    restart at 0 for every sequence, from which transformers builds the block-diagonal causal mask (with
+    `segments.packed_attention`: attention runs per sequence instead, where the model allows it)."""
+    with packed_attention(model):
+        return model(input_ids=input_ids, position_ids=position_ids, attention_mask=None, use_cache=False).logits
 
 
 def lm_head_weight(model) -> torch.Tensor | None:
@@ -133,12 +136,7 @@ def shares_prefixes(model) -> bool:
     a model with gradient checkpointing is in training mode. transformers then drops the cache inside every
     layer, with or without autograd (so a no-grad forward of the training actor, its old log-probs or the
     reference with the LoRA adapter off, would run the responses without their prompt)."""
-    plain = base_model(model)
-    if not plain.training:
-        return True
-    name = "is_activation_checkpointing" if hasattr(type(plain), "is_activation_checkpointing") else \
-        "is_gradient_checkpointing"  # transformers < 5.x's name
-    return not getattr(plain, name, False)
+    return not (base_model(model).training and checkpointed(model))
 
 
 def full_attention_cache(model) -> DynamicCache | None:
@@ -276,8 +274,10 @@ def token_scores(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | 
 
 
 def packed_sequence_scores(model, input_ids: torch.Tensor, positions: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
-    """(S,) scores of packed sequences, each read at its last token: `ends` (S, 2) holds (row, column)."""
-    scores = token_scores(model, input_ids, None, positions)
+    """(S,) scores of packed sequences, each read at its last token: `ends` (S, 2) holds (row, column);
+    attention per sequence where the model allows it (`segments.packed_attention`)."""
+    with packed_attention(model):
+        scores = token_scores(model, input_ids, None, positions)
     return scores[ends[:, 0], ends[:, 1]]
 
 

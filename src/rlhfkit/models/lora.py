@@ -91,6 +91,14 @@ def base_model(model) -> torch.nn.Module:
     return model
 
 
+def checkpointed(model) -> bool:
+    """Whether `model` has gradient (activation) checkpointing switched on (it applies in training mode)."""
+    plain = base_model(model)
+    name = "is_activation_checkpointing" if hasattr(type(plain), "is_activation_checkpointing") else \
+        "is_gradient_checkpointing"  # transformers < 5.x's name
+    return bool(getattr(plain, name, False))
+
+
 def clone_for_export(model) -> torch.nn.Module:
     """An empty CPU twin of `model` (same transformers class, same adapters) to load gathered weights into.
 

@@ -43,7 +43,7 @@ from rlhfkit.errors import ModelError
 from rlhfkit.models import load_causal_lm, load_tokenizer
 from rlhfkit.models.forward import causal_logits, custom_mask_kind, masked_logits, shared_prefix_logits
 from rlhfkit.models.loading import load_generation_config
-from rlhfkit.models.lora import adapter_disabled, apply_lora, base_model, is_lora
+from rlhfkit.models.lora import adapter_disabled, apply_lora, checkpointed, is_lora
 from rlhfkit.stages.common import (MetricsLogger, epoch_order, longest_first, plan_steps, prepare_output_dir,
                                    set_seed)
 from rlhfkit.stages.guard import resume_state
@@ -54,16 +54,6 @@ REF_KEY = "ref"  # a row's reference log-probs [chosen, rejected], attached when
 
 
 # ---------------------------------------------------------------------------------------------- log-probs
-
-
-def checkpointed(model) -> bool:
-    """Whether `model` trains with gradient checkpointing, under which its training forwards cannot share a prompt's
-    cache (`forward.shares_prefixes`). `sequence_logprobs` then takes the full forward in its no-grad passes too
-    (reference, evaluation), so they compute as the training forwards do: exact zero rewards at step 0."""
-    plain = base_model(model)
-    name = "is_activation_checkpointing" if hasattr(type(plain), "is_activation_checkpointing") else \
-        "is_gradient_checkpointing"  # transformers < 5.x's name
-    return bool(getattr(plain, name, False))
 
 
 def logprob_forward(model) -> str:

@@ -15,6 +15,7 @@ from rlhfkit.data.tokenize import collate_packed, collate_sft
 from rlhfkit.engine import make_engine
 from rlhfkit.models import load_causal_lm, load_tokenizer
 from rlhfkit.models.forward import causal_logits, final_hidden, lm_head_weight, packed_logits, position_ids
+from rlhfkit.models.segments import packed_attention
 from rlhfkit.models.loading import load_generation_config
 from rlhfkit.models.lora import apply_lora
 from rlhfkit.stages.common import MetricsLogger, plan_steps, prepare_output_dir, set_seed
@@ -32,13 +33,15 @@ def lm_forward(model, batch: dict, device, fused: bool = False) -> tuple[torch.T
     batch = {k: v.to(device) for k, v in batch.items()}
     labels = batch["labels"][:, 1:]  # position t predicts token t+1
     weight = lm_head_weight(model) if fused else None
+    packed = "position_ids" in batch
     if weight is not None:
         mask = batch.get("attention_mask")
-        positions = batch["position_ids"] if "position_ids" in batch else position_ids(mask)
-        hidden = final_hidden(model, batch["input_ids"], mask, positions)[:, :-1]
+        positions = batch["position_ids"] if packed else position_ids(mask)
+        with packed_attention(model, packed):
+            hidden = final_hidden(model, batch["input_ids"], mask, positions)[:, :-1]
         keep = labels != -100
         return linear_lm_loss_sum(hidden[keep], weight, labels[keep]), int(keep.sum().item())
-    if "position_ids" in batch:
+    if packed:
         logits = packed_logits(model, batch["input_ids"], batch["position_ids"])
     else:
         logits = causal_logits(model, batch["input_ids"], batch["attention_mask"])
