@@ -180,3 +180,15 @@ def test_a_forward_with_a_padding_mask_keeps_the_mask(monkeypatch):
             inside = model(**kwargs).logits
     assert counter.calls == 2 * model.config.num_hidden_layers  # one call per layer both times: no split
     torch.testing.assert_close(inside, outside)
+
+
+def test_spans_are_read_again_for_every_new_position_tensor():
+    cache = segments._Spans()
+    first = torch.tensor([[0, 1, 0, 1]])
+    assert cache.of(first) == [[(0, 2), (2, 4)]]
+    assert cache.of(first) is cache.of(first)  # the same tensor: read once
+    first[0, 2] = 2  # written in place: read again
+    assert cache.of(first) == [[(0, 3), (3, 4)]]
+    del first
+    second = torch.tensor([[0, 1, 2, 3]])  # may reuse the freed tensor's memory
+    assert cache.of(second) == [[(0, 4)]]

@@ -94,8 +94,8 @@ class LoadConfig:
     gradient_checkpointing: bool = option(False, "recompute activations in backward to save memory")
     lean_activations: bool = option(True, "Llama-family RMSNorm and SwiGLU MLP keep fewer tensors for backward and "
                                           "recompute the element-wise rest, their outputs included (bit for bit "
-                                          "the same values; SmolLM2 keeps 47% fewer bytes for backward; no matmul recomputed); "
-                                          "checked per module on a random input")
+                                          "the same values; SmolLM2 keeps 47% fewer bytes for backward; no "
+                                          "matmul recomputed); checked per module on a random input")
     disable_dropout: bool = option(True, "set every dropout probability to 0 (stable RLHF; PPO needs it)")
     tokenizer: Optional[str] = option(None, "tokenizer folder or hub id; default: the model's")
     pad_token: Optional[str] = option(None, "pad token to use when the tokenizer has none; default: EOS")
@@ -165,8 +165,9 @@ class SFTConfig:
     engine: EngineConfig = option(EngineConfig(), "backend")
     log: LogConfig = option(LogConfig(), "logging")
     packing: Optional[bool] = option(None, "sft and rm: padding-free micro-batches: rows concatenated, positions "
-                                           "restarting per row, attention kept inside each row by transformers' "
-                                           "packed-sequence mask (same loss, no compute on padding); null = on "
+                                           "restarting per row, attention run per sequence (sdpa models) or kept "
+                                           "inside each row by transformers' packed-sequence mask (same loss, no "
+                                           "compute on padding or across sequences); null = on "
                                            "when a check on the first rows finds the padded batch's loss (dpo "
                                            "pads)")
     chunked_loss: Optional[bool] = option(None, "sft: the LM head runs on the labelled positions only and its "

@@ -8,8 +8,8 @@ sequences and above the diagonal, only to mask it. With `packed_attention(model)
 the `position_ids` the model passes to every attention layer (a position that is not its predecessor's + 1 starts
 a sequence, as `transformers.masking_utils.find_packed_sequence_indices` has it) and runs the same
 `scaled_dot_product_attention` once per sequence with `is_causal=True`, which skips the blocks above the diagonal.
-The arithmetic per row falls from T^2 to the sum of its sequences' l^2 / 2 (SmolLM2's RM micro-batches: 6.6 s ->
-4.6 s of attention per step). Values equal the masked kernel's to float rounding (tested; the packing checks of SFT
+The arithmetic per row falls from T^2 to the sum of its sequences' l^2 / 2 (profiled on SmolLM2's RM micro-batches
+of 4 pairs: attention 4.3 -> 2.9 s of a 28 s forward and backward of three of them). Values equal the masked kernel's to float rounding (tested; the packing checks of SFT
 and RM run through it).
 
 Used by the packed training forwards (`packed_logits`, `packed_sequence_scores`, SFT's `lm_forward`), on a model
@@ -23,6 +23,7 @@ applies (a sliding window, a query shorter than the keys); otherwise it runs tra
 from __future__ import annotations
 
 import contextlib
+import weakref
 
 import torch
 from transformers import AttentionInterface
@@ -50,15 +51,16 @@ def sequence_spans(position_ids: torch.Tensor) -> list[list[tuple[int, int]]]:
 
 
 class _Spans:
-    """The spans of the position tensor last seen (every layer of one forward passes the same tensor)."""
+    """The spans of the position tensor last seen (every layer of one forward passes the same tensor object; held
+    by a weak reference, so a new tensor at a freed one's address is never mistaken for it)."""
 
     def __init__(self):
-        self.key, self.spans = None, None
+        self.ref, self.version, self.spans = None, None, None
 
     def of(self, position_ids: torch.Tensor) -> list[list[tuple[int, int]]]:
-        key = (position_ids.data_ptr(), position_ids._version, tuple(position_ids.shape))
-        if key != self.key:
-            self.key, self.spans = key, sequence_spans(position_ids)
+        if self.ref is None or self.ref() is not position_ids or self.version != position_ids._version:
+            self.ref, self.version = weakref.ref(position_ids), position_ids._version
+            self.spans = sequence_spans(position_ids)
         return self.spans
 
 
@@ -70,10 +72,10 @@ def segment_attention(module, query: torch.Tensor, key: torch.Tensor, value: tor
                       **kwargs) -> tuple[torch.Tensor, None]:
     """transformers' attention signature: (B, H, T, D) query, (B, H_kv, T, D) key and value; returns (B, T, H, D)."""
     positions = kwargs.get("position_ids")
-    plain = (not getattr(attention_mask, "_rlhfkit_packed_only", False) or positions is None or positions.dim() != 2 or query.shape[2] != key.shape[2]
-             or positions.shape[-1] != query.shape[2] or not getattr(module, "is_causal", True)
-             or kwargs.get("sliding_window") is not None or kwargs.get("softcap") is not None
-             or kwargs.get("past_key_values") is not None)
+    plain = (not getattr(attention_mask, "_rlhfkit_packed_only", False) or positions is None
+             or positions.dim() != 2 or positions.shape[-1] != query.shape[2] or query.shape[2] != key.shape[2]
+             or not getattr(module, "is_causal", True) or kwargs.get("sliding_window") is not None
+             or kwargs.get("softcap") is not None)
     if plain:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
