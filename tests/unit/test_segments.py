@@ -158,12 +158,13 @@ def test_sft_packed_loss_and_gradients_equal_the_padded_batch(fused):
         nll.backward()
         return nll.detach(), n, {k: p.grad.clone() for k, p in model.named_parameters()}
 
-    packed = loss_and_grads(collate_packed(rows, 0))
     padded = loss_and_grads(collate_sft(rows, 0))
-    assert packed[1] == padded[1]
-    torch.testing.assert_close(packed[0], padded[0], rtol=1e-5, atol=1e-5)
-    for name in packed[2]:
-        torch.testing.assert_close(packed[2][name], padded[2][name], rtol=1e-4, atol=1e-6)
+    for capacity in (None, 4096):  # bins as long as the longest row; one row
+        packed = loss_and_grads(collate_packed(rows, 0, capacity))
+        assert packed[1] == padded[1]
+        torch.testing.assert_close(packed[0], padded[0], rtol=1e-5, atol=1e-5)
+        for name in packed[2]:
+            torch.testing.assert_close(packed[2][name], padded[2][name], rtol=1e-4, atol=1e-6)
 
 
 def test_a_forward_with_a_padding_mask_keeps_the_mask(monkeypatch):
@@ -192,3 +193,19 @@ def test_spans_are_read_again_for_every_new_position_tensor():
     del first
     second = torch.tensor([[0, 1, 2, 3]])  # may reuse the freed tensor's memory
     assert cache.of(second) == [[(0, 4)]]
+
+
+def test_a_per_sequence_model_packs_a_micro_batch_into_one_row():
+    from rlhfkit.models.segments import ROW_TOKENS, packed_row_tokens
+
+    model = tiny_llama()
+    assert packed_row_tokens(model) == ROW_TOKENS
+    rows = [{"input_ids": s, "labels": s} for s in SEQS]
+    one = collate_packed(rows, 0, ROW_TOKENS)
+    assert one["input_ids"].shape == (1, sum(map(len, SEQS)))  # no padding at all
+    assert sequence_spans(one["position_ids"]) == [[(0, 7), (7, 12), (12, 15), (15, 17), (17, 18)]]
+    assert collate_packed(rows, 0)["input_ids"].shape == (3, 7)  # bins as long as the longest row
+    pairs = collate_packed_pairs([{"chosen_ids": [1, 2, 3], "rejected_ids": [1, 4]}], 0, 8)
+    assert pairs["input_ids"].tolist() == [[1, 2, 3, 1, 4]] and pairs["ends"].tolist() == [[0, 2], [0, 4]]
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    assert packed_row_tokens(model) is None  # the masked path: bins stay short

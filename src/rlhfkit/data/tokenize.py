@@ -147,20 +147,21 @@ def pack_bins(lengths: list[int], capacity: int) -> list[list[int]]:
     return bins
 
 
-def collate_packed(rows: list[dict], pad_id: int) -> dict:
-    """Padding-free batch: the rows concatenated into bins as long as the longest row, (N, T) input_ids,
-    position_ids and labels, no attention mask.
+def collate_packed(rows: list[dict], pad_id: int, capacity: int | None = None) -> dict:
+    """Padding-free batch: the rows concatenated into bins as long as the longest row (or of `capacity` tokens
+    where that is longer), (N, T) input_ids, position_ids and labels, no attention mask.
 
     Positions restart at 0 with every row, which is how transformers recognises packed sequences: its mask
     then keeps each token's attention inside its own row (a block-diagonal causal mask), so a row's logits are
     those of the row alone. Each row's first label is IGNORE: the previous row's last token must not learn to
     predict it (in a padded batch nothing predicts a first token either). A bin's unused tail is padding that
-    forms a segment of its own, with IGNORE labels. Bins no longer than the longest row keep attention's cost at
-    or below the padded batch's.
+    forms a segment of its own, with IGNORE labels. Bins no longer than the longest row keep the cost of attention
+    under a mask at or below the padded batch's; a model whose attention runs per sequence
+    (`models.segments.packed_row_tokens`) takes longer bins, a micro-batch in one row without any padding.
     """
     lengths = [len(r["input_ids"]) for r in rows]
     ids, positions, labels = [], [], []
-    for members in pack_bins(lengths, max(lengths)):
+    for members in pack_bins(lengths, max(max(lengths), capacity or 0)):
         ids.append([t for i in members for t in rows[i]["input_ids"]])
         positions.append([p for i in members for p in range(lengths[i])])
         labels.append([t for i in members for t in [IGNORE] + list(rows[i]["labels"][1:])])
@@ -173,13 +174,14 @@ def collate_packed(rows: list[dict], pad_id: int) -> dict:
     }
 
 
-def collate_packed_pairs(rows: list[dict], pad_id: int) -> dict:
-    """Chosen then rejected sequences packed without padding (as `collate_packed`): (N, T) input_ids and
-    position_ids, and `ends` (2B, 2): the (bin, column) of each sequence's last token, chosen rows first."""
+def collate_packed_pairs(rows: list[dict], pad_id: int, capacity: int | None = None) -> dict:
+    """Chosen then rejected sequences packed without padding (as `collate_packed`, `capacity` too): (N, T)
+    input_ids and position_ids, and `ends` (2B, 2): the (bin, column) of each sequence's last token, chosen rows
+    first."""
     seqs = [r["chosen_ids"] for r in rows] + [r["rejected_ids"] for r in rows]
     lengths = [len(x) for x in seqs]
     ids, positions, ends = [], [], [None] * len(seqs)
-    for b, members in enumerate(pack_bins(lengths, max(lengths))):
+    for b, members in enumerate(pack_bins(lengths, max(max(lengths), capacity or 0))):
         ids.append([t for i in members for t in seqs[i]])
         positions.append([p for i in members for p in range(lengths[i])])
         column = 0

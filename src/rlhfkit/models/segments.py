@@ -9,8 +9,9 @@ the `position_ids` the model passes to every attention layer (a position that is
 a sequence, as `transformers.masking_utils.find_packed_sequence_indices` has it) and runs the same
 `scaled_dot_product_attention` once per sequence with `is_causal=True`, which skips the blocks above the diagonal.
 The arithmetic per row falls from T^2 to the sum of its sequences' l^2 / 2 (profiled on SmolLM2's RM micro-batches
-of 4 pairs: attention 4.3 -> 2.9 s of a 28 s forward and backward of three of them). Values equal the masked kernel's to float rounding (tested; the packing checks of SFT
-and RM run through it).
+of 4 pairs: attention 4.3 -> 2.9 s of a 28 s forward and backward of three of them), so a row may be long: such a
+model packs a micro-batch into one row without padding (`packed_row_tokens`). Values equal the masked kernel's
+to float rounding (tested; the packing checks of SFT and RM run through it).
 
 Used by the packed training forwards (`packed_logits`, `packed_sequence_scores`, SFT's `lm_forward`), on a model
 whose attention is `sdpa` and which does not train with gradient checkpointing (the recomputation in backward runs
@@ -107,6 +108,19 @@ def _packed_mask(*args, **kwargs) -> torch.Tensor | None:
 
 AttentionInterface.register(NAME, segment_attention)
 AttentionMaskInterface.register(NAME, _packed_mask)  # the fallback path reads the mask as usual
+
+
+ROW_TOKENS = 4096  # a packed row's length where attention runs per sequence: one row for most micro-batches
+
+
+def packed_row_tokens(model) -> int | None:
+    """How many tokens a packed row may hold for `model` (`data.tokenize.collate_packed`'s `capacity`):
+    `ROW_TOKENS` where its attention runs per sequence (a long row then costs no attention across sequences, and a
+    micro-batch in one row has no padding at all), else None, bins as long as the longest sequence (under a
+    mask, attention costs the square of the row's length)."""
+    inner = base_model(model)
+    per_sequence = getattr(inner.config, "_attn_implementation", None) == "sdpa" and not checkpointed(inner)
+    return ROW_TOKENS if per_sequence else None
 
 
 def _usable(model) -> bool:

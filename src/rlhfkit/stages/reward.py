@@ -21,6 +21,7 @@ from rlhfkit.data.tokenize import collate_packed_pairs, collate_preferences
 from rlhfkit.engine import make_engine
 from rlhfkit.models import load_scalar_model, load_tokenizer
 from rlhfkit.models.forward import packed_sequence_scores, sequence_scores
+from rlhfkit.models.segments import packed_row_tokens
 from rlhfkit.models.loading import load_generation_config
 from rlhfkit.models.lora import apply_lora, base_model
 from rlhfkit.stages.common import MetricsLogger, plan_steps, prepare_output_dir, set_seed
@@ -36,9 +37,10 @@ END_IDS_KEY = "rlhfkit_end_ids"  # the ids the training responses ended with (da
 def pair_scores(model, rows: list[dict], pad_id: int, device, packed: bool = False) -> tuple[torch.Tensor,
                                                                                                torch.Tensor]:
     """Scores of the chosen and rejected sides of `rows`, each (B,), from ONE forward pass over the 2B
-    sequences: padded (2B, T), or `packed` into bins without padding (`collate_packed_pairs`)."""
+    sequences: padded (2B, T), or `packed` into bins without padding (`collate_packed_pairs`, rows as long as
+    `segments.packed_row_tokens` allows for this model)."""
     if packed:
-        batch = {k: v.to(device) for k, v in collate_packed_pairs(rows, pad_id).items()}
+        batch = {k: v.to(device) for k, v in collate_packed_pairs(rows, pad_id, packed_row_tokens(model)).items()}
         scores = packed_sequence_scores(model, batch["input_ids"], batch["position_ids"], batch["ends"])
     else:
         batch = collate_preferences(rows, pad_id)

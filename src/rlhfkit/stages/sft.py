@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 
@@ -15,7 +16,7 @@ from rlhfkit.data.tokenize import collate_packed, collate_sft
 from rlhfkit.engine import make_engine
 from rlhfkit.models import load_causal_lm, load_tokenizer
 from rlhfkit.models.forward import causal_logits, final_hidden, lm_head_weight, packed_logits, position_ids
-from rlhfkit.models.segments import packed_attention
+from rlhfkit.models.segments import packed_attention, packed_row_tokens
 from rlhfkit.models.loading import load_generation_config
 from rlhfkit.models.lora import apply_lora
 from rlhfkit.stages.common import MetricsLogger, plan_steps, prepare_output_dir, set_seed
@@ -59,7 +60,7 @@ def packing_is_exact(model, rows: list, pad_id: int, device, rtol: float = 1e-4,
     model.eval()
     try:
         padded, _ = lm_forward(model, collate_sft(rows, pad_id), device, fused)
-        packed, _ = lm_forward(model, collate_packed(rows, pad_id), device, fused)
+        packed, _ = lm_forward(model, collate_packed(rows, pad_id, packed_row_tokens(model)), device, fused)
     finally:
         model.train(was_training)
     # float32 rounds the two ways apart by ~1e-6 relative (`rtol` for bf16: 2e-2); a leak across rows moves the
@@ -149,7 +150,7 @@ def run_sft(cfg: SFTConfig, resume: bool = False, force: bool = False) -> dict:
     fused = cfg.chunked_loss is not False and engine.holds_whole(actor.module) and \
         lm_head_weight(actor.module) is not None and (cfg.chunked_loss or everywhere(fused_loss_is_exact))
     packing = cfg.packing or (cfg.packing is None and everywhere(packing_is_exact, fused=fused))
-    collate = collate_packed if packing else collate_sft
+    collate = functools.partial(collate_packed, capacity=packed_row_tokens(actor.module)) if packing else collate_sft
     evaluate = (lambda: evaluate_lm(actor.module, data.eval, pad_id, micro, device, fused)) if data.eval else None
 
     # 3. the loop: each step sees batch_size rows over all ranks, in micro-batches
