@@ -209,3 +209,9 @@ def test_a_per_sequence_model_packs_a_micro_batch_into_one_row():
     assert pairs["input_ids"].tolist() == [[1, 2, 3, 1, 4]] and pairs["ends"].tolist() == [[0, 2], [0, 4]]
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     assert packed_row_tokens(model) is None  # the masked path: bins stay short
+    from transformers import MistralConfig, MistralForCausalLM
+
+    windowed = MistralForCausalLM(MistralConfig(vocab_size=97, hidden_size=32, intermediate_size=64,
+                                                num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+                                                sliding_window=8, attn_implementation="sdpa"))
+    assert packed_row_tokens(windowed) is None  # a sliding window takes the masked path: no long rows

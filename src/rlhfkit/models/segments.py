@@ -117,9 +117,14 @@ def packed_row_tokens(model) -> int | None:
     """How many tokens a packed row may hold for `model` (`data.tokenize.collate_packed`'s `capacity`):
     `ROW_TOKENS` where its attention runs per sequence (a long row then costs no attention across sequences, and a
     micro-batch in one row has no padding at all), else None, bins as long as the longest sequence (under a
-    mask, attention costs the square of the row's length)."""
+    mask, attention costs the square of the row's length). Every layer must be plain full attention (a sliding
+    window or a soft cap sends a layer to the masked path) for a long row to pay off."""
+    from rlhfkit.models.forward import full_attention_cache  # forward.py imports this module
+
     inner = base_model(model)
-    per_sequence = getattr(inner.config, "_attn_implementation", None) == "sdpa" and not checkpointed(inner)
+    per_sequence = (getattr(inner.config, "_attn_implementation", None) == "sdpa" and not checkpointed(inner)
+                    and getattr(inner.config, "attn_logit_softcapping", None) is None
+                    and full_attention_cache(inner) is not None)
     return ROW_TOKENS if per_sequence else None
 
 
