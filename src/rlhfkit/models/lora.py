@@ -91,6 +91,19 @@ def base_model(model) -> torch.nn.Module:
     return model
 
 
+@contextlib.contextmanager
+def attention_implementation(model, name: str):
+    """While open, the transformers model inside `model` runs the attention registered as `name` (transformers'
+    `AttentionInterface`); the configured implementation is restored on exit."""
+    config = base_model(model).config
+    before = config._attn_implementation
+    config._attn_implementation = name
+    try:
+        yield
+    finally:
+        config._attn_implementation = before
+
+
 def checkpointed(model) -> bool:
     """Whether `model` has gradient (activation) checkpointing switched on (it applies in training mode)."""
     plain = base_model(model)

@@ -31,7 +31,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from rlhfkit.models.lora import base_model, checkpointed
+from rlhfkit.models.lora import attention_implementation, base_model, checkpointed
 
 NAME = "rlhfkit_segments"
 
@@ -142,10 +142,5 @@ def packed_attention(model, enabled: bool = True):
     if not (enabled and _usable(model)):
         yield
         return
-    config = base_model(model).config
-    before = config._attn_implementation
-    config._attn_implementation = NAME
-    try:
+    with attention_implementation(model, NAME):
         yield
-    finally:
-        config._attn_implementation = before

@@ -21,15 +21,13 @@ call's keyword arguments down to its attention function fails the check and deco
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 from transformers import AttentionInterface
 from transformers.cache_utils import DynamicLayer
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from rlhfkit.models.forward import full_attention_cache
-from rlhfkit.models.lora import base_model
+from rlhfkit.models.lora import attention_implementation, base_model
 
 NAME = "rlhfkit_group_decode"
 _BASES = ("sdpa", "eager")  # the attention implementations this path stands in for (CPU and plain GPU)
@@ -145,17 +143,10 @@ def group_cache(model, capacity: int) -> object | None:
     return cache
 
 
-@contextlib.contextmanager
 def decoding_in_groups(model):
     """While active, the model's attention is `group_attention` (decode steps with a GroupCache); the
     configured implementation is restored on exit."""
-    config = base_model(model).config
-    before = config._attn_implementation
-    config._attn_implementation = NAME
-    try:
-        yield
-    finally:
-        config._attn_implementation = before
+    return attention_implementation(model, NAME)
 
 
 def _decode(model, prompt_ids, mask, tokens, grouped: bool) -> torch.Tensor:
