@@ -63,7 +63,8 @@ def rows(model: Path, steps: int, prompts: Path, rewards: Path) -> dict:
             "time/iteration", [*ppo, f"reward={rewards}:length", f"data.prompts={hh}",
                                "data.max_prompt_length=128", "train.batch_size=4", "train.micro_batch_size=2",
                                "gen.max_new_tokens=512", "gen.min_new_tokens=512", "data.eval_fraction=0", *extra])
-           for label, extra in (("", []), (", checkpointing", ["load.gradient_checkpointing=true"]))},
+           for label, extra in (("", []), (", checkpointing", ["load.gradient_checkpointing=true"]),
+                                (", log-probs from full logits", ["ppo.chunked_logprobs=false"]))},
     }
 
 

@@ -66,10 +66,15 @@ def ppo_run(world, out, *extra) -> list[dict]:
 PPO_SERIES = ("reward/mean", "kl", "policy_loss", "value_loss", "advantage/mean", "return/mean", "entropy")
 
 
-def test_ppo_single_step_losses_are_the_pinned_ones(tmp_path, ppo_world):
-    rows = ppo_run(ppo_world, tmp_path / "ppo", f"reward={ppo_world / 'rewards.py'}:four_words", "train.lr=5e-4")
+@pytest.mark.parametrize("chunked", ["null", "false"])
+def test_ppo_single_step_losses_are_the_pinned_ones(tmp_path, ppo_world, capsys, chunked):
+    """The pinned curves were made with log-probs from the model's full logits; the LM head in chunks (on by
+    default after its check) gives the same ones."""
+    rows = ppo_run(ppo_world, tmp_path / "ppo", f"reward={ppo_world / 'rewards.py'}:four_words", "train.lr=5e-4",
+                   f"ppo.chunked_logprobs={chunked}")
     check_pinned("local/ppo-single-step", series_of(rows, *PPO_SERIES, "actor_grad_norm", "critic_grad_norm",
                                                     "eval/reward"))
+    assert ("response log-probs: LM head in chunks" in capsys.readouterr().err) == (chunked == "null")
 
 
 def test_ppo_epochs_lora_ptx_kl_loss_losses_are_the_pinned_ones(tmp_path, ppo_world, pinned_rm):

@@ -15,7 +15,8 @@ from .group import (
     rloo_advantages,
 )
 from .kl import KL_ESTIMATORS, AdaptiveKLController, FixedKLController, kl_penalty
-from .logprobs import entropy_from_logits, linear_lm_loss_sum, lm_loss_sum, token_logprobs
+from .logprobs import (entropy_from_logits, linear_lm_loss_sum, linear_token_logprobs, lm_loss_sum,
+                       token_logprobs)
 from .losses import AGGREGATIONS, aggregate, pairwise_loss, policy_loss, value_loss
 from .masked import masked_mean, masked_sum, masked_var, masked_whiten
 from .preference import (
@@ -52,6 +53,7 @@ __all__ = [
     "kl_penalty",
     "last_valid_index",
     "linear_lm_loss_sum",
+    "linear_token_logprobs",
     "lm_loss_sum",
     "masked_mean",
     "masked_sum",

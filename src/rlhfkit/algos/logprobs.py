@@ -146,3 +146,103 @@ def linear_lm_loss_sum(hidden: torch.Tensor, weight: torch.Tensor, labels: torch
     grads = torch.is_grad_enabled()
     return _LinearCrossEntropySum.apply(hidden, weight, labels, chunk, grads and hidden.requires_grad,
                                         grads and weight.requires_grad)
+
+
+# Rows of logits one chunk of the fused log-probs holds at a time: ~32 MiB of float32 (measured on SmolLM2's
+# 49,152-token head, 2 threads: chunks of ~170 rows beat 32 and 512, where the element-wise passes leave the cache
+# or the GEMMs get thin).
+_LOGPROB_CHUNK_ELEMENTS = 1 << 23
+
+
+def _plain_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return F.linear(x, weight)
+
+
+class _LinearTokenLogprobs(torch.autograd.Function):
+    """log softmax(hidden_k @ weight.T / T)[label_k] and the entropy of that distribution, chunk by chunk.
+
+    Each chunk's logits are turned in place into their log-softmax, the picked log-prob and the entropy are read
+    from it, and, when a gradient is wanted, the chunk is kept as its softmax p: d logp_k / d z_k = onehot - p_k, so
+    the backward needs p and nothing else (the same memory autograd would keep for the logits, without the extra
+    (K, V) tensors of a log-softmax, a gather's and a slice's gradients). The entropy carries no gradient.
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, weight, labels, temperature, chunk, linear, dtype, entropy, wanted):
+        w = weight.to(dtype)
+        h_all = hidden.to(dtype)
+        logps, entropies, probs = [], [], []
+        for start in range(0, hidden.size(0), chunk):
+            h, y = h_all[start:start + chunk], labels[start:start + chunk]
+            z = linear(h, w).float()  # (c, V), upcast as the loss of the model's own logits is
+            if temperature != 1.0:
+                z.div_(temperature)
+            lse = torch.logsumexp(z, dim=-1)
+            logps.append(z.gather(1, y[:, None]).squeeze(1) - lse)
+            if not (wanted or entropy):
+                continue
+            z.sub_(lse[:, None])  # log-softmax, in place
+            p = z.exp()
+            if entropy:  # -sum_v p_v log p_v, as one dot product per row (no (c, V) product tensor)
+                entropies.append(-torch.bmm(p.unsqueeze(1), z.unsqueeze(2)).flatten())
+            if wanted:
+                probs.append(p)
+        ctx.temperature, ctx.chunk, ctx.linear, ctx.weight_dtype = temperature, chunk, linear, weight.dtype
+        ctx.save_for_backward(h_all, w, labels, *probs)
+        empty = hidden.new_zeros(0, dtype=torch.float32)  # no positions (every response masked out)
+        logp = torch.cat(logps) if logps else empty
+        ent = torch.cat(entropies) if entropy and entropies else torch.zeros_like(logp)
+        ctx.mark_non_differentiable(ent)
+        return logp, ent
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_logp, _grad_entropy):
+        h_all, w, labels, *probs = ctx.saved_tensors
+        need_hidden, need_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        grad_hidden = torch.empty(h_all.shape, dtype=h_all.dtype, device=h_all.device) if need_hidden else None
+        grad_weight = torch.zeros(w.shape, dtype=torch.float32, device=w.device) if need_weight else None
+        scale = grad_logp.float() / ctx.temperature  # d z / d logits = 1 / T
+        for i, start in enumerate(range(0, h_all.size(0), ctx.chunk)):
+            g = scale[start:start + ctx.chunk]
+            dz = probs[i].mul_(-g[:, None])  # g (onehot - p) / T, in place of the kept softmax
+            dz[torch.arange(g.numel(), device=dz.device), labels[start:start + ctx.chunk]] += g
+            if need_hidden:
+                grad_hidden[start:start + ctx.chunk] = ctx.linear(dz.to(w.dtype), w.t())  # dz @ W
+            if need_weight:
+                grad_weight.addmm_(dz.T, h_all[start:start + ctx.chunk].float())
+            probs[i] = None
+        if grad_weight is not None:
+            grad_weight = grad_weight.to(ctx.weight_dtype)
+        return grad_hidden, grad_weight, None, None, None, None, None, None, None
+
+
+def linear_token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0,
+                          entropy: bool = False, chunk: int = 0, linear=None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Per-token log-probabilities (and entropies) of a bias-free LM head, ``log softmax(hidden_k @ weight.T /
+    temperature)[labels_k]``: equal to ``token_logprobs`` of the head's logits, holding one chunk of logits at a
+    time (and, with a gradient, the softmax of each chunk for the backward instead of the logits).
+
+    Args:
+        hidden: ``(K, H)`` final hidden states of the K positions wanted.
+        weight: ``(V, H)`` the LM head's weight.
+        labels: ``(K,)`` the token whose log-probability each position gives.
+        temperature: the logits are divided by it (the sampling temperature).
+        entropy: also return each position's entropy (without a gradient); else zeros.
+        chunk: rows of logits per chunk; 0 picks ~32 MiB of float32.
+        linear: ``linear(x, w) = x @ w.T``, the GEMM to use (default ``F.linear``).
+
+    Returns:
+        ``(logp, entropy)``, each ``(K,)`` float32; the gradient of ``logp`` reaches ``hidden`` and ``weight``.
+        Under autocast the head's GEMMs run in the autocast dtype, as the model's own head would.
+    """
+    if hidden.dim() != 2 or labels.shape != hidden.shape[:1] or weight.dim() != 2:
+        raise ValueError(f"hidden (K, H), weight (V, H) and labels (K,) expected, got {tuple(hidden.shape)}, "
+                         f"{tuple(weight.shape)} and {tuple(labels.shape)}")
+    device = hidden.device.type
+    dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else weight.dtype
+    chunk = chunk or max(16, _LOGPROB_CHUNK_ELEMENTS // weight.size(0))
+    wanted = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
+    with torch.autocast(device, enabled=False):
+        return _LinearTokenLogprobs.apply(hidden, weight, labels, float(temperature), chunk,
+                                          linear or _plain_linear, dtype, entropy, wanted)

@@ -77,6 +77,15 @@ class PPOSection:
                                                      "log-probs, reference, values): they keep no activations for "
                                                      "a backward, so more rows than train.micro_batch_size fit, in "
                                                      "fewer, larger matmuls; null = train.micro_batch_size")
+    chunked_logprobs: Optional[bool] = option(None, "response log-probs (actor update, reference, old log-probs) "
+                                                    "with the LM head run in chunks on the valid response tokens "
+                                                    "only, the gradient formed from each chunk's softmax: no "
+                                                    "(tokens x vocabulary) logits, log-softmax or logit gradient "
+                                                    "held (same values, less memory); null = on when "
+                                                    "the head is a plain linear layer held on this rank (not a "
+                                                    "ZeRO-3 shard, not LoRA-adapted itself) and a one-off check "
+                                                    "finds the model's own logits; off while entropy_coef > 0 "
+                                                    "in the actor's update")
     value_head_init: str = option("random", "a fresh value head (critic from the actor): random (seeded) or zero "
                                             "(every value starts at 0)", choices=("random", "zero"))
     advantage_estimator: str = option("gae", "how advantages are estimated (rollout/estimators.py): gae (PPO: GAE "

@@ -76,6 +76,16 @@ class FastCPULinear(torch.nn.Linear):
         return _OneDNNLinearFunction.apply(x, weight, self.bias)
 
 
+def fast_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x @ weight.T (no autograd node of its own) as a `FastCPULinear` computes it: by oneDNN for float32 CPU
+    tensors of at least MIN_ROWS rows, else `F.linear`. `weight` may be a transposed view. For the GEMMs of a
+    layer's weight used outside the layer (the LM head's chunked log-probs)."""
+    if (x.device.type != "cpu" or x.dtype != torch.float32 or weight.dtype != torch.float32
+            or x.numel() < MIN_ROWS * x.size(-1)):
+        return F.linear(x, weight)
+    return _onednn(x, weight, None)
+
+
 def _cpu_vendor() -> str:
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as f:

@@ -9,14 +9,16 @@ Two rules make results independent of padding side and of pad == EOS:
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
+import weakref
 
 import torch
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
 from rlhfkit.algos import last_valid_index
-from rlhfkit.models.cpu_linear import FastCPULinear
+from rlhfkit.models.cpu_linear import FastCPULinear, _onednn, fast_linear
 from rlhfkit.models.lora import base_model, checkpointed
 from rlhfkit.models.segments import packed_attention
 
@@ -63,17 +65,27 @@ def lm_head_weight(model) -> torch.Tensor | None:
     return head.weight
 
 
-def final_hidden(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
-                 positions: torch.Tensor) -> torch.Tensor:
-    """(N, T, H) hidden states that `model`'s LM head would read, from the model's own forward (engine hooks,
-    autocast, checkpointing all apply): its decoder's output is captured and the head runs on one position only."""
-    captured = {}
+@contextlib.contextmanager
+def decoder_outputs(model):
+    """Collects, in call order, the (N, T, H) hidden states that `model`'s LM head reads: its decoder's output,
+    captured by a hook on the model's own forward (engine hooks, autocast and checkpointing all apply)."""
+    captured = []
 
     def grab(_module, _inputs, output):
-        captured["hidden"] = output[0] if isinstance(output, tuple) else output.last_hidden_state
+        captured.append(output[0] if isinstance(output, tuple) else output.last_hidden_state)
 
     handle = base_model(model).get_decoder().register_forward_hook(grab)
     try:
+        yield captured
+    finally:
+        handle.remove()
+
+
+def final_hidden(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
+                 positions: torch.Tensor) -> torch.Tensor:
+    """(N, T, H) hidden states that `model`'s LM head would read, from the model's own forward (`decoder_outputs`);
+    the head runs on one position only."""
+    with decoder_outputs(model) as captured:
         causal_kwargs = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions,
                              use_cache=False)
         try:
@@ -82,9 +94,70 @@ def final_hidden(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | 
             if "logits_to_keep" not in str(exc):
                 raise
             model(**causal_kwargs)
+    return captured[-1]
+
+
+# config attributes of models whose logits are not the head's output (a soft cap or a scale after the head)
+_LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_softcapping", "logit_scale", "logits_scaling",
+                     "output_logits_scaling")
+_HEAD_LOGPROBS: "weakref.WeakKeyDictionary[torch.nn.Module, bool]" = weakref.WeakKeyDictionary()
+
+
+@torch.no_grad()
+def head_gives_logits(model, rtol: float = 1e-4) -> bool:
+    """Whether `model`'s logits are its LM head applied to its decoder's output (`lm_head_weight`, then
+    `decoder_outputs`), checked once on a few tokens: a model that changes its logits after the head (Gemma 2's
+    soft cap, Cohere's or Granite's scale) is refused by its config and, for anything else, by the values."""
+    weight = lm_head_weight(model)
+    if weight is None:
+        return False
+    config = base_model(model).config
+    for name in _LOGIT_TRANSFORMS:
+        value = getattr(config, name, None)
+        if value is not None and not ("scal" in name and value == 1):  # a scale of 1 changes nothing
+            return False
+    ids = (torch.arange(8, device=weight.device) * 7 + 3).remainder(weight.size(0))[None]
+    was_training = base_model(model).training
+    model.eval()
+    try:
+        with decoder_outputs(model) as captured:
+            logits = model(input_ids=ids, use_cache=False).logits
     finally:
-        handle.remove()
-    return captured["hidden"]
+        model.train(was_training)
+    hidden = captured[-1]
+    expected = (hidden.to(weight.dtype) @ weight.T).float()
+    return bool(torch.allclose(logits.float(), expected, rtol=rtol, atol=rtol))
+
+
+def use_head_logprobs(model, on: bool) -> None:
+    """Record for `model` whether its response log-probs may run its LM head in chunks on the hidden states
+    (`head_logprobs_weight`); decided once per run (`head_gives_logits`, the `ppo.chunked_logprobs` setting)."""
+    _HEAD_LOGPROBS[base_model(model)] = on
+
+
+def head_logprobs_weight(model) -> torch.Tensor | None:
+    """The LM head's (V, H) weight when `use_head_logprobs(model, True)` was recorded and the head is a plain
+    linear layer held here (`lm_head_weight`), else None: then log-probs come from the model's own logits."""
+    if not _HEAD_LOGPROBS.get(base_model(model), False):
+        return None
+    return lm_head_weight(model)
+
+
+def head_matmul(model):
+    """`linear(x, w) = x @ w.T` for GEMMs with `model`'s LM head weight outside the head (`head_logprobs_weight`):
+    the head's own oneDNN path where it has one (`cpu_linear.fast_linear`, and its packed copy of the weight while
+    `packed_weights` holds one), else `F.linear`."""
+    head = base_model(model).get_output_embeddings()
+    if not isinstance(head, FastCPULinear):
+        return None
+    packed = head.packed
+
+    def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        if packed is not None and w is head.weight and x.dtype == torch.float32:
+            return _onednn(x, packed, None)
+        return fast_linear(x, w)
+
+    return linear
 
 
 def custom_mask_kind(model) -> str | None:
@@ -189,7 +262,8 @@ class PrefixLayer(DynamicLayer):
 
 
 def shared_prefix_logits(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, response_ids: torch.Tensor,
-                         response_mask: torch.Tensor, always: bool = False) -> torch.Tensor | None:
+                         response_mask: torch.Tensor, always: bool = False,
+                         hidden: bool = False) -> torch.Tensor | None:
     """(B, R, V) logits predicting each response token, with every distinct prompt computed once.
 
     GRPO and RLOO sample several responses of one prompt, and the prompt is often the longer part. The distinct
@@ -202,6 +276,9 @@ def shared_prefix_logits(model, prompt_ids: torch.Tensor, prompt_mask: torch.Ten
     With `always`, the two forwards run even when no prompt repeats: under ZeRO-3 every forward is a
     collective, so each rank must make the same number of calls whatever its rows (callers pass a setting
     that holds for every rank: the run samples groups).
+
+    With `hidden`, (B, R, H): the hidden states the LM head would read at those positions (`decoder_outputs`),
+    the head itself run on one position per forward.
     """
     if not shares_prefixes(model):
         return None
@@ -219,9 +296,11 @@ def shared_prefix_logits(model, prompt_ids: torch.Tensor, prompt_mask: torch.Ten
         first = torch.arange(0, prompt_ids.size(0), group, device=prompt_ids.device)
         inverse = torch.arange(first.numel(), device=prompt_ids.device).repeat_interleave(group)
     mask = prompt_mask.long()[first]
+    capture = decoder_outputs(model) if hidden else contextlib.nullcontext([])
     try:
-        out = model(input_ids=prompt_ids[first], attention_mask=mask, position_ids=position_ids(mask),
-                    past_key_values=cache, use_cache=True, logits_to_keep=1)
+        with capture as captured:
+            out = model(input_ids=prompt_ids[first], attention_mask=mask, position_ids=position_ids(mask),
+                        past_key_values=cache, use_cache=True, logits_to_keep=1)
     except TypeError as exc:  # a model class without these arguments
         if any(name in str(exc) for name in ("logits_to_keep", "past_key_values", "use_cache")):
             return None
@@ -232,13 +311,19 @@ def shared_prefix_logits(model, prompt_ids: torch.Tensor, prompt_mask: torch.Ten
                                         for x in (layer.keys, layer.values))
     else:
         cache.reorder_cache(inverse)  # index_select per layer: differentiable, the gradient sums over rows
-    head = out.logits[:, -1:][inverse]  # predicts response token 0
+    head = (captured[-1] if hidden else out.logits)[:, -1:][inverse]  # predicts response token 0
     if response_ids.size(1) == 1:
         return head
     full_mask = torch.cat([prompt_mask.long(), response_mask.long()], dim=1)
     width = prompt_ids.size(1)
-    rest = model(input_ids=response_ids[:, :-1], attention_mask=full_mask[:, :-1],
-                 position_ids=position_ids(full_mask)[:, width:-1], past_key_values=cache, use_cache=True).logits
+    kwargs = dict(input_ids=response_ids[:, :-1], attention_mask=full_mask[:, :-1],
+                  position_ids=position_ids(full_mask)[:, width:-1], past_key_values=cache, use_cache=True)
+    if hidden:
+        with decoder_outputs(model) as captured:
+            model(**kwargs, logits_to_keep=1)
+        rest = captured[-1]
+    else:
+        rest = model(**kwargs).logits
     return torch.cat([head.to(rest.dtype), rest], dim=1)
 
 

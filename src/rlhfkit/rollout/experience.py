@@ -11,10 +11,12 @@ from dataclasses import replace
 
 import torch
 
-from rlhfkit.algos import kl_penalty, masked_mean, masked_whiten, shape_rewards, token_logprobs
+from rlhfkit.algos import (entropy_from_logits, kl_penalty, linear_token_logprobs, masked_mean, masked_whiten,
+                           shape_rewards, token_logprobs)
 from rlhfkit.config.ppo_schema import PPOSection
 from rlhfkit.models.cpu_linear import packed_weights
-from rlhfkit.models.forward import causal_logits, shared_prefix_logits, token_scores
+from rlhfkit.models.forward import (causal_logits, final_hidden, head_logprobs_weight, head_matmul, position_ids,
+                                   shared_prefix_logits, token_scores)
 from rlhfkit.models.lora import adapter_disabled
 from rlhfkit.rollout.batch import RolloutBatch
 from rlhfkit.rollout.estimators import ESTIMATORS
@@ -40,9 +42,47 @@ def response_logits(model, batch: RolloutBatch, temperature: float = 1.0) -> tor
     return logits / temperature if temperature != 1.0 else logits
 
 
+def response_hidden(model, batch: RolloutBatch) -> torch.Tensor:
+    """(B, R, H) the hidden states the LM head reads to predict each response token (the positions of
+    `response_logits`), the head run on one position per forward."""
+    hidden = None
+    if batch.groups_share_prompts:
+        hidden = shared_prefix_logits(model, batch.prompt_ids, batch.prompt_mask, batch.response_ids,
+                                      batch.response_mask, always=True, hidden=True)
+    if hidden is None:
+        width = batch.response_ids.size(1)
+        mask = batch.attention_mask
+        hidden = final_hidden(model, batch.input_ids, mask, position_ids(mask))[:, -(width + 1):-1]
+    return hidden
+
+
+def response_logprobs_and_entropy(model, batch: RolloutBatch, temperature: float = 1.0,
+                                  entropy: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """(B, R) log-probabilities of the sampled response tokens and (B, R) entropies of the policy there (without
+    a gradient; zeros unless `entropy`).
+
+    Where `model`'s head allows it (`forward.head_logprobs_weight`), the LM head runs in chunks on the valid
+    response positions only (`algos.linear_token_logprobs`): no (B, R, V) logits, their log-softmax or their
+    gradient are held, and padding after EOS costs no head compute; positions outside `response_mask` hold 0.
+    Else from the model's own logits (`response_logits`)."""
+    weight = head_logprobs_weight(model)
+    if weight is None:
+        logits = response_logits(model, batch, temperature)
+        logp = token_logprobs(logits, batch.response_ids)
+        with torch.no_grad():
+            ent = entropy_from_logits(logits).float() if entropy else torch.zeros_like(logp)
+        return logp, ent
+    valid = batch.response_mask.bool()
+    hidden = response_hidden(model, batch)[valid]  # (K, H)
+    logp, ent = linear_token_logprobs(hidden, weight, batch.response_ids[valid], temperature, entropy=entropy,
+                                      linear=head_matmul(model))
+    full = torch.zeros(valid.shape, dtype=logp.dtype, device=logp.device)
+    return full.masked_scatter(valid, logp), full.detach().masked_scatter(valid, ent)
+
+
 def response_logprobs(model, batch: RolloutBatch, temperature: float = 1.0) -> torch.Tensor:
-    """(B, R) log-probabilities of the sampled response tokens."""
-    return token_logprobs(response_logits(model, batch, temperature), batch.response_ids)
+    """(B, R) log-probabilities of the sampled response tokens (`response_logprobs_and_entropy`)."""
+    return response_logprobs_and_entropy(model, batch, temperature, entropy=False)[0]
 
 
 def response_values(critic, batch: RolloutBatch) -> torch.Tensor:

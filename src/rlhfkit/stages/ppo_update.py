@@ -21,7 +21,8 @@ from rlhfkit.errors import DataError
 from rlhfkit.models.forward import causal_logits
 from rlhfkit.rollout.batch import RolloutBatch
 from rlhfkit.rollout.estimators import ESTIMATORS, Estimator
-from rlhfkit.rollout.experience import finish_advantages, length_sorted_chunks, response_logits, response_values
+from rlhfkit.rollout.experience import (finish_advantages, length_sorted_chunks, response_logits,
+                                       response_logprobs_and_entropy, response_values)
 from rlhfkit.stages.ppo_timing import untimed
 
 
@@ -39,8 +40,12 @@ def actor_loss(model, part: RolloutBatch, cfg: PPOSection, temperature: float,
                max_len: int) -> tuple[torch.Tensor, dict]:
     """Clipped surrogate (Schulman et al. 2017, eq. 7) with the configured clip ranges, ratio level and
     aggregation, plus an optional k3 KL-to-reference loss term (token mean)."""
-    logits = response_logits(model, part, temperature)  # (b, R, V)
-    logp = token_logprobs(logits, part.response_ids)  # (b, R)
+    if cfg.entropy_coef > 0:  # the entropy bonus takes its gradient through the logits
+        logits = response_logits(model, part, temperature)  # (b, R, V)
+        logp = token_logprobs(logits, part.response_ids)  # (b, R)
+    else:  # the LM head in chunks where the model allows it; the entropy only as a statistic
+        logits = None
+        logp, entropy = response_logprobs_and_entropy(model, part, temperature)
     mask = part.response_mask
     loss, stats = policy_loss(logp, part.old_logprobs, part.advantages, mask, cfg.clip_eps,
                               clip_eps_high=cfg.clip_eps_high, dual_clip=cfg.dual_clip, ratio_level=cfg.ratio_level,
@@ -51,13 +56,12 @@ def actor_loss(model, part: RolloutBatch, cfg: PPOSection, temperature: float,
         kl = masked_mean(kl_penalty(logp, part.ref_logprobs, "k3", clamp=cfg.kl_clamp), mask)
         loss = loss + cfg.kl_loss_coef * kl
         stats["kl_loss"] = kl.item()
-    if cfg.entropy_coef > 0:  # an entropy bonus keeps exploration up (with gradient through the logits)
+    if logits is not None:  # an entropy bonus keeps exploration up (with gradient through the logits)
         entropy = masked_mean(entropy_from_logits(logits), mask)
         loss = loss - cfg.entropy_coef * entropy
         stats["entropy"] = entropy.item()
     else:
-        with torch.no_grad():
-            stats["entropy"] = masked_mean(entropy_from_logits(logits), mask).item()
+        stats["entropy"] = masked_mean(entropy, mask).item()
     return loss, stats
 
 
