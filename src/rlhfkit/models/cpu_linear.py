@@ -86,6 +86,22 @@ def fast_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return _onednn(x, weight, None)
 
 
+def layer_matmul(layer: torch.nn.Module):
+    """`linear(x, w) = x @ w.T` for GEMMs with `layer`'s weight outside its forward (the LM head's chunked
+    log-probs): the layer's own oneDNN path when it is a `FastCPULinear` (its packed copy of the weight while
+    `packed_weights` holds one, `fast_linear` otherwise), else None (the caller's `F.linear`)."""
+    if not isinstance(layer, FastCPULinear):
+        return None
+    packed = layer.packed
+
+    def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        if packed is not None and w is layer.weight and x.dtype == torch.float32:
+            return _onednn(x, packed, None)
+        return fast_linear(x, w)
+
+    return linear
+
+
 def _cpu_vendor() -> str:
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as f:

@@ -18,7 +18,7 @@ import torch
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
 from rlhfkit.algos import last_valid_index
-from rlhfkit.models.cpu_linear import FastCPULinear, _onednn, fast_linear
+from rlhfkit.models.cpu_linear import FastCPULinear, layer_matmul
 from rlhfkit.models.lora import base_model, checkpointed
 from rlhfkit.models.segments import packed_attention
 
@@ -144,20 +144,8 @@ def head_logprobs_weight(model) -> torch.Tensor | None:
 
 
 def head_matmul(model):
-    """`linear(x, w) = x @ w.T` for GEMMs with `model`'s LM head weight outside the head (`head_logprobs_weight`):
-    the head's own oneDNN path where it has one (`cpu_linear.fast_linear`, and its packed copy of the weight while
-    `packed_weights` holds one), else `F.linear`."""
-    head = base_model(model).get_output_embeddings()
-    if not isinstance(head, FastCPULinear):
-        return None
-    packed = head.packed
-
-    def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        if packed is not None and w is head.weight and x.dtype == torch.float32:
-            return _onednn(x, packed, None)
-        return fast_linear(x, w)
-
-    return linear
+    """The GEMM for `model`'s LM head weight used outside the head (`cpu_linear.layer_matmul`), or None."""
+    return layer_matmul(base_model(model).get_output_embeddings())
 
 
 def custom_mask_kind(model) -> str | None:
