@@ -154,10 +154,6 @@ def linear_lm_loss_sum(hidden: torch.Tensor, weight: torch.Tensor, labels: torch
 _LOGPROB_CHUNK_ELEMENTS = 1 << 23
 
 
-def _plain_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    return F.linear(x, weight)
-
-
 class _LinearTokenLogprobs(torch.autograd.Function):
     """log softmax(hidden_k @ weight.T / T)[label_k] and the entropy of that distribution, chunk by chunk.
 
@@ -245,4 +241,4 @@ def linear_token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, labels: to
     wanted = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
     with torch.autocast(device, enabled=False):
         return _LinearTokenLogprobs.apply(hidden, weight, labels, float(temperature), chunk,
-                                          linear or _plain_linear, dtype, entropy, wanted)
+                                          linear or F.linear, dtype, entropy, wanted)
