@@ -220,6 +220,46 @@ def test_packed_prompt_sharing_pairs_give_the_full_forward_values_and_gradients(
         assert (a - b).abs().max() <= 1e-5 * b.abs().max()
 
 
+@pytest.mark.parametrize("path", ["packed", "shared-prompt", "full"])
+def test_the_lm_head_in_chunks_gives_the_full_forward_values_and_gradients(tiny_model_dir, monkeypatch, path):
+    """`dpo.chunked_logprobs`: each of the three forwards takes the hidden states and runs the LM head in chunks on
+    the response tokens (chunks of 5 rows here, so a response spans several): the same log-probs and gradients,
+    the tied embedding/head weight's included, as every sequence alone in a padded batch with full logits."""
+    import rlhfkit.stages.dpo as dpo
+    from rlhfkit.algos import logprobs as logprob_module
+    from rlhfkit.models.forward import head_logprobs_weight, use_head_logprobs
+
+    tok = load_tokenizer(str(tiny_model_dir))
+    rows = encode_pair_rows(tok, [{"prompt": "say apple", "chosen": "apple apple apple", "rejected": "river"},
+                                  {"prompt": "say honey please now", "chosen": "honey", "rejected": "stone stone"},
+                                  {"prompt": "say stone", "chosen": "stone stone stone stone", "rejected": "apple"}])
+    model = sharpened(AutoModelForCausalLM.from_pretrained(tiny_model_dir, attn_implementation="sdpa"))
+    if path != "packed":  # as for a model that takes no custom attention mask
+        monkeypatch.setattr(dpo, "custom_mask_kind", lambda _model: None)
+    if path == "full":
+        model.gradient_checkpointing_enable()
+    model.train()
+    assert logprob_forward(model) == path
+    vocab = model.get_output_embeddings().weight.size(0)
+    monkeypatch.setattr(logprob_module, "_LOGPROB_CHUNK_ELEMENTS", 5 * vocab)
+    results = []
+    for chunked in (True, False):
+        use_head_logprobs(model, chunked)
+        model.zero_grad()
+        if chunked:
+            assert head_logprobs_weight(model) is not None
+            logps = sequence_logprobs(model, rows, tok.pad_token_id, torch.device("cpu"))[0]
+        else:
+            logps = padded_full_logprobs(model, rows, tok.pad_token_id)
+        (logps * torch.arange(1.0, 7.0)).sum().backward()  # a different weight per sequence
+        results.append((logps.detach(), [p.grad.clone() for p in model.parameters()]))
+    (got, got_grads), (want, want_grads) = results
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-5)
+    assert (want[:3] - want[3:]).abs().min() > 0.1  # the sequences differ: a swap would show
+    for a, b in zip(got_grads, want_grads):
+        assert (a - b).abs().max() <= 1e-5 * b.abs().max()
+
+
 def test_a_model_without_custom_masks_takes_the_shared_prompt_forward(tiny_model_dir):
     model = load_causal_lm(str(tiny_model_dir))
     model.config._attn_implementation = "flash_attention_2"  # takes no custom 4D mask

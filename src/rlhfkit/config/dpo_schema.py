@@ -44,6 +44,14 @@ class DPOSection:
                                               "before training (one no-grad pass, then no reference model is held) "
                                               "and cache them next to the data cache for the next run or --resume; "
                                               "false: a reference forward in every step")
+    chunked_logprobs: Optional[bool] = option(None, "response log-probs (policy and reference) with the LM head "
+                                                    "run in chunks on the response tokens only, the gradient "
+                                                    "formed from each chunk's softmax: no (tokens x vocabulary) "
+                                                    "logits, log-softmax or logit gradient held (same values to "
+                                                    "float rounding, less memory at large vocabularies); null = on "
+                                                    "when the head is a plain linear layer held on this rank (not "
+                                                    "a ZeRO-3 shard, not LoRA-adapted itself) and a one-off check "
+                                                    "finds the model's own logits")
 
     def uses_reference(self) -> bool:
         return not self.reference_free and self.loss not in REFERENCE_FREE_LOSSES

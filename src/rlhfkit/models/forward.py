@@ -81,20 +81,25 @@ def decoder_outputs(model):
         handle.remove()
 
 
-def final_hidden(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
-                 positions: torch.Tensor) -> torch.Tensor:
-    """(N, T, H) hidden states that `model`'s LM head would read, from the model's own forward (`decoder_outputs`);
-    the head runs on one position only."""
+def hidden_states(model, **kwargs) -> torch.Tensor:
+    """(N, T, H) hidden states that `model`'s LM head would read, from the model's own forward with `kwargs`
+    (`decoder_outputs`); the head runs on one position per row only."""
     with decoder_outputs(model) as captured:
-        causal_kwargs = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions,
-                             use_cache=False)
         try:
-            model(**causal_kwargs, logits_to_keep=1)
+            model(**kwargs, logits_to_keep=1)
         except TypeError as exc:  # a model class without logits_to_keep
             if "logits_to_keep" not in str(exc):
                 raise
-            model(**causal_kwargs)
+            model(**kwargs)
     return captured[-1]
+
+
+def final_hidden(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
+                 positions: torch.Tensor) -> torch.Tensor:
+    """(N, T, H) hidden states that `model`'s LM head would read at every position of a causal forward
+    (`hidden_states`)."""
+    return hidden_states(model, input_ids=input_ids, attention_mask=attention_mask, position_ids=positions,
+                         use_cache=False)
 
 
 # config attributes of models whose logits are not the head's output (a soft cap or a scale after the head)
@@ -169,10 +174,13 @@ def _keeps_flagged_positions() -> bool:
 
 
 def masked_logits(model, input_ids: torch.Tensor, position_ids: torch.Tensor, allowed: torch.Tensor,
-                  keep: torch.Tensor) -> torch.Tensor | None:
+                  keep: torch.Tensor, hidden: bool = False) -> torch.Tensor | None:
     """(K, V) logits at the K True positions of `keep` (N, T), in row-major order, of a forward of (N, T) rows under
     the custom attention mask `allowed` (N, 1, T, T) bool (query, key). The LM head runs on those positions only
-    where transformers can say so. None when the model takes no custom mask (`custom_mask_kind`)."""
+    where transformers can say so. None when the model takes no custom mask (`custom_mask_kind`).
+
+    With `hidden`, (K, H): the hidden states the LM head would read there (`decoder_outputs`), the head itself run
+    on one position per row."""
     kind = custom_mask_kind(model)
     if kind is None:
         return None
@@ -182,6 +190,8 @@ def masked_logits(model, input_ids: torch.Tensor, position_ids: torch.Tensor, al
         blocked = torch.finfo(dtype).min
         mask = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(~allowed, blocked)
     kwargs = dict(input_ids=input_ids, position_ids=position_ids, attention_mask=mask, use_cache=False)
+    if hidden:
+        return hidden_states(model, **kwargs)[keep]
     if _keeps_flagged_positions():
         try:
             logits = model(**kwargs, logits_to_keep=keep).logits

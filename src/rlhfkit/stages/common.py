@@ -15,6 +15,7 @@ from tqdm.auto import tqdm
 
 from rlhfkit.config.fields import dump_yaml
 from rlhfkit.errors import RunError
+from rlhfkit.models.forward import head_gives_logits, lm_head_weight, use_head_logprobs
 
 
 def set_seed(seed: int) -> None:
@@ -161,3 +162,16 @@ def batches(n_rows: int, batch_size: int, seed: int, start_step: int = 0):
         order = epoch_order(n_rows, seed, epoch)
         yield step, epoch, order[pos * batch_size:(pos + 1) * batch_size]
         step += 1
+
+
+def choose_head_logprobs(model, setting: bool | None, precision: str, engine) -> bool:
+    """Decide once per run whether `model`'s log-probs of given tokens run its LM head in chunks on the hidden
+    states (`algos.linear_token_logprobs`; the `ppo.chunked_logprobs` / `dpo.chunked_logprobs` setting: null = on
+    where the head is a plain linear layer held whole on this rank and `forward.head_gives_logits` finds the model's
+    own logits, agreed by every rank), and record it for the loops (`forward.use_head_logprobs`)."""
+    on = setting is not False and engine.holds_whole(model) and lm_head_weight(model) is not None
+    if on and setting is None:
+        rtol = 1e-4 if precision == "fp32" else 2e-2
+        on = engine.reduce_sum(float(head_gives_logits(model, rtol))) == engine.world_size
+    use_head_logprobs(model, on)
+    return on

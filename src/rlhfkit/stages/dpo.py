@@ -32,7 +32,7 @@ from typing import Callable, Optional
 
 import torch
 
-from rlhfkit.algos import PairLogps, masked_sum, preference_loss, token_logprobs
+from rlhfkit.algos import PairLogps, linear_token_logprobs, masked_sum, preference_loss, token_logprobs
 from rlhfkit.config.dpo_schema import DPOConfig, DPOSection
 from rlhfkit.data import cache
 from rlhfkit.data.loader import load_stage_data, skipped_rows
@@ -41,11 +41,12 @@ from rlhfkit.data.tokenize import collate_preferences, collate_prompt_sharing_pa
 from rlhfkit.engine import make_engine
 from rlhfkit.errors import ModelError
 from rlhfkit.models import load_causal_lm, load_tokenizer
-from rlhfkit.models.forward import causal_logits, custom_mask_kind, masked_logits, shared_prefix_logits
+from rlhfkit.models.forward import (causal_logits, custom_mask_kind, final_hidden, head_logprobs_weight, head_matmul,
+                                    masked_logits, position_ids, shared_prefix_logits)
 from rlhfkit.models.loading import load_generation_config
 from rlhfkit.models.lora import adapter_disabled, apply_lora, checkpointed, is_lora
-from rlhfkit.stages.common import (MetricsLogger, epoch_order, longest_first, plan_steps, prepare_output_dir,
-                                   set_seed)
+from rlhfkit.stages.common import (MetricsLogger, choose_head_logprobs, epoch_order, longest_first, plan_steps,
+                                   prepare_output_dir, set_seed)
 from rlhfkit.stages.guard import resume_state
 from rlhfkit.stages.loop import TrainLoop
 from rlhfkit.stages.reward import pair_means
@@ -79,14 +80,23 @@ def sequence_logprobs(model, rows: list[dict], pad_id: int, device) -> tuple[tor
     few-row matmul for the prompts' last positions rounds differently with the weights' memory alignment: a LoRA
     policy with its adapter disabled would differ from a frozen copy by an ulp). Under gradient checkpointing
     (`checkpointed`), or for a model without a plain full-attention cache, it is ONE (2B, T) right-padded forward
-    of the whole sequences. All of them give the full forward's values and gradients up to float rounding."""
+    of the whole sequences. All of them give the full forward's values and gradients up to float rounding.
+
+    Where `model`'s head allows it (`forward.head_logprobs_weight`, the `dpo.chunked_logprobs` setting), each of
+    them takes the hidden states instead of the logits, and the LM head runs in chunks on the response tokens only
+    (`algos.linear_token_logprobs`): no (tokens x vocabulary) logits, log-softmax or logit gradient are held."""
+    weight = head_logprobs_weight(model)
+    chunked = weight is not None
     if logprob_forward(model) == "packed" and min(r["prompt_len"] for r in rows) >= 1:
         packed = collate_prompt_sharing_pairs(rows, pad_id)
-        # (K', V): never None here, the model takes a custom mask ("packed")
-        logits = masked_logits(model, packed["input_ids"].to(device), packed["position_ids"].to(device),
-                               packed["allowed"].to(device), packed["scored"].to(device))
+        # (K', V) logits or (K', H) hidden states: never None here, the model takes a custom mask ("packed")
+        out = masked_logits(model, packed["input_ids"].to(device), packed["position_ids"].to(device),
+                            packed["allowed"].to(device), packed["scored"].to(device), hidden=chunked)
         source, target, owner = (packed[k].to(device) for k in ("source", "target", "owner"))  # (K,) each
-        logps = token_logprobs(logits[source][None], target[None])[0]  # (K,) one per response token
+        if chunked:
+            logps = linear_token_logprobs(out[source], weight, target, linear=head_matmul(model))[0]
+        else:
+            logps = token_logprobs(out[source][None], target[None])[0]  # (K,) one per response token
         sums = torch.zeros(2 * len(rows), dtype=logps.dtype, device=device).index_add(0, owner, logps)
         return sums, torch.bincount(owner, minlength=2 * len(rows)).float()
     prompts = [r["chosen_ids"][:r["prompt_len"] - 1] for r in rows] * 2  # (2B,) each pair's prompt twice
@@ -97,19 +107,33 @@ def sequence_logprobs(model, rows: list[dict], pad_id: int, device) -> tuple[tor
         prompt_mask = pad_sequences([[1] * len(p) for p in prompts], 0, side="left").to(device)
         tail_ids = pad_sequences(tails, pad_id).to(device)  # (2B, 1 + R), right-padded
         tail_mask = pad_sequences([[1] * len(t) for t in tails], 0).to(device)
-        logits = shared_prefix_logits(model, prompt_ids, prompt_mask, tail_ids, tail_mask)  # (2B, 1 + R, V) | None
-        if logits is not None:
+        # (2B, 1 + R, V) logits or (2B, 1 + R, H) hidden states, or None
+        out = shared_prefix_logits(model, prompt_ids, prompt_mask, tail_ids, tail_mask, hidden=chunked)
+        if out is not None:
             valid = tail_mask[:, 1:].bool()  # (2B, R) response tokens, no pads
-            return masked_sum(token_logprobs(logits[:, 1:], tail_ids[:, 1:]), valid, dim=-1), valid.sum(-1).float()
+            return response_sums(model, weight, out[:, 1:], tail_ids[:, 1:], valid), valid.sum(-1).float()
     batch = collate_preferences(rows, pad_id)
     ids, mask = batch["input_ids"].to(device), batch["attention_mask"].to(device)  # (2B, T)
     prompt_len = torch.tensor([r["prompt_len"] for r in rows] * 2, device=device)  # (2B,)
     first = max(1, int(prompt_len.min()))  # the earliest response token: positions first-1 .. T-2 are needed
-    logits = causal_logits(model, ids, mask, keep=ids.size(1) - first + 1)[:, :-1]  # (2B, T - first, V)
+    if chunked:
+        out = final_hidden(model, ids, mask, position_ids(mask))[:, first - 1:-1]  # (2B, T - first, H)
+    else:
+        out = causal_logits(model, ids, mask, keep=ids.size(1) - first + 1)[:, :-1]  # (2B, T - first, V)
     targets = ids[:, first:]  # (2B, T - first): position first - 1 + j predicts token first + j
     positions = torch.arange(first, ids.size(1), device=device)
     valid = (positions[None, :] >= prompt_len[:, None]) & mask[:, first:].bool()  # response tokens, no pads
-    return masked_sum(token_logprobs(logits, targets), valid, dim=-1), valid.sum(-1).float()
+    return response_sums(model, weight, out, targets, valid), valid.sum(-1).float()
+
+
+def response_sums(model, weight: Optional[torch.Tensor], out: torch.Tensor, targets: torch.Tensor,
+                  valid: torch.Tensor) -> torch.Tensor:
+    """(N,) summed log-probs of `targets` (N, R) over the `valid` (N, R) positions, from `out`: (N, R, V) logits,
+    or with the LM head's `weight` (N, R, H) hidden states, the head run in chunks on the valid positions only."""
+    if weight is None:
+        return masked_sum(token_logprobs(out, targets), valid, dim=-1)
+    logps = linear_token_logprobs(out[valid], weight, targets[valid], linear=head_matmul(model))[0]  # (K,)
+    return torch.zeros(valid.shape, dtype=logps.dtype, device=logps.device).masked_scatter(valid, logps).sum(-1)
 
 
 @contextlib.contextmanager
@@ -244,9 +268,9 @@ def reference_model(cfg: DPOConfig, policy, engine, tokenizer, fresh: bool) -> R
         if ref_tok.get_vocab() != tokenizer.get_vocab():
             raise ModelError(f"reference '{name}' has a different tokenizer from the policy's; it reads the "
                              f"policy's token ids, so it must share its vocabulary")
-    model = load_causal_lm(name, cfg.load, tokenizer)
-    return Reference(engine.prepare_frozen(model, role="reference"), note=f"a frozen copy of {name}",
-                     on_device=engine.on_device)
+    model = engine.prepare_frozen(load_causal_lm(name, cfg.load, tokenizer), role="reference")
+    choose_head_logprobs(model, cfg.dpo.chunked_logprobs, cfg.engine.precision, engine)
+    return Reference(model, note=f"a frozen copy of {name}", on_device=engine.on_device)
 
 
 def setup_reference(cfg: DPOConfig, data, policy, engine, tokenizer, fresh: bool, say) -> Reference:
@@ -260,7 +284,10 @@ def setup_reference(cfg: DPOConfig, data, policy, engine, tokenizer, fresh: bool
         reference.note += ", every micro-batch"
         return reference
     name = cfg.reference or cfg.model
-    path, key = reference_cache_path(cfg, name, tokenizer, data.train, data.eval, logprob_forward(policy.module))
+    forward = logprob_forward(policy.module)
+    if head_logprobs_weight(policy.module) is not None:
+        forward += ", LM head in chunks"  # the same values to float rounding, which step 0 would show
+    path, key = reference_cache_path(cfg, name, tokenizer, data.train, data.eval, forward)
     cached = cache.load(path, key, warn=say) if path is not None else None
     # every rank must take the same branch (ZeRO-3 forwards are collectives): a hit only when all ranks hit
     if engine.reduce_sum(1 if cached is not None else 0) == engine.world_size and cached is not None:
@@ -375,6 +402,7 @@ def run_dpo(cfg: DPOConfig, resume: bool = False, force: bool = False) -> dict:
 
     # 2. the optimizer; the reference log-probs (before a checkpoint is loaded: the policy may compute them)
     policy = engine.prepare(model, cfg.train, total, role="policy")
+    chunked = choose_head_logprobs(policy.module, cfg.dpo.chunked_logprobs, cfg.engine.precision, engine)
     reference = setup_reference(cfg, data, policy, engine, tokenizer, fresh=not resume, say=engine.say)
     start = resume_state(engine, out, {"model": policy})["step"] if resume else 0
     pad_id, device, micro_size = tokenizer.pad_token_id, engine.device, cfg.train.micro_batch_size
@@ -383,7 +411,8 @@ def run_dpo(cfg: DPOConfig, resume: bool = False, force: bool = False) -> dict:
                                      reference)) if data.eval else None
 
     with MetricsLogger(out, "dpo", total, cfg.log, engine.is_main, initial=start) as log:
-        log.write(f"{describe(data.info, cfg)}; reference log-probs: {reference.note}; {total} steps of "
+        head = "; response log-probs: LM head in chunks" if chunked else ""
+        log.write(f"{describe(data.info, cfg)}; reference log-probs: {reference.note}{head}; {total} steps of "
                   f"{cfg.train.batch_size} pairs (accumulation {accum})")
         if start == 0 and evaluate:  # the starting point (the policy is the reference: DPO's rewards are 0)
             log.log(0, evaluate())

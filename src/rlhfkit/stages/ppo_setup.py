@@ -18,13 +18,13 @@ from rlhfkit.data.templates import Template, end_token_ids
 from rlhfkit.errors import ModelError, RunError
 from rlhfkit.models import load_causal_lm, load_scalar_model, load_tokenizer
 from rlhfkit.models.cpu_linear import use_fast_cpu_linear
-from rlhfkit.models.forward import head_gives_logits, lm_head_weight, use_head_logprobs
 from rlhfkit.models.loading import load_generation_config
 from rlhfkit.models.lora import apply_lora
 from rlhfkit.models.reward_fn import (CombinedReward, FunctionReward, ModelReward, is_function_spec,
                                      load_reward_function, same_tokenization)
 from rlhfkit.rollout.estimators import ESTIMATORS
 from rlhfkit.rollout.generate import ignored_generation_settings
+from rlhfkit.stages.common import choose_head_logprobs
 
 
 @dataclass
@@ -152,11 +152,5 @@ def load_ppo_models(cfg: PPOConfig, tokenizer, engine, total_updates: int) -> PP
 
 def chunked_logprobs(model, cfg: PPOConfig, engine) -> bool:
     """Decide once per run whether `model`'s response log-probs run its LM head in chunks (`ppo.chunked_logprobs`,
-    `forward.head_gives_logits` checked on every rank) and record it for the loops (`use_head_logprobs`)."""
-    setting = cfg.ppo.chunked_logprobs
-    on = setting is not False and engine.holds_whole(model) and lm_head_weight(model) is not None
-    if on and setting is None:
-        rtol = 1e-4 if cfg.engine.precision == "fp32" else 2e-2
-        on = engine.reduce_sum(float(head_gives_logits(model, rtol))) == engine.world_size
-    use_head_logprobs(model, on)
-    return on
+    `common.choose_head_logprobs`)."""
+    return choose_head_logprobs(model, cfg.ppo.chunked_logprobs, cfg.engine.precision, engine)
