@@ -187,6 +187,24 @@ def padded_full_logprobs(model, rows, pad_id):
     return masked_sum(logp, valid, dim=-1)
 
 
+def assert_same_logps_and_grads(model, compute, expected):
+    """`compute()` and `expected()` give the same (2B,) log-probs of 3 pairs and the same gradients of a sum
+    weighting each sequence differently."""
+    results = []
+    for fn in (compute, expected):
+        model.zero_grad()
+        logps = fn()
+        (logps * torch.arange(1.0, 7.0)).sum().backward()  # a different weight per sequence
+        results.append((logps.detach(), [p.grad.clone() for p in model.parameters()]))
+    (got, got_grads), (want, want_grads) = results
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-5)
+    assert (want[:3] - want[3:]).abs().min() > 0.1  # the sequences differ: a swap would show
+    # float32 with sharpened weights: gradients up to ~5e3; the paths agree to ~1e-7 of each parameter's largest
+    # (measured), a response that saw the other would be off by its whole size
+    for a, b in zip(got_grads, want_grads):
+        assert (a - b).abs().max() <= 1e-5 * b.abs().max()
+
+
 @pytest.mark.parametrize("attention, checkpointing", [("sdpa", False), ("eager", False), ("sdpa", True)])
 def test_packed_prompt_sharing_pairs_give_the_full_forward_values_and_gradients(tiny_model_dir, attention,
                                                                                  checkpointing):
@@ -204,20 +222,9 @@ def test_packed_prompt_sharing_pairs_give_the_full_forward_values_and_gradients(
     assert logprob_forward(model) == "packed"
     packed = collate_prompt_sharing_pairs(rows, tok.pad_token_id)
     assert packed["input_ids"].numel() < collate_preferences(rows, tok.pad_token_id)["input_ids"].numel()
-    results = []
-    for compute in (lambda: sequence_logprobs(model, rows, tok.pad_token_id, torch.device("cpu"))[0],
-                    lambda: padded_full_logprobs(model, rows, tok.pad_token_id)):
-        model.zero_grad()
-        logps = compute()
-        (logps * torch.arange(1.0, 7.0)).sum().backward()  # a different weight per sequence
-        results.append((logps.detach(), [p.grad.clone() for p in model.parameters()]))
-    (got, got_grads), (want, want_grads) = results
-    torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-5)
-    assert (want[:3] - want[3:]).abs().min() > 0.1  # the sequences differ: a swap would show
-    # float32 with sharpened weights: gradients up to ~5e3; the paths agree to ~1e-7 of each parameter's largest
-    # (measured), a response that saw the other would be off by its whole size
-    for a, b in zip(got_grads, want_grads):
-        assert (a - b).abs().max() <= 1e-5 * b.abs().max()
+    device = torch.device("cpu")
+    assert_same_logps_and_grads(model, lambda: sequence_logprobs(model, rows, tok.pad_token_id, device)[0],
+                                lambda: padded_full_logprobs(model, rows, tok.pad_token_id))
 
 
 @pytest.mark.parametrize("path", ["packed", "shared-prompt", "full"])
@@ -242,22 +249,17 @@ def test_the_lm_head_in_chunks_gives_the_full_forward_values_and_gradients(tiny_
     assert logprob_forward(model) == path
     vocab = model.get_output_embeddings().weight.size(0)
     monkeypatch.setattr(logprob_module, "_LOGPROB_CHUNK_ELEMENTS", 5 * vocab)
-    results = []
-    for chunked in (True, False):
-        use_head_logprobs(model, chunked)
-        model.zero_grad()
-        if chunked:
-            assert head_logprobs_weight(model) is not None
-            logps = sequence_logprobs(model, rows, tok.pad_token_id, torch.device("cpu"))[0]
-        else:
-            logps = padded_full_logprobs(model, rows, tok.pad_token_id)
-        (logps * torch.arange(1.0, 7.0)).sum().backward()  # a different weight per sequence
-        results.append((logps.detach(), [p.grad.clone() for p in model.parameters()]))
-    (got, got_grads), (want, want_grads) = results
-    torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-5)
-    assert (want[:3] - want[3:]).abs().min() > 0.1  # the sequences differ: a swap would show
-    for a, b in zip(got_grads, want_grads):
-        assert (a - b).abs().max() <= 1e-5 * b.abs().max()
+
+    def chunked():
+        use_head_logprobs(model, True)
+        assert head_logprobs_weight(model) is not None
+        return sequence_logprobs(model, rows, tok.pad_token_id, torch.device("cpu"))[0]
+
+    def full():
+        use_head_logprobs(model, False)
+        return padded_full_logprobs(model, rows, tok.pad_token_id)
+
+    assert_same_logps_and_grads(model, chunked, full)
 
 
 def test_a_model_without_custom_masks_takes_the_shared_prompt_forward(tiny_model_dir):
