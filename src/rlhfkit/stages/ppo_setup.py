@@ -144,13 +144,8 @@ def load_ppo_models(cfg: PPOConfig, tokenizer, engine, total_updates: int) -> PP
     models = (actor.module, critic.module if critic else None, reference, *reward.models)
     if sum(use_fast_cpu_linear(m, engine.device) for m in models if m is not None):
         notes.append("CPU linear layers: oneDNN (faster than MKL here)")
-    chunked = [chunked_logprobs(m, cfg, engine) for m in (actor.module, reference) if m is not None]
+    chunked = [choose_head_logprobs(m, cfg.ppo.chunked_logprobs, cfg.engine.precision, engine)
+               for m in (actor.module, reference) if m is not None]
     if any(chunked):
         notes.append("response log-probs: LM head in chunks")
     return PPOModels(actor, critic, reference, reward, notes)
-
-
-def chunked_logprobs(model, cfg: PPOConfig, engine) -> bool:
-    """Decide once per run whether `model`'s response log-probs run its LM head in chunks (`ppo.chunked_logprobs`,
-    `common.choose_head_logprobs`)."""
-    return choose_head_logprobs(model, cfg.ppo.chunked_logprobs, cfg.engine.precision, engine)
