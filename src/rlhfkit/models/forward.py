@@ -136,7 +136,7 @@ def head_gives_logits(model, rtol: float = 1e-4) -> bool:
 
 def use_head_logprobs(model, on: bool) -> None:
     """Record for `model` whether its response log-probs may run its LM head in chunks on the hidden states
-    (`head_logprobs_weight`); decided once per run (`head_gives_logits`, the `ppo.chunked_logprobs` setting)."""
+    (`head_logprobs_weight`); decided once per run (`stages.common.choose_head_logprobs`)."""
     _HEAD_LOGPROBS[base_model(model)] = on
 
 
@@ -317,9 +317,7 @@ def shared_prefix_logits(model, prompt_ids: torch.Tensor, prompt_mask: torch.Ten
     kwargs = dict(input_ids=response_ids[:, :-1], attention_mask=full_mask[:, :-1],
                   position_ids=position_ids(full_mask)[:, width:-1], past_key_values=cache, use_cache=True)
     if hidden:
-        with decoder_outputs(model) as captured:
-            model(**kwargs, logits_to_keep=1)
-        rest = captured[-1]
+        rest = hidden_states(model, **kwargs)
     else:
         rest = model(**kwargs).logits
     return torch.cat([head.to(rest.dtype), rest], dim=1)
