@@ -74,11 +74,25 @@ def test_ppo_single_step_losses_are_the_pinned_ones(tmp_path, ppo_world, capsys,
                    f"ppo.chunked_logprobs={chunked}")
     check_pinned("local/ppo-single-step", series_of(rows, *PPO_SERIES, "actor_grad_norm", "critic_grad_norm",
                                                     "eval/reward"))
-    assert ("response log-probs: LM head in chunks" in capsys.readouterr().err) == (chunked == "null")
+    err = capsys.readouterr().err
+    assert ("response log-probs: LM head in chunks" in err) == (chunked == "null")
+    assert "padding-free forwards: actor, critic, reference" in err  # on by default after its check
 
 
-def test_ppo_epochs_lora_ptx_kl_loss_losses_are_the_pinned_ones(tmp_path, ppo_world, pinned_rm):
+def test_ppo_epochs_lora_ptx_kl_loss_losses_are_the_pinned_ones(tmp_path, ppo_world, pinned_rm, capsys):
     rows = ppo_run(ppo_world, tmp_path / "ppo", f"reward={pinned_rm / 'final'}", "train.lr=3e-3", "lora.rank=4",
                    "ppo.epochs=2", "ppo.mini_batch_size=8", f"data.ptx={ppo_world / 'ptx.txt'}", "ptx.coef=0.5",
                    "ppo.kl_loss_coef=0.1", "gen.generation_batch_size=8", "ppo.critic_warmup_iters=1")
     check_pinned("local/ppo-epochs-lora-ptx", series_of(rows, *PPO_SERIES, "ptx_loss", "kl_loss", "eval/reward"))
+    assert "padding-free forwards: actor, critic, reward" in capsys.readouterr().err
+
+
+def test_ppo_padded_forwards_give_the_pinned_losses(tmp_path, ppo_world, pinned_rm, capsys):
+    """The pinned curves were made with padded forwards; `ppo.packing=false` still gives them (the default packs, and
+    the tests above compare it with the same curves), with a reward model scoring."""
+    rows = ppo_run(ppo_world, tmp_path / "ppo", f"reward={pinned_rm / 'final'}", "train.lr=3e-3", "lora.rank=4",
+                   "ppo.epochs=2", "ppo.mini_batch_size=8", f"data.ptx={ppo_world / 'ptx.txt'}", "ptx.coef=0.5",
+                   "ppo.kl_loss_coef=0.1", "gen.generation_batch_size=8", "ppo.critic_warmup_iters=1",
+                   "ppo.packing=false")
+    check_pinned("local/ppo-epochs-lora-ptx", series_of(rows, *PPO_SERIES, "ptx_loss", "kl_loss", "eval/reward"))
+    assert "padding-free" not in capsys.readouterr().err

@@ -86,6 +86,14 @@ class PPOSection:
                                                     "ZeRO-3 shard, not LoRA-adapted itself) and a one-off check "
                                                     "finds the model's own logits; off while entropy_coef > 0 "
                                                     "in the actor's update")
+    packing: Optional[bool] = option(None, "padding-free forwards over the rollout (actor and reference response "
+                                           "log-probs with the LM head in chunks, critic values, reward-model "
+                                           "scores): each micro-batch's real tokens concatenated, positions "
+                                           "restarting per row, attention run per sequence (sdpa models) or kept "
+                                           "inside each row by transformers' packed-sequence mask, so prompts' "
+                                           "left padding and the padding after EOS cost nothing (same values); "
+                                           "null = on for each model where a one-off check finds its padded "
+                                           "forward's values")
     value_head_init: str = option("random", "a fresh value head (critic from the actor): random (seeded) or zero "
                                             "(every value starts at 0)", choices=("random", "zero"))
     advantage_estimator: str = option("gae", "how advantages are estimated (rollout/estimators.py): gae (PPO: GAE "

@@ -18,9 +18,10 @@ import torch
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
 from rlhfkit.algos import last_valid_index
+from rlhfkit.data.tokenize import pack_bins
 from rlhfkit.models.cpu_linear import FastCPULinear, layer_matmul
 from rlhfkit.models.lora import base_model, checkpointed
-from rlhfkit.models.segments import packed_attention
+from rlhfkit.models.segments import packed_attention, packed_row_tokens
 
 HEAD_NAMES = ("score", "classifier", "v_head")
 
@@ -362,6 +363,101 @@ def packed_sequence_scores(model, input_ids: torch.Tensor, positions: torch.Tens
     return scores[ends[:, 0], ends[:, 1]]
 
 
+_PADDING_FREE: "weakref.WeakKeyDictionary[torch.nn.Module, bool]" = weakref.WeakKeyDictionary()
+
+
+def use_padding_free(model, on: bool) -> None:
+    """Record for `model` whether its forwards over padded rollout rows (response hidden states, values, reward
+    scores) run padding-free (`packed_outputs`); decided once per run (`stages.common.choose_padding_free`)."""
+    _PADDING_FREE[base_model(model)] = on
+
+
+def padding_free(model) -> bool:
+    """Whether `use_padding_free(model, True)` was recorded."""
+    return _PADDING_FREE.get(base_model(model), False)
+
+
+def pack_padded(input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                capacity: int | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The real tokens of a padded batch (any padding side; the tokens whose mask is 1) packed without padding:
+    `(ids, positions, where)`. `ids` and `positions` are (N, W): rows concatenated into bins of at most
+    `capacity` tokens (`data.tokenize.pack_bins`; None = as long as the longest row), positions restarting at 0
+    for every row as `position_ids(attention_mask)` numbers them, a bin's unused tail a segment of its own.
+    `where` (B, T) is the index into the flattened (N * W) packed tokens of each padded position, -1 on padding.
+    """
+    mask = attention_mask.bool()
+    lengths = mask.sum(-1).tolist()
+    rows = [i for i, n in enumerate(lengths) if n > 0]
+    bins = pack_bins([lengths[i] for i in rows], max(max(lengths), capacity or 0))
+    width = max(sum(lengths[rows[j]] for j in members) for members in bins)
+    starts = [0] * len(lengths)
+    flat_positions = torch.zeros(len(bins) * width, dtype=torch.long)
+    for b, members in enumerate(bins):
+        column = b * width
+        for j in members:
+            starts[rows[j]] = column
+            column += lengths[rows[j]]
+        flat_positions[column:(b + 1) * width] = torch.arange((b + 1) * width - column)  # the tail's segment
+    positions = position_ids(attention_mask)
+    where = (torch.tensor(starts, device=mask.device)[:, None] + positions).masked_fill(~mask, -1)
+    real = where[mask]
+    flat_ids = input_ids.new_zeros(len(bins) * width)
+    flat_ids[real] = input_ids[mask]
+    flat_positions = flat_positions.to(mask.device)
+    flat_positions[real] = positions[mask]
+    return flat_ids.view(len(bins), width), flat_positions.view(len(bins), width), where
+
+
+def packed_outputs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                   scores: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token outputs of a padded batch from one padding-free forward (`pack_padded`, bins of
+    `segments.packed_row_tokens` tokens, attention per sequence where the model allows it): `(flat, where)`, with
+    `flat` (N * W, H) the hidden states the LM head reads (`hidden_states`) or, with `scores`, (N * W,) a scalar
+    model's outputs (`token_scores`), and `where` (B, T) the row of `flat` for each padded position (-1 on
+    padding). Equal to the padded forward's at every real token, to float rounding: positions, and the tokens
+    each attends to, are the same; no compute is spent on padding."""
+    ids, positions, where = pack_padded(input_ids, attention_mask, packed_row_tokens(model))
+    with packed_attention(model):
+        if scores:
+            flat = token_scores(model, ids, None, positions).flatten()
+        else:
+            flat = hidden_states(model, input_ids=ids, attention_mask=None, position_ids=positions, use_cache=False)
+            flat = flat.flatten(0, 1)
+    return flat, where
+
+
+def read_packed(flat: torch.Tensor, where: torch.Tensor) -> torch.Tensor:
+    """`flat`'s rows at `where` (any shape, from `packed_outputs`): the padded layout, zeros where `where` is -1."""
+    out = flat[where.clamp(min=0)]
+    keep = (where >= 0).view(*where.shape, *([1] * (flat.dim() - 1)))
+    return torch.where(keep, out, torch.zeros((), dtype=out.dtype, device=out.device))
+
+
+@torch.no_grad()
+def packing_gives_padded_values(model, rtol: float = 1e-4) -> bool:
+    """Whether `model`'s padding-free forward (`packed_outputs`) matches its padded one, checked once on two short
+    rows, left-padded: a model whose attention ignores packed positions (it would attend across sequences) or
+    that reads positions its own way is refused by the values."""
+    scalar = any(isinstance(getattr(base_model(model), name, None), torch.nn.Module) for name in HEAD_NAMES)
+    device = next(base_model(model).parameters()).device
+    vocab = getattr(base_model(model).config, "vocab_size", None) or 2
+    ids = (torch.arange(12, device=device).view(2, 6) * 7 + 3).remainder(vocab)
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0  # the second row: 3 tokens after left padding
+    was_training = base_model(model).training
+    model.eval()
+    try:
+        if scalar:
+            padded = token_scores(model, ids, mask)
+        else:
+            padded = final_hidden(model, ids, mask, position_ids(mask)).float()
+        flat, where = packed_outputs(model, ids, mask, scores=scalar)
+    finally:
+        model.train(was_training)
+    real = mask.bool()
+    return bool(torch.allclose(flat.float()[where[real]], padded[real], rtol=rtol, atol=rtol))
+
+
 def trim_padding(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Drop the leading and trailing columns that are padding in every row: the same results (positions come
     from the mask) for less compute when the rows are shorter than the tensor."""
@@ -374,7 +470,11 @@ def trim_padding(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> tuple
 
 
 def sequence_scores(model, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-    """(B,) reward-model score read at each row's last real token (left or right padding)."""
+    """(B,) reward-model score read at each row's last real token (left or right padding); padding-free where
+    recorded for `model` (`use_padding_free`)."""
+    if padding_free(model):
+        flat, where = packed_outputs(model, input_ids, attention_mask, scores=True)
+        return flat[where.gather(1, last_valid_index(attention_mask)[:, None]).squeeze(1)]
     input_ids, attention_mask = trim_padding(input_ids, attention_mask)
     scores = token_scores(model, input_ids, attention_mask)
     idx = last_valid_index(attention_mask)

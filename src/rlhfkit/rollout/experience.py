@@ -15,8 +15,8 @@ from rlhfkit.algos import (entropy_from_logits, kl_penalty, linear_token_logprob
                            shape_rewards, token_logprobs)
 from rlhfkit.config.ppo_schema import PPOSection
 from rlhfkit.models.cpu_linear import packed_weights
-from rlhfkit.models.forward import (causal_logits, final_hidden, head_logprobs_weight, head_matmul, position_ids,
-                                   shared_prefix_logits, token_scores)
+from rlhfkit.models.forward import (causal_logits, final_hidden, head_logprobs_weight, head_matmul, packed_outputs,
+                                   padding_free, position_ids, read_packed, shared_prefix_logits, token_scores)
 from rlhfkit.models.lora import adapter_disabled
 from rlhfkit.rollout.batch import RolloutBatch
 from rlhfkit.rollout.estimators import ESTIMATORS
@@ -49,6 +49,9 @@ def response_hidden(model, batch: RolloutBatch) -> torch.Tensor:
     if batch.groups_share_prompts:
         hidden = shared_prefix_logits(model, batch.prompt_ids, batch.prompt_mask, batch.response_ids,
                                       batch.response_mask, always=True, hidden=True)
+    if hidden is None and padding_free(model):  # the response's padding after EOS and the prompts' costs nothing
+        flat, where = packed_outputs(model, batch.input_ids, batch.attention_mask)
+        hidden = read_packed(flat, where[:, batch.prompt_width - 1:-1])
     if hidden is None:
         width = batch.response_ids.size(1)
         mask = batch.attention_mask
@@ -86,7 +89,11 @@ def response_logprobs(model, batch: RolloutBatch, temperature: float = 1.0) -> t
 
 
 def response_values(critic, batch: RolloutBatch) -> torch.Tensor:
-    """(B, R) critic values of the state before each response token (same columns as the logits)."""
+    """(B, R) critic values of the state before each response token (same columns as the logits); padding-free
+    where recorded for the critic (`forward.use_padding_free`; then 0 where the state is padding)."""
+    if padding_free(critic):
+        flat, where = packed_outputs(critic, batch.input_ids, batch.attention_mask, scores=True)
+        return read_packed(flat, where[:, batch.prompt_width - 1:-1])
     return token_scores(critic, batch.input_ids, batch.attention_mask)[:, batch.prompt_width - 1:-1]
 
 

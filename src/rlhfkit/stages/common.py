@@ -15,7 +15,8 @@ from tqdm.auto import tqdm
 
 from rlhfkit.config.fields import dump_yaml
 from rlhfkit.errors import RunError
-from rlhfkit.models.forward import head_gives_logits, lm_head_weight, use_head_logprobs
+from rlhfkit.models.forward import (head_gives_logits, lm_head_weight, packing_gives_padded_values, use_head_logprobs,
+                                   use_padding_free)
 
 
 def set_seed(seed: int) -> None:
@@ -174,4 +175,16 @@ def choose_head_logprobs(model, setting: bool | None, precision: str, engine) ->
         rtol = 1e-4 if precision == "fp32" else 2e-2
         on = engine.reduce_sum(float(head_gives_logits(model, rtol))) == engine.world_size
     use_head_logprobs(model, on)
+    return on
+
+
+def choose_padding_free(model, setting: bool | None, precision: str, engine) -> bool:
+    """Decide once per run whether `model`'s forwards over padded rollout rows run padding-free
+    (`forward.packed_outputs`; the `ppo.packing` setting: null = on where `forward.packing_gives_padded_values`
+    finds the padded forward's values on every rank), and record it for the loops (`forward.use_padding_free`)."""
+    on = setting is not False
+    if on and setting is None:
+        rtol = 1e-4 if precision == "fp32" else 2e-2
+        on = engine.reduce_sum(float(packing_gives_padded_values(model, rtol))) == engine.world_size
+    use_padding_free(model, on)
     return on

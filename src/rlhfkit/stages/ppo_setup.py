@@ -24,7 +24,7 @@ from rlhfkit.models.reward_fn import (CombinedReward, FunctionReward, ModelRewar
                                      load_reward_function, same_tokenization)
 from rlhfkit.rollout.estimators import ESTIMATORS
 from rlhfkit.rollout.generate import ignored_generation_settings
-from rlhfkit.stages.common import choose_head_logprobs
+from rlhfkit.stages.common import choose_head_logprobs, choose_padding_free
 
 
 @dataclass
@@ -144,8 +144,15 @@ def load_ppo_models(cfg: PPOConfig, tokenizer, engine, total_updates: int) -> PP
     models = (actor.module, critic.module if critic else None, reference, *reward.models)
     if sum(use_fast_cpu_linear(m, engine.device) for m in models if m is not None):
         notes.append("CPU linear layers: oneDNN (faster than MKL here)")
-    chunked = [choose_head_logprobs(m, cfg.ppo.chunked_logprobs, cfg.engine.precision, engine)
-               for m in (actor.module, reference) if m is not None]
-    if any(chunked):
+    chunked = {id(m): choose_head_logprobs(m, cfg.ppo.chunked_logprobs, cfg.engine.precision, engine)
+               for m in (actor.module, reference) if m is not None}
+    if any(chunked.values()):
         notes.append("response log-probs: LM head in chunks")
+    # padding-free: the policies' log-probs where they read hidden states (the head in chunks), every scalar model
+    models = [("actor", actor.module), ("critic", critic.module if critic else None), ("reference", reference),
+              *(("reward", m) for m in reward.models)]
+    packing = [name for name, m in models if m is not None and choose_padding_free(
+        m, cfg.ppo.packing if chunked.get(id(m), True) else False, cfg.engine.precision, engine)]
+    if packing:
+        notes.append(f"padding-free forwards: {', '.join(dict.fromkeys(packing))}")
     return PPOModels(actor, critic, reference, reward, notes)
