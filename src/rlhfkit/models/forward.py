@@ -324,13 +324,18 @@ def shared_prefix_logits(model, prompt_ids: torch.Tensor, prompt_mask: torch.Ten
     return torch.cat([head.to(rest.dtype), rest], dim=1)
 
 
-def _head(model) -> torch.nn.Module:
+def scalar_head(model) -> torch.nn.Module | None:
+    """The scalar head of a reward model or critic (one of `HEAD_NAMES`), or None (a causal LM)."""
     plain = base_model(model)
-    for name in HEAD_NAMES:
-        head = getattr(plain, name, None)
-        if isinstance(head, torch.nn.Module):
-            return head
-    raise TypeError(f"{type(plain).__name__} has no scalar head named one of {HEAD_NAMES}")
+    return next((head for head in (getattr(plain, name, None) for name in HEAD_NAMES)
+                 if isinstance(head, torch.nn.Module)), None)
+
+
+def _head(model) -> torch.nn.Module:
+    head = scalar_head(model)
+    if head is None:
+        raise TypeError(f"{type(base_model(model)).__name__} has no scalar head named one of {HEAD_NAMES}")
+    return head
 
 
 def token_scores(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
@@ -438,7 +443,7 @@ def packing_gives_padded_values(model, rtol: float = 1e-4) -> bool:
     """Whether `model`'s padding-free forward (`packed_outputs`) matches its padded one, checked once on two short
     rows, left-padded: a model whose attention ignores packed positions (it would attend across sequences) or
     that reads positions its own way is refused by the values."""
-    scalar = any(isinstance(getattr(base_model(model), name, None), torch.nn.Module) for name in HEAD_NAMES)
+    scalar = scalar_head(model) is not None
     device = next(base_model(model).parameters()).device
     vocab = getattr(base_model(model).config, "vocab_size", None) or 2
     ids = (torch.arange(12, device=device).view(2, 6) * 7 + 3).remainder(vocab)
