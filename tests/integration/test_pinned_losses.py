@@ -76,9 +76,11 @@ def test_ppo_single_step_losses_are_the_pinned_ones(tmp_path, ppo_world, capsys,
                                                     "eval/reward"))
     err = capsys.readouterr().err
     assert ("response log-probs: LM head in chunks" in err) == (chunked == "null")
-    # on by default after its check; the policies only where they read hidden states (the head in chunks)
+    # on by default after its check; the actor always (its rollout prefill), the reference only where it reads
+    # hidden states (the head in chunks)
     packed = next(note for note in err.replace("\n", ";").split(";") if "padding-free forwards:" in note)
-    assert packed.strip() == f"padding-free forwards: {'actor, critic, reference' if chunked == 'null' else 'critic'}"
+    expected = "actor, critic, reference" if chunked == "null" else "actor, critic"
+    assert packed.strip() == f"padding-free forwards: {expected}"
 
 
 def test_ppo_epochs_lora_ptx_kl_loss_losses_are_the_pinned_ones(tmp_path, ppo_world, pinned_rm, capsys):

@@ -73,7 +73,10 @@ def segment_attention(module, query: torch.Tensor, key: torch.Tensor, value: tor
                       **kwargs) -> tuple[torch.Tensor, None]:
     """transformers' attention signature: (B, H, T, D) query, (B, H_kv, T, D) key and value; returns (B, T, H, D)."""
     positions = kwargs.get("position_ids")
-    plain = (not getattr(attention_mask, "_rlhfkit_packed_only", False) or positions is None
+    # a packed forward over a KV cache (the rollout's padding-free prefill) says so itself: transformers builds
+    # no packed mask when a cache is passed
+    packed_call = kwargs.pop("rlhfkit_packed", False)
+    plain = (not (packed_call or getattr(attention_mask, "_rlhfkit_packed_only", False)) or positions is None
              or positions.dim() != 2 or positions.shape[-1] != query.shape[2] or query.shape[2] != key.shape[2]
              or not getattr(module, "is_causal", True) or kwargs.get("sliding_window") is not None
              or kwargs.get("softcap") is not None)
@@ -113,16 +116,18 @@ AttentionMaskInterface.register(NAME, _packed_mask)  # the fallback path reads t
 ROW_TOKENS = 4096  # a packed row's length where attention runs per sequence: one row for most micro-batches
 
 
-def packed_row_tokens(model) -> int | None:
+def packed_row_tokens(model, inference: bool = False) -> int | None:
     """How many tokens a packed row may hold for `model` (`data.tokenize.collate_packed`'s `capacity`):
     `ROW_TOKENS` where its attention runs per sequence (a long row then costs no attention across sequences, and a
     micro-batch in one row has no padding at all), else None, bins as long as the longest sequence (under a
     mask, attention costs the square of the row's length). Every layer must be plain full attention (a sliding
-    window or a soft cap sends a layer to the masked path) for a long row to pay off."""
+    window or a soft cap sends a layer to the masked path) for a long row to pay off. `inference`: for a forward
+    without autograd (the rollout's prefill), where gradient checkpointing recomputes nothing."""
     from rlhfkit.models.forward import full_attention_cache  # forward.py imports this module
 
     inner = base_model(model)
-    per_sequence = (getattr(inner.config, "_attn_implementation", None) == "sdpa" and not checkpointed(inner)
+    per_sequence = (getattr(inner.config, "_attn_implementation", None) == "sdpa"
+                    and (inference or not checkpointed(inner))
                     and getattr(inner.config, "attn_logit_softcapping", None) is None
                     and full_attention_cache(inner) is not None)
     return ROW_TOKENS if per_sequence else None

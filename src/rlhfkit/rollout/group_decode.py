@@ -46,15 +46,23 @@ class GroupCacheLayer(DynamicLayer):
         self.capacity, self.length = capacity, 0
         self.prompt_keys = self.prompt_values = self.key_buffer = self.value_buffer = None
 
+    packed_where = None  # set by `generate._prefill` for a padding-free prefill (`generate.unpack_states`)
+
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if self.prompt_keys is None:  # the prefill: the distinct prompts, attended the usual way
             self.dtype, self.device = key_states.dtype, key_states.device
+            keys, values = key_states, value_states
+            if self.packed_where is not None:  # packed rows: kept left-padded, attended as they came
+                from rlhfkit.rollout.generate import unpack_states
+
+                keys, values = unpack_states(keys, self.packed_where), unpack_states(values, self.packed_where)
+                self.packed_where = None
             # half precision is kept in float32 here: the decode attention then multiplies in float32, as
             # the fused attention kernels accumulate (bf16 scores lose ~1e-2 of a logit)
             wide = torch.float32 if key_states.dtype in (torch.float16, torch.bfloat16) else key_states.dtype
-            self.prompt_keys, self.prompt_values = key_states.to(wide).contiguous(), value_states.to(wide).contiguous()
+            self.prompt_keys, self.prompt_values = keys.to(wide).contiguous(), values.to(wide).contiguous()
             self.is_initialized = True
-            self.keys, self.values = key_states, value_states
+            self.keys, self.values = keys, values
             return key_states, value_states
         prompts, kv_heads, _, dim = self.prompt_keys.shape
         group = key_states.size(0) // prompts

@@ -148,11 +148,13 @@ def load_ppo_models(cfg: PPOConfig, tokenizer, engine, total_updates: int) -> PP
                for m in (actor.module, reference) if m is not None}
     if any(chunked.values()):
         notes.append("response log-probs: LM head in chunks")
-    # padding-free: the policies' log-probs where they read hidden states (the head in chunks), every scalar model
+    # padding-free: the actor's rollout prefill, the policies' log-probs where they read hidden states (the head in
+    # chunks), every scalar model
     models = [("actor", actor.module), ("critic", critic.module if critic else None), ("reference", reference),
               *(("reward", m) for m in reward.models)]
     packing = [name for name, m in models if m is not None and choose_padding_free(
-        m, cfg.ppo.packing if chunked.get(id(m), True) else False, cfg.engine.precision, engine)]
+        m, cfg.ppo.packing if chunked.get(id(m), True) or m is actor.module else False, cfg.engine.precision,
+        engine)]
     if packing:
         notes.append(f"padding-free forwards: {', '.join(dict.fromkeys(packing))}")
     return PPOModels(actor, critic, reference, reward, notes)

@@ -1,0 +1,103 @@
+"""The rollout's padding-free prefill (rollout.generate._packed_prefill): left-padded prompts go through the model
+packed, and the KV cache they leave is the padded prefill's."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+import rlhfkit.models.segments as segments
+import rlhfkit.rollout.generate as generate
+from rlhfkit.config.ppo_schema import GenConfig
+from rlhfkit.models.forward import use_padding_free
+
+from conftest import sharpened
+
+
+def _llama(attn: str = "sdpa") -> LlamaForCausalLM:
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+                         attn_implementation=attn)
+    return sharpened(LlamaForCausalLM(config).eval(), 3.0)
+
+
+def _prompts(lengths: list[int], group: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-padded prompts of the given lengths (distinct ids), `group` consecutive rows of each."""
+    rows = [[5 + i + 11 * p for i in range(n)] for p, n in enumerate(lengths) for _ in range(group)]
+    width = max(len(r) for r in rows)
+    ids = torch.tensor([[0] * (width - len(r)) + r for r in rows])
+    mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])
+    return ids, mask
+
+
+def _prefill(model, ids, mask, packed: bool):
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    with torch.no_grad():
+        return generate._prefill(model, ids, mask, positions, ids.size(1) + 4, packed=packed)
+
+
+@pytest.mark.parametrize("row_tokens", [4096, 9])  # one packed row; bins of at most 9 tokens (several rows)
+def test_packed_prefill_leaves_the_padded_prefills_cache_and_logits(row_tokens, monkeypatch):
+    """Every layer's keys and values at the prompts' real positions and the last tokens' logits equal the
+    padded prefill's; the padding's slots hold zeros (the decode steps' mask hides them either way)."""
+    monkeypatch.setattr(segments, "ROW_TOKENS", row_tokens)
+    model = _llama()
+    ids, mask = _prompts([3, 7, 1, 5])
+    calls = []
+    real_packed = generate._packed_prefill
+    monkeypatch.setattr(generate, "_packed_prefill", lambda *a: calls.append(a) or real_packed(*a))
+    plain_cache, plain_logits, _ = _prefill(model, ids, mask, packed=False)
+    assert not calls
+    cache, logits, groups = _prefill(model, ids, mask, packed=True)
+    assert len(calls) == 1 and groups is None
+    torch.testing.assert_close(logits, plain_logits, atol=1e-5, rtol=1e-5)
+    real = mask.bool()[:, None, :, None]  # (B, 1, P, 1) over (B, heads, P, D)
+    for layer, plain in zip(cache.layers, plain_cache.layers):
+        assert layer.keys.shape == plain.keys.shape == (4, 2, 7, 16) and layer.length == 7
+        for mine, theirs in ((layer.keys, plain.keys), (layer.values, plain.values)):
+            torch.testing.assert_close(mine * real, theirs * real, atol=1e-5, rtol=1e-5)
+            assert not mine.masked_select(~real.expand_as(mine)).any()
+        assert layer.packed_where is None
+
+
+def _sample(model, ids, mask, packed: bool, greedy: bool):
+    use_padding_free(model, packed)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        return generate.sample_tokens(model, ids, mask, GenConfig(max_new_tokens=6, min_new_tokens=6), [2], 0,
+                                      greedy=greedy)
+
+
+@pytest.mark.parametrize("group", [1, 3])  # distinct prompts (plain cache); 3 samples per prompt (group decode)
+def test_sampling_after_a_packed_prefill_draws_what_the_padded_prefill_draws(group):
+    """A model recorded padding-free (and passing the check) prefills packed: the same tokens, greedy and
+    sampled from the same random numbers, with the same log-probs, as the padded prefill; with groups too."""
+    model = _llama()
+    ids, mask = _prompts([4, 1, 6], group)
+    for greedy in (True, False):
+        tokens, logprobs = _sample(model, ids, mask, True, greedy)
+        plain_tokens, plain_logprobs = _sample(model, ids, mask, False, greedy)
+        assert torch.equal(tokens, plain_tokens)
+        torch.testing.assert_close(logprobs, plain_logprobs, atol=1e-5, rtol=1e-5)
+    assert model._rlhfkit_packed_prefill_exact is True
+    if group > 1:
+        assert model._rlhfkit_group_decode_exact is True  # the packed prefill filled a group cache
+
+
+def test_the_check_refuses_attention_that_does_not_run_per_packed_sequence(monkeypatch):
+    """packed_prefill_is_exact: True for a Llama with sdpa (cached on the model), also one that trains with
+    gradient checkpointing (the prefill runs without autograd); False with eager attention (no per-sequence path)
+    and where the attention ignores the call's packing (it would attend from one prompt into another: the values
+    differ)."""
+    model = _llama()
+    assert generate.packed_prefill_is_exact(model) is True
+    assert model._rlhfkit_packed_prefill_exact is True
+    checkpointed = _llama()
+    checkpointed.gradient_checkpointing_enable()
+    checkpointed.train()
+    assert generate.packed_prefill_is_exact(checkpointed) is True and checkpointed.training
+    assert generate.packed_prefill_is_exact(_llama("eager")) is False
+    monkeypatch.setattr(generate, "packed_attention", lambda model: torch.no_grad())  # plain sdpa over the row
+    assert generate.packed_prefill_is_exact(_llama()) is False
