@@ -86,9 +86,10 @@ class PPOSection:
                                                     "ZeRO-3 shard, not LoRA-adapted itself) and a one-off check "
                                                     "finds the model's own logits; off while entropy_coef > 0 "
                                                     "in the actor's update")
-    packing: Optional[bool] = option(None, "padding-free forwards over the rollout (actor and reference response "
-                                           "log-probs with the LM head in chunks, critic values, reward-model "
-                                           "scores): each micro-batch's real tokens concatenated, positions "
+    packing: Optional[bool] = option(None, "padding-free forwards over the rollout (the actor's prefill of the "
+                                           "prompts when sampling, actor and reference response log-probs with "
+                                           "the LM head in chunks, critic values, reward-model scores): each "
+                                           "micro-batch's real tokens concatenated, positions "
                                            "restarting per row, attention run per sequence (sdpa models) or kept "
                                            "inside each row by transformers' packed-sequence mask, so prompts' "
                                            "left padding and the padding after EOS cost nothing (same values); "
