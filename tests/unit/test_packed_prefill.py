@@ -10,7 +10,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 import rlhfkit.models.segments as segments
 import rlhfkit.rollout.generate as generate
 from rlhfkit.config.ppo_schema import GenConfig
-from rlhfkit.models.forward import use_padding_free
+from rlhfkit.models.forward import pack_padded, unpack_states, use_padding_free
 
 from conftest import sharpened
 
@@ -30,6 +30,22 @@ def _prompts(lengths: list[int], group: int = 1) -> tuple[torch.Tensor, torch.Te
     ids = torch.tensor([[0] * (width - len(r)) + r for r in rows])
     mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])
     return ids, mask
+
+
+def test_unpack_states_puts_packed_keys_back_into_the_left_padded_layout():
+    """By hand: rows of 2 and 3 real tokens (width 3, left-padded) packed into one row of 5, or into bins of 3;
+    each real token's (heads, D) slice goes back to its padded column, the padding gets zeros."""
+    ids = torch.tensor([[0, 7, 8], [4, 5, 6]])
+    mask = torch.tensor([[0, 1, 1], [1, 1, 1]])
+    for capacity, width in ((None, 3), (4096, 5)):
+        packed_ids, _, where = pack_padded(ids, mask, capacity)
+        assert packed_ids.size(1) == width
+        # keys (N, heads=2, W, D=1) whose value at a packed token is its id, and -id on the second head
+        states = torch.stack([packed_ids, -packed_ids], dim=1)[..., None].float()
+        out = unpack_states(states, where)
+        assert out.shape == (2, 2, 3, 1)
+        expected = (ids * mask).float()
+        assert torch.equal(out[:, 0, :, 0], expected) and torch.equal(out[:, 1, :, 0], -expected)
 
 
 def _prefill(model, ids, mask, packed: bool):

@@ -413,6 +413,16 @@ def pack_padded(input_ids: torch.Tensor, attention_mask: torch.Tensor,
     return flat_ids.view(len(bins), width), flat_positions.view(len(bins), width), where
 
 
+def unpack_states(states: torch.Tensor, where: torch.Tensor) -> torch.Tensor:
+    """(B, heads, P, D) keys or values in the left-padded layout from (N, heads, W, D) ones computed on the packed
+    rows of `pack_padded` (`where` (B, P): each padded position's index into the N x W packed tokens,
+    -1 on padding, which gets zeros: the attention mask hides it)."""
+    rows, heads, width, dim = states.shape
+    flat = states.transpose(1, 2).reshape(rows * width, heads, dim)
+    padded = flat[where.clamp(min=0)].masked_fill((where < 0)[..., None, None], 0)  # (B, P, heads, D)
+    return padded.transpose(1, 2)
+
+
 def packed_outputs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                    scores: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token outputs of a padded batch from one padding-free forward (`pack_padded`, bins of

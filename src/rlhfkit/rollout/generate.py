@@ -9,7 +9,8 @@ from rlhfkit.config.ppo_schema import GenConfig
 from rlhfkit.data.templates import end_token_ids
 from rlhfkit.data.tokenize import pad_sequences
 from rlhfkit.models.cpu_linear import packed_weights
-from rlhfkit.models.forward import contiguous_groups, full_attention_cache, pack_padded, padding_free, unique_rows
+from rlhfkit.models.forward import (contiguous_groups, full_attention_cache, pack_padded, padding_free,
+                                    unique_rows, unpack_states)
 from rlhfkit.models.lora import base_model
 from rlhfkit.models.segments import packed_attention, packed_row_tokens
 from rlhfkit.rollout.batch import RolloutBatch
@@ -109,7 +110,7 @@ class PreallocatedLayer(DynamicLayer):
         self.value_buffer = value_states.new_empty(batch, heads, self.capacity, value_states.size(-1))
         self.is_initialized = True
 
-    packed_where = None  # set by `_prefill` for a padding-free prefill (`unpack_states`)
+    packed_where = None  # set by `_prefill` for a padding-free prefill (`forward.unpack_states`)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         packed = None
@@ -131,16 +132,6 @@ class PreallocatedLayer(DynamicLayer):
             self.key_buffer = self.key_buffer.index_select(0, beam_idx.to(self.key_buffer.device))
             self.value_buffer = self.value_buffer.index_select(0, beam_idx.to(self.value_buffer.device))
             self.keys, self.values = self.key_buffer[:, :, :self.length], self.value_buffer[:, :, :self.length]
-
-
-def unpack_states(states: torch.Tensor, where: torch.Tensor) -> torch.Tensor:
-    """(B, heads, P, D) keys or values in the left-padded layout from (N, heads, W, D) ones computed on the packed
-    rows of `forward.pack_padded` (`where` (B, P): each padded position's index into the N x W packed tokens,
-    -1 on padding, which gets zeros: the attention mask hides it)."""
-    rows, heads, width, dim = states.shape
-    flat = states.transpose(1, 2).reshape(rows * width, heads, dim)
-    padded = flat[where.clamp(min=0)].masked_fill((where < 0)[..., None, None], 0)  # (B, P, heads, D)
-    return padded.transpose(1, 2)
 
 
 def kv_cache(model, capacity: int):
@@ -180,7 +171,7 @@ def _prefill(model, prompt_ids: torch.Tensor, mask: torch.Tensor, positions: tor
             group = 0
         prompt_ids, mask, positions = prompt_ids[first], mask[first], positions[first]
     if packed is None:
-        packed = padding_free(model) and packed_prefill_is_exact(model)
+        packed = cache is not None and padding_free(model) and packed_prefill_is_exact(model)
     if cache is not None and packed and not mask.all() and bool(mask[:, -1].all()):
         cache, logits = _packed_prefill(model, prompt_ids, mask, cache)
     else:
@@ -252,7 +243,8 @@ def packed_prefill_is_exact(model) -> bool:
         try:
             results = []
             for packed in (False, True):
-                cache, logits, _ = _prefill(model, prompt_ids, mask, positions, 8, groups_allowed=False, packed=packed)
+                cache, logits, _ = _prefill(model, prompt_ids, mask, positions, 8, groups_allowed=False,
+                                            packed=packed)
                 step = model(input_ids=token, attention_mask=torch.cat([mask, mask.new_ones(2, 1)], dim=1),
                              position_ids=positions[:, -1:] + 1, past_key_values=cache, use_cache=True)
                 results.append(torch.stack([logits, step.logits[:, -1]]).float())

@@ -26,7 +26,7 @@ from transformers import AttentionInterface
 from transformers.cache_utils import DynamicLayer
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from rlhfkit.models.forward import full_attention_cache
+from rlhfkit.models.forward import full_attention_cache, unpack_states
 from rlhfkit.models.lora import attention_implementation, base_model
 
 NAME = "rlhfkit_group_decode"
@@ -46,15 +46,13 @@ class GroupCacheLayer(DynamicLayer):
         self.capacity, self.length = capacity, 0
         self.prompt_keys = self.prompt_values = self.key_buffer = self.value_buffer = None
 
-    packed_where = None  # set by `generate._prefill` for a padding-free prefill (`generate.unpack_states`)
+    packed_where = None  # set by `generate._prefill` for a padding-free prefill (`forward.unpack_states`)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if self.prompt_keys is None:  # the prefill: the distinct prompts, attended the usual way
             self.dtype, self.device = key_states.dtype, key_states.device
             keys, values = key_states, value_states
             if self.packed_where is not None:  # packed rows: kept left-padded, attended as they came
-                from rlhfkit.rollout.generate import unpack_states
-
                 keys, values = unpack_states(keys, self.packed_where), unpack_states(values, self.packed_where)
                 self.packed_where = None
             # half precision is kept in float32 here: the decode attention then multiplies in float32, as
