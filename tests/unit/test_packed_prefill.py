@@ -87,14 +87,20 @@ def _sample(model, ids, mask, packed: bool, greedy: bool):
 
 
 @pytest.mark.parametrize("group", [1, 3])  # distinct prompts (plain cache); 3 samples per prompt (group decode)
-def test_sampling_after_a_packed_prefill_draws_what_the_padded_prefill_draws(group):
+def test_sampling_after_a_packed_prefill_draws_what_the_padded_prefill_draws(group, monkeypatch):
     """A model recorded padding-free (and passing the check) prefills packed: the same tokens, greedy and
     sampled from the same random numbers, with the same log-probs, as the padded prefill; with groups too."""
     model = _llama()
     ids, mask = _prompts([4, 1, 6], group)
+    calls = []
+    real_packed = generate._packed_prefill
+    monkeypatch.setattr(generate, "_packed_prefill", lambda *a: calls.append(a[1].shape) or real_packed(*a))
     for greedy in (True, False):
         tokens, logprobs = _sample(model, ids, mask, True, greedy)
+        assert calls[-1] == (3, 6)  # the three distinct prompts, packed (after the check's own 2 x 6, once)
+        calls.clear()
         plain_tokens, plain_logprobs = _sample(model, ids, mask, False, greedy)
+        assert not calls
         assert torch.equal(tokens, plain_tokens)
         torch.testing.assert_close(logprobs, plain_logprobs, atol=1e-5, rtol=1e-5)
     assert model._rlhfkit_packed_prefill_exact is True
