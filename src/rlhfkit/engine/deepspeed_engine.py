@@ -30,6 +30,7 @@ subclassing), so the training loops run unchanged. Decisions:
 from __future__ import annotations
 
 import argparse
+import atexit
 import contextlib
 import io
 import json
@@ -90,6 +91,15 @@ def _free_port() -> int:
 _timeout_s = None  # the process group's collective timeout, for the lost-rank message
 
 
+def _destroy_process_group() -> None:
+    """At exit, while the interpreter is still whole: a gloo group left alive until the interpreter is finalized
+    can abort the process from one of its worker threads ("terminate called without an active exception",
+    SIGABRT, after the run's work is done and saved; PyTorch issue 190489)."""
+    if dist.is_initialized():
+        with contextlib.suppress(Exception):
+            dist.destroy_process_group()
+
+
 def init_process_group(timeout_s: float = 300.0) -> None:
     """Join the launcher's process group (deepspeed / torchrun set RANK, WORLD_SIZE, MASTER_ADDR...), with
     `timeout_s` as the time a collective waits for the other ranks before it fails (gloo raises; NCCL's
@@ -106,6 +116,7 @@ def init_process_group(timeout_s: float = 300.0) -> None:
     backend = get_accelerator().communication_backend_name()
     timeout = timedelta(seconds=timeout_s)
     deepspeed.init_distributed(dist_backend=backend, verbose=False, timeout=timeout)
+    atexit.register(_destroy_process_group)
     _timeout_s = timeout_s
     # ZeRO's collectives run on DeepSpeed's clone of the world group, which it would create with torch's
     # default timeout (gloo 30 min, NCCL 10 min), not the world group's: create the clone with the same bound
