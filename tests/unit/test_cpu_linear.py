@@ -79,3 +79,92 @@ def test_packed_weights_is_a_no_op_for_plain_linears():
     model = torch.nn.Linear(64, 64)
     with packed_weights(model):
         assert not hasattr(model, "packed")
+
+
+class _Block(torch.nn.Module):
+    """An attention-like and an MLP-like set of sibling projections, named as Llama's are."""
+
+    def __init__(self, width=64, bias=False):
+        super().__init__()
+        self.q_proj = torch.nn.Linear(width, 96, bias=bias)
+        self.k_proj = torch.nn.Linear(width, 32, bias=bias)
+        self.v_proj = torch.nn.Linear(width, 32, bias=bias)
+        self.gate_proj = torch.nn.Linear(width, 80, bias=False)
+        self.up_proj = torch.nn.Linear(width, 80, bias=False)
+        self.down_proj = torch.nn.Linear(80, width, bias=False)  # another input: never fused
+
+    def forward(self, x):
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        h = x + q[..., :64] * torch.sigmoid(k.sum(-1, keepdim=True)) + v.mean(-1, keepdim=True)
+        return self.down_proj(torch.nn.functional.silu(self.gate_proj(h)) * self.up_proj(h))
+
+
+def _fast(model):
+    for m in model.modules():
+        if type(m) is torch.nn.Linear:
+            m.__class__ = FastCPULinear
+    return model
+
+
+@needs_onednn
+@pytest.mark.parametrize("bias", [True, False])
+def test_sibling_projections_run_as_one_gemm_with_the_same_outputs(bias, monkeypatch):
+    import rlhfkit.models.cpu_linear as cpu_linear
+
+    torch.manual_seed(0)
+    model = _fast(_Block(bias=bias))
+    x = torch.randn(4, 3, 64)
+    with torch.no_grad():
+        plain = model(x)
+        calls = []
+        real = cpu_linear._onednn
+        monkeypatch.setattr(cpu_linear, "_onednn", lambda *a: calls.append(a[1].shape) or real(*a))
+        with packed_weights(model):
+            assert model.q_proj.fused is model.v_proj.fused is not None and model.q_proj.packed is None
+            assert model.gate_proj.fused is model.up_proj.fused is not model.q_proj.fused
+            assert model.down_proj.fused is None and model.down_proj.packed is not None
+            fused = model(x)
+        # three GEMMs for six layers: q/k/v as one, gate/up as one, down alone
+        assert len(calls) == 3
+        assert not any(m.fused is not None or m.packed is not None for m in model.modules()
+                       if isinstance(m, FastCPULinear))
+    torch.testing.assert_close(fused, plain, atol=1e-5, rtol=1e-5)
+
+
+@needs_onednn
+def test_fused_projections_serve_any_call_order_and_other_inputs():
+    torch.manual_seed(0)
+    model = _fast(_Block())
+    x, y = torch.randn(5, 64), torch.randn(5, 64)
+    with torch.no_grad():
+        expected = {name: getattr(model, name)(t) for name, t in (("q_proj", x), ("k_proj", x), ("v_proj", y))}
+        with packed_weights(model):
+            k = model.k_proj(x)  # a member other than the first computes the group's GEMM
+            q = model.q_proj(x)
+            q_again = model.q_proj(x)  # twice with one input: computed again, not a stale or missing part
+            v_other = model.v_proj(y)  # another input: its own values, not the columns computed for x
+            x.add_(1.0)  # changed in place: a member's pending columns are not served for it
+            v_changed = model.v_proj(x)
+    torch.testing.assert_close(k, expected["k_proj"], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(q, expected["q_proj"], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(q_again, expected["q_proj"], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(v_other, expected["v_proj"], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(v_changed, torch.nn.functional.linear(x, model.v_proj.weight), atol=1e-5, rtol=1e-5)
+
+
+@needs_onednn
+def test_lora_base_layers_are_fused_and_the_adapter_still_applies():
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(0)
+    base = _Block()
+    model = get_peft_model(base, LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
+    _fast(model)
+    x = torch.randn(4, 3, 64)
+    with torch.no_grad():
+        plain = model(x)
+        with packed_weights(model):
+            inner = model.base_model.model
+            assert inner.q_proj.base_layer.fused is not None and inner.q_proj.base_layer.fused is inner.k_proj.fused
+            fused = model(x)
+    torch.testing.assert_close(fused, plain, atol=1e-5, rtol=1e-5)

@@ -64,13 +64,17 @@ class FastCPULinear(torch.nn.Linear):
     at least MIN_ROWS rows with oneDNN."""
 
     packed = None  # the weight in oneDNN's own layout while `packed_weights` is active (decoding)
+    fused = None  # the `_FusedProjections` this layer belongs to while `packed_weights` is active
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weight = self.weight
+        if (self.packed is not None or self.fused is not None) and x.dtype == torch.float32 \
+                and not torch.is_grad_enabled() and not torch.is_autocast_enabled(x.device.type):
+            if self.fused is not None:
+                return self.fused.output(self, x)
+            return _onednn(x, self.packed, self.bias)
         if torch.is_autocast_enabled(x.device.type):  # mixed precision: F.linear casts (bf16 goes to oneDNN)
             return F.linear(x, weight, self.bias)
-        if self.packed is not None and x.dtype == torch.float32 and not torch.is_grad_enabled():
-            return _onednn(x, self.packed, self.bias)
         if (x.device.type != "cpu" or x.dtype != torch.float32 or weight.dtype != torch.float32
                 or is_partitioned(weight) or x.numel() < MIN_ROWS * x.size(-1)):
             return F.linear(x, weight, self.bias)
@@ -146,6 +150,66 @@ def use_fast_cpu_linear(model: torch.nn.Module, device: torch.device) -> int:
     return switched
 
 
+# sibling projections that a Llama-family layer applies to one input, one after another (attention, MLP)
+FUSABLE = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+
+
+class _FusedProjections:
+    """Sibling linear layers that read the same input (q/k/v, gate/up) as one GEMM by a weight concatenated and
+    reordered once (`packed_weights`): the first member called with an input computes every member's output,
+    and each other member called with that same tensor (unchanged since) takes its columns. Any other call
+    (another input, a member called twice) computes the whole group's again for it. Decoding runs the group's
+    2-3 small GEMMs of a few rows as one: fewer calls, the same values up to the GEMM's float rounding."""
+
+    def __init__(self, members: list[FastCPULinear]):
+        self.members = members
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(torch.cat([m.weight.detach() for m in members]))
+        biases = [m.bias for m in members]
+        self.bias = None if biases[0] is None else torch.cat([b.detach() for b in biases])
+        self.sizes = [m.out_features for m in members]
+        self.input, self.version, self.pending = None, None, {}
+
+    def output(self, layer: FastCPULinear, x: torch.Tensor) -> torch.Tensor:
+        if self.input is x and self.version == x._version and layer in self.pending:
+            out = self.pending.pop(layer)
+            if not self.pending:
+                self.input = None
+            return out
+        parts = _onednn(x, self.packed, self.bias).split(self.sizes, dim=-1)
+        self.input, self.version = x, x._version
+        self.pending = {m: part for m, part in zip(self.members, parts) if m is not layer}
+        return parts[self.members.index(layer)]
+
+    def release(self) -> None:
+        self.input, self.pending = None, {}
+        for m in self.members:
+            m.fused = None
+
+
+def _fusable_groups(model: torch.nn.Module, layers: list[FastCPULinear]) -> list[list[FastCPULinear]]:
+    """The `FUSABLE` sibling sets among `layers`: named `<parent>.<role>` (or `<parent>.<role>.base_layer` under
+    a LoRA wrapper, whose base layers read the wrapper's input), all present, the same input width and all with
+    a bias or none."""
+    eligible = {id(m) for m in layers}
+    by_role: dict[tuple[str, str], FastCPULinear] = {}
+    for name, module in model.named_modules():
+        if id(module) not in eligible:
+            continue
+        parts = name.split(".")
+        if parts[-1] == "base_layer":
+            parts = parts[:-1]
+        by_role[(".".join(parts[:-1]), parts[-1])] = module
+    groups = []
+    for parent in {p for p, _ in by_role}:
+        for roles in FUSABLE:
+            members = [by_role.get((parent, role)) for role in roles]
+            if any(m is None for m in members):
+                continue
+            if len({m.in_features for m in members}) == 1 and len({m.bias is None for m in members}) == 1:
+                groups.append(members)
+    return groups
+
+
 @contextlib.contextmanager
 def packed_weights(model: torch.nn.Module):
     """While active, `model`'s oneDNN linear layers multiply by a copy of their weight reordered once into
@@ -154,14 +218,28 @@ def packed_weights(model: torch.nn.Module):
     2.4 vs 3.5 ms per step for all its linears) with bit-identical results; it costs one copy of the weights
     for the duration. The weights must not change meanwhile (no-grad generation); grad-mode calls ignore the
     copy. A no-op for models without such layers (GPUs, Intel CPUs) and for ZeRO-3 weights not gathered in
-    full (with `engine.gather_for_generation` they are, and decoding runs on oneDNN too)."""
+    full (with `engine.gather_for_generation` they are, and decoding runs on oneDNN too).
+
+    Sibling projections of one input (`FUSABLE`: q/k/v, gate/up) share one copy of their weights concatenated and
+    run as one GEMM (`_FusedProjections`): 4 instead of 7 GEMMs per Llama layer and decode step (5M Llama,
+    8 prompts x 4 samples x 32 tokens: 0.88 instead of 0.92 s per rollout, with the no-grad RMSNorm and SwiGLU
+    of `models/lean.py`)."""
     layers = [m for m in model.modules() if isinstance(m, FastCPULinear) and m.weight.device.type == "cpu"
               and m.weight.dtype == torch.float32 and is_whole(m.weight)]
+    groups: list[_FusedProjections] = []
     try:
         with torch.no_grad():
+            for members in _fusable_groups(model, layers):
+                group = _FusedProjections(members)
+                groups.append(group)
+                for m in members:
+                    m.fused = group
             for layer in layers:
-                layer.packed = torch.ops.mkldnn._reorder_linear_weight(layer.weight.detach())
+                if layer.fused is None:
+                    layer.packed = torch.ops.mkldnn._reorder_linear_weight(layer.weight.detach())
         yield
     finally:
+        for group in groups:
+            group.release()
         for layer in layers:
             layer.packed = None
