@@ -186,6 +186,11 @@ class LeanRMSNorm(torch.nn.Module):
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         if not (torch.is_grad_enabled() and hidden_states.requires_grad) or is_partitioned(self.weight):
+            if hidden_states.dtype == torch.float32 and self.weight.dtype == torch.float32 \
+                    and not is_partitioned(self.weight):
+                # no autograd (decoding, frozen models): torch's one-kernel RMSNorm, the same float32 formula,
+                # where the class's own forward takes six element-wise passes
+                return F.rms_norm(hidden_states, self.weight.shape, self.weight, self.variance_epsilon)
             return type(self).__mro__[1].forward(self, hidden_states)  # the original class's forward
         return _RMSNormFunction.apply(hidden_states, self.weight, self.variance_epsilon)
 
@@ -194,8 +199,8 @@ class LeanSwiGLU(torch.nn.Module):
     """Stands in for a gate/up/down SiLU MLP; the three projections stay modules (LoRA and hooks see them)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not torch.is_grad_enabled():
-            return type(self).__mro__[1].forward(self, x)
+        if not torch.is_grad_enabled():  # the same product, formed in the gate output's buffer
+            return self.down_proj(F.silu(self.gate_proj(x), inplace=True).mul_(self.up_proj(x)))
         return self.down_proj(_SiluMulFunction.apply(self.gate_proj(x), self.up_proj(x)))
 
 
@@ -211,7 +216,8 @@ def _lean_class(original: type, lean: type) -> type:
 
 
 def _same_values(module: torch.nn.Module, lean: type, width: int) -> bool:
-    """Whether `lean`'s forward and gradients equal the module's own on a random input (float rounding aside)."""
+    """Whether `lean`'s forward and gradients equal the module's own on a random input (float rounding aside),
+    and its forward without autograd too (a path of its own)."""
     dtype = next(module.parameters()).dtype
     x = torch.randn(3, 5, width, dtype=torch.float32, generator=torch.Generator().manual_seed(0)).to(dtype)
     x.requires_grad_(True)
@@ -221,6 +227,12 @@ def _same_values(module: torch.nn.Module, lean: type, width: int) -> bool:
         (expected_grad,) = torch.autograd.grad(expected.float().square().sum(), x)
         got = _lean_class(original, lean).forward(module, x)
         (got_grad,) = torch.autograd.grad(got.float().square().sum(), x)
+    module.__class__ = _lean_class(original, lean)  # its fallback to the original forward reads the class
+    try:
+        with torch.no_grad():
+            inference = module.forward(x.detach())
+    finally:
+        module.__class__ = original
     for p in module.parameters():
         p.grad = None
     tol = 1e-5 if dtype == torch.float32 else 2e-2
@@ -229,7 +241,7 @@ def _same_values(module: torch.nn.Module, lean: type, width: int) -> bool:
         a, b = a.detach().float(), b.detach().float()
         return float((a - b).abs().max()) <= tol * float(b.abs().max()) + 1e-12
 
-    return close(got, expected) and close(got_grad, expected_grad)
+    return close(got, expected) and close(got_grad, expected_grad) and close(inference, expected)
 
 
 def use_lean_activations(model: torch.nn.Module) -> int:

@@ -93,6 +93,16 @@ class GroupCache:
         dtype = cache.layers[0].prompt_keys.dtype  # the attention's (float32 for half-precision models)
         self.prompt_bias = torch.zeros(prompt_mask.shape, dtype=dtype, device=prompt_mask.device).masked_fill(
             prompt_mask == 0, torch.finfo(dtype).min)[:, None, None, :]
+        self._block_bias = {}
+
+    def block_bias(self, kv_heads: int) -> torch.Tensor:
+        """`prompt_bias` for each (prompt, key/value head) block, (U x Hk, 1, P): made once, read by every layer
+        and step."""
+        if kv_heads not in self._block_bias:
+            prompts, _, _, width = self.prompt_bias.shape
+            self._block_bias[kv_heads] = self.prompt_bias.expand(prompts, kv_heads, 1, width).reshape(
+                prompts * kv_heads, 1, width)
+        return self._block_bias[kv_heads]
 
 
 def group_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask,
@@ -120,8 +130,7 @@ def group_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch
     scale = dim ** -0.5 if scaling is None else scaling
     # (U, G, Hk, rep, D) -> (U x Hk, G x rep, D): a group's queries of one key/value head
     q = query.reshape(prompts, group, kv_heads, rep, dim).transpose(1, 2).reshape(blocks, group * rep, dim)
-    bias = rlhfkit_groups.prompt_bias.expand(prompts, kv_heads, 1, prompt_len).reshape(blocks, 1, prompt_len)
-    prompt_scores = torch.baddbmm(bias, q, layer.prompt_keys.view(blocks, prompt_len, dim).transpose(1, 2),
+    prompt_scores = torch.baddbmm(rlhfkit_groups.block_bias(kv_heads), q, layer.prompt_keys.view(blocks, prompt_len, dim).transpose(1, 2),
                                   alpha=scale)
     response_scores = torch.bmm(q.view(blocks * group, rep, dim),
                                 key.reshape(blocks * group, length, dim).transpose(1, 2)).mul_(scale)
