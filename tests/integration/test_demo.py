@@ -1,7 +1,6 @@
 """The embedded default, reduced (`rlhfkit demo --quick`), through the CLI: it must LEARN, not only run."""
 
 import json
-import time
 
 from conftest import read_metrics, run_cli
 
@@ -11,11 +10,11 @@ EXPLOIT = "exploit rate: PPO held-out samples with an exploit"
 
 def test_quick_demo_learns_what_the_gold_reward_stands_for(tmp_path):
     out = tmp_path / "demo"
-    tick = time.perf_counter()
     res = run_cli("demo", "--quick", "--output", str(out), timeout=900)
-    seconds = time.perf_counter() - tick
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    assert "every bar passed" in res.stdout and seconds < 300  # measured 150 s on 2 shared cores
+    # its time is the demo's own wall-time bar (<= 600 s), not a bound here: 150 s measured on 2 cores of an
+    # AVX-512 host, 298 s on an AVX2 one
+    assert "every bar passed" in res.stdout
 
     summary = json.loads((out / "summary.json").read_text())
     rows = {r["name"]: r for r in summary["rows"]}

@@ -20,14 +20,13 @@ def echo_model(tmp_path_factory, tiny_model_dir):
     """The tiny model after a short SFT on "say X" -> "X X X" (plain template), in-process."""
     tmp = tmp_path_factory.mktemp("chat")
     data = write_jsonl(tmp / "train.jsonl", sft_rows())
+    # a cosine decay to the end: the model settles on every name's answer (20 of 20, greedy) instead of ending
+    # mid-swing at lr 1e-2, where float rounding of another CPU's kernels turned "river" into "tiger"
     cfg = load_config(SFTConfig, None, [f"model={tiny_model_dir}", f"data.train={data}", f"output_dir={tmp / 'sft'}",
-                                        "train.max_steps=300", "train.batch_size=8", "train.micro_batch_size=8",
-                                        "train.lr=1e-2", "data.eval_fraction=0", "train.save_every=0",
-                                        "log.tensorboard=false", "log.progress=false",
-                                        # padded, the model's own logits and modules, as when the answers below
-                                        # were written: at lr 1e-2 a 1e-6 rounding difference (packing's, the
-                                        # chunked loss's, the lean modules') grows into another model by step 100
-                                        "packing=false", "chunked_loss=false", "load.lean_activations=false"])
+                                        "train.max_steps=500", "train.batch_size=8", "train.micro_batch_size=8",
+                                        "train.lr=1e-2", "train.scheduler=cosine", "train.warmup_steps=20",
+                                        "data.eval_fraction=0", "train.save_every=0", "log.tensorboard=false",
+                                        "log.progress=false"])
     run_sft(cfg)
     return tmp / "sft" / "final"
 

@@ -149,7 +149,8 @@ def test_packed_rows_give_the_padded_loss_and_gradients(tiny_model_dir):
     for a, b in zip(grads_packed, grads_pad):
         # the per-sequence attention (models/segments.py) sums in another order than the padded batch's masked
         # kernel: the sharpened model's gradients (up to ~250) then differ by float rounding of their scale
-        torch.testing.assert_close(a, b, atol=1e-6 * float(b.abs().max()) + 1e-6, rtol=1e-4)
+        # (up to 1.6e-6 of it measured on an AVX2 host)
+        torch.testing.assert_close(a, b, atol=5e-6 * float(b.abs().max()) + 1e-6, rtol=1e-4)
     assert packing_is_exact(model, rows, tok.pad_token_id, torch.device("cpu"))
     # an attention that ignores the packed positions (here: every row attends across the whole bin) is caught
     plain_forward = model.forward
