@@ -1,8 +1,11 @@
 """The embedded default, reduced (`rlhfkit demo --quick`), through the CLI: it must LEARN, not only run."""
 
 import json
+import os
 
 from conftest import read_metrics, run_cli
+
+from rlhfkit.demo.run import MAX_THREADS
 
 GAP = "generalisation gap: PPO gold, training - held-out prompts"
 EXPLOIT = "exploit rate: PPO held-out samples with an exploit"
@@ -17,6 +20,8 @@ def test_quick_demo_learns_what_the_gold_reward_stands_for(tmp_path):
     assert "every bar passed" in res.stdout
 
     summary = json.loads((out / "summary.json").read_text())
+    # the threads the environment gives (OMP_NUM_THREADS: 1 unless set, tests/conftest.py), capped
+    assert summary["threads"] == min(int(os.environ["OMP_NUM_THREADS"]), MAX_THREADS)
     rows = {r["name"]: r for r in summary["rows"]}
     assert all(r["passed"] for r in summary["rows"] if r["passed"] is not None)
     # the reward model generalises to unseen (topic, mood) combinations, on pairs labelled by the gold without noise

@@ -12,7 +12,7 @@ from rlhfkit.demo import world as W
 from rlhfkit.demo.bar import EXPLOIT_TARGET, bar_rows, context_rows, failed
 from rlhfkit.demo.evaluate import mean_stderr
 from rlhfkit.demo.overoptimisation import best_point, proxy_exploits, saved_actors
-from rlhfkit.demo.run import SIZES, pipeline_dict
+from rlhfkit.demo.run import MAX_THREADS, SIZES, demo_threads, pipeline_dict
 from rlhfkit.demo.sampling import label_pairs
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -205,6 +205,20 @@ def test_context_rows_report_flaws_before_and_after():
     assert values["repeated adjective: share of samples, sft -> ppo"] == "0.100 -> 0.300"
     assert values["proxy exploits found (flaws PPO made more frequent)"] == "repeated adjective"
     assert all(r["passed"] is None for r in rows)
+
+
+@pytest.mark.parametrize("available, expected", [(1, 1), (2, 2), (MAX_THREADS, MAX_THREADS), (64, MAX_THREADS)])
+def test_demo_takes_the_threads_it_is_given_up_to_its_cap(available, expected):
+    """The demo runs on torch's thread count (OMP_NUM_THREADS, else the physical cores), capped: its matrices are
+    128 wide."""
+    import torch
+
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(available)
+        assert demo_threads() == expected
+    finally:
+        torch.set_num_threads(before)
 
 
 def test_configs_demo_yaml_is_what_the_demo_runs():

@@ -25,7 +25,7 @@ from rlhfkit.config.ppo_schema import GenConfig
 from rlhfkit.demo import world as W
 
 # The two sizes. "full" is what `rlhfkit demo` runs (configs/demo.yaml is its pipeline config): a 4-layer Llama of
-# width 128 (0.7M parameters), about 6 minutes on 2 cores. "quick" (`--quick`, the test's reduced run) is the same
+# width 128 (0.7M parameters), 6-9 minutes on 2 cores. "quick" (`--quick`, the test's reduced run) is the same
 # recipe at width 64 (4 layers, 0.2M) with fewer steps, about 2.5 minutes; it clears the same bar. `track_every`: PPO
 # iterations between the checkpoints that the over-optimisation curve measures; `eval_samples` / `validation_samples`:
 # samples per test / validation prompt.
@@ -44,6 +44,9 @@ KL_BUDGET = 4.0  # nats per response: how far PPO may move from the SFT policy a
 RM_ACCURACY_TARGET = 0.8
 WALL_TIME_TARGET = 600.0  # seconds on 2 CPU cores: the README's demo table holds the demo to it
 MAX_NEW_TOKENS = 24
+# The demo's matrices are 128 wide: past a few threads, a thread's share of a decode step's GEMM costs less than
+# waking it. Measured only up to 2 cores, where 2 threads beat 1 in every step (demo_threads).
+MAX_THREADS = 4
 STEP_FOLDERS = ("base", "sft", "rm", "ppo", "data", "plots", "early-stop", "arena")
 
 
@@ -87,6 +90,16 @@ def pipeline_dict(out: Path, size: dict, seed: int) -> dict:
                 # normalised RM scores: kl_coef then means the same whatever scale the RM happened to learn
                 "ppo": {"kl_coef": 0.2, "normalize_reward": True, "mini_batch_size": 16, "sample_every": 20}},
     }
+
+
+def demo_threads() -> int:
+    """Intra-op threads for the demo: torch's own count (OMP_NUM_THREADS when set, else the physical cores), at most
+    MAX_THREADS. Measured on a quiet 2-core Zen 1 EPYC: the whole demo 536 s with 2 threads against 725 s with 1
+    (SFT 71 s against 102, RM and PPO 349 against 456). Where other work shares the cores (parallel test workers),
+    set OMP_NUM_THREADS=1: a thread that waits for a busy core slows every step."""
+    import torch
+
+    return max(1, min(torch.get_num_threads(), MAX_THREADS))
 
 
 def write_jsonl(path: Path, rows: list[dict]) -> Path:
@@ -227,7 +240,8 @@ def write_outputs(demo: Demo, results: dict, rows: list[dict], title: str) -> Pa
     out = demo.out
     summary = {"title": title, "rows": rows, "seed": demo.seed, "size": demo.size, "reused": demo.reused,
                "kl_budget": KL_BUDGET, "label_noise": LABEL_NOISE,
-               **{k: results[k] for k in ("pairs", "rm_pairs", "kl", "train_gold", "flaws", "exploits", "timings")},
+               **{k: results[k] for k in ("pairs", "rm_pairs", "kl", "train_gold", "flaws", "exploits", "timings",
+                                 "threads")},
                "policy": {k: results["tracking"][k] for k in ("early_stop", "chosen_step", "best_step", "final_step",
                                                              "policy")}}
     (out / "summary.json").write_text(json.dumps(summary, indent=2), encoding="utf-8")
@@ -252,9 +266,8 @@ def run_demo(output: str, quick: bool = False, overrides: list[str] | None = Non
     from rlhfkit.demo.bar import bar_rows, context_rows, failed
     from rlhfkit.stages.pipeline import print_table
 
-    # One intra-op thread: the matrices are ~100 wide, so a second thread costs more in synchronisation than it
-    # saves, and on a shared 2-core machine it waits for a busy core (measured: SFT 3x slower with 2 threads).
-    torch.set_num_threads(1)
+    torch.set_num_threads(demo_threads())
+    print(f"demo: {torch.get_num_threads()} compute thread(s) (OMP_NUM_THREADS sets them)", file=sys.stderr)
     tick = time.perf_counter()
     demo = Demo(Path(output), SIZES["quick" if quick else "full"], seed, list(overrides or []), early_stop,
                 algos=list(algos or []))
@@ -278,7 +291,8 @@ def run_demo(output: str, quick: bool = False, overrides: list[str] | None = Non
     timed("rm and ppo", run_pipeline_steps, ["rm", "ppo"])  # 4
     tracking = timed("over-optimisation curve", track_overoptimisation, world)  # 5
     results = {**timed("evaluation", evaluate, world, Path(tracking["policy"])), "pairs": pairs,  # 6
-               "tracking": tracking, "timings": timings}
+               "tracking": tracking, "timings": timings,
+               "threads": torch.get_num_threads()}
     wall = time.perf_counter() - tick
 
     rows = bar_rows(results["rm_accuracy"], results["gold"], W.BEST_GOLD, results["kl"], KL_BUDGET, wall,
