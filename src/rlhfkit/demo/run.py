@@ -44,8 +44,8 @@ KL_BUDGET = 4.0  # nats per response: how far PPO may move from the SFT policy a
 RM_ACCURACY_TARGET = 0.8
 WALL_TIME_TARGET = 600.0  # seconds on 2 CPU cores: the README's demo table holds the demo to it
 MAX_NEW_TOKENS = 24
-# The demo's matrices are 128 wide: past a few threads, a thread's share of a decode step's GEMM costs less than
-# waking it. Measured only up to 2 cores, where 2 threads beat 1 in every step (demo_threads).
+# The demo's matrices are 128 wide: past a few threads, a thread's share of a decode step's GEMM takes less time
+# than waking the thread. Measured only up to 2 cores, where 2 threads beat 1 in every step (demo_threads).
 MAX_THREADS = 4
 STEP_FOLDERS = ("base", "sft", "rm", "ppo", "data", "plots", "early-stop", "arena")
 
@@ -291,8 +291,7 @@ def run_demo(output: str, quick: bool = False, overrides: list[str] | None = Non
     timed("rm and ppo", run_pipeline_steps, ["rm", "ppo"])  # 4
     tracking = timed("over-optimisation curve", track_overoptimisation, world)  # 5
     results = {**timed("evaluation", evaluate, world, Path(tracking["policy"])), "pairs": pairs,  # 6
-               "tracking": tracking, "timings": timings,
-               "threads": torch.get_num_threads()}
+               "tracking": tracking, "timings": timings, "threads": torch.get_num_threads()}
     wall = time.perf_counter() - tick
 
     rows = bar_rows(results["rm_accuracy"], results["gold"], W.BEST_GOLD, results["kl"], KL_BUDGET, wall,
