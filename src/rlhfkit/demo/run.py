@@ -99,7 +99,7 @@ def demo_threads() -> int:
     set OMP_NUM_THREADS=1: a thread that waits for a busy core slows every step."""
     import torch
 
-    return max(1, min(torch.get_num_threads(), MAX_THREADS))
+    return min(torch.get_num_threads(), MAX_THREADS)
 
 
 def write_jsonl(path: Path, rows: list[dict]) -> Path:
