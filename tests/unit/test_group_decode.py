@@ -85,7 +85,7 @@ def test_sampling_in_groups_draws_what_every_rows_copy_of_the_cache_draws(dtype,
     real_prefill = generate._prefill
     monkeypatch.setattr(generate, "_prefill", lambda *a, **k: seen.append(real_prefill(*a, **k)) or seen[-1])
     tokens, logprobs = _sample(model, ids, mask, True)
-    cache, _, groups = seen[-1]
+    cache, _, groups, _ = seen[-1]
     assert groups is not None and groups.group == 4
     assert cache.layers[0].prompt_keys.shape[:2] == (3, 2)  # 3 prompts x 2 key/value heads, held once
     assert cache.layers[0].key_buffer.shape[:3] == (3, 2, 4)  # 4 rows' own responses per prompt and head

@@ -64,9 +64,9 @@ def test_packed_prefill_leaves_the_padded_prefills_cache_and_logits(row_tokens, 
     calls = []
     real_packed = generate._packed_prefill
     monkeypatch.setattr(generate, "_packed_prefill", lambda *a: calls.append(a) or real_packed(*a))
-    plain_cache, plain_logits, _ = _prefill(model, ids, mask, packed=False)
+    plain_cache, plain_logits, _, _ = _prefill(model, ids, mask, packed=False)
     assert not calls
-    cache, logits, groups = _prefill(model, ids, mask, packed=True)
+    cache, logits, groups, _ = _prefill(model, ids, mask, packed=True)
     assert len(calls) == 1 and groups is None
     torch.testing.assert_close(logits, plain_logits, atol=1e-5, rtol=1e-5)
     real = mask.bool()[:, None, :, None]  # (B, 1, P, 1) over (B, heads, P, D)

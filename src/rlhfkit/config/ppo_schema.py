@@ -95,6 +95,14 @@ class PPOSection:
                                            "left padding and the padding after EOS cost nothing (same values); "
                                            "null = on for each model where a one-off check finds its padded "
                                            "forward's values")
+    shared_prefix: Optional[bool] = option(None, "compute once the tokens that every row of a micro-batch begins "
+                                                 "with (a chat template's system prompt and turn markers) in the "
+                                                 "forwards over the rollout (actor, reference and critic): one "
+                                                 "forward of the shared run fills the KV cache, the rest of each "
+                                                 "row runs against it (same values and gradients); used where the "
+                                                 "run is >= 8 tokens and it computes fewer tokens; null = on for "
+                                                 "each model held whole on its rank (not ZeRO-3) where a one-off "
+                                                 "check finds its plain forward's values")
     value_head_init: str = option("random", "a fresh value head (critic from the actor): random (seeded) or zero "
                                             "(every value starts at 0)", choices=("random", "zero"))
     advantage_estimator: str = option("gae", "how advantages are estimated (rollout/estimators.py): gae (PPO: GAE "

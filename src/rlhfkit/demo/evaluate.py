@@ -31,17 +31,21 @@ def mean_stderr(values: list[float]) -> dict:
 
 
 def gold_of_policies(folders: dict, prompts: list[str], gen: GenConfig, gold, seed: int, micro: int = 32,
-                     policy: str = "ppo", reference: str = "sft"):
+                     policy: str = "ppo", reference: str = "sft", fast: bool = False):
     """Sample every policy on `prompts` with the same seed; gold reward per policy, and the texts.
 
     `gold(prompt, response) -> float` judges one response. Also the KL of the `policy` folder to the `reference`
     folder: the sum over response tokens of log pi - log pi_ref on the policy's own samples, a Monte-Carlo
     estimate of KL(pi || pi_ref) in nats per response, the quantity PPO's penalty holds down.
+
+    With `fast`, each model takes the CPU paths PPO's models take (`fast_sampling`), the same for every policy.
     """
     results, texts, kl = {}, {}, None
     models = {}
     for name, folder in folders.items():
         model, tokenizer = load_policy(folder)
+        if fast:
+            fast_sampling(model)
         batch = sample(model, tokenizer, prompts, gen, seed)
         texts[name] = batch.response_texts
         results[name] = mean_stderr([gold(p, t) for p, t in zip(prompts, batch.response_texts)])
@@ -51,6 +55,17 @@ def gold_of_policies(folders: dict, prompts: list[str], gen: GenConfig, gold, se
         kls = sequence_kl(policy_model, models[reference][0], policy_batch, gen.temperature, micro)
         kl = mean_stderr(kls.tolist())
     return results, texts, kl
+
+
+def fast_sampling(model) -> None:
+    """Give an evaluated model the CPU paths `rlhfkit ppo` gives its models: oneDNN linear layers where they beat
+    MKL (`cpu_linear.use_fast_cpu_linear`) and the tokens every prompt begins with computed once
+    (`forward.use_common_prefix`, where its one-off check passes). Same values up to float rounding."""
+    from rlhfkit.models.cpu_linear import use_fast_cpu_linear
+    from rlhfkit.models.forward import common_prefix_gives_full_values, use_common_prefix
+
+    use_fast_cpu_linear(model, torch.device("cpu"))
+    use_common_prefix(model, common_prefix_gives_full_values(model))
 
 
 class ProxyScorer:

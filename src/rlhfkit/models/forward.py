@@ -338,6 +338,169 @@ def _head(model) -> torch.nn.Module:
     return head
 
 
+MIN_COMMON_PREFIX = 8  # tokens: a shorter shared run saves less than the second forward costs
+_COMMON_PREFIX: "weakref.WeakKeyDictionary[torch.nn.Module, bool]" = weakref.WeakKeyDictionary()
+
+
+def use_common_prefix(model, on: bool) -> None:
+    """Record for `model` whether its forwards over rollout rows may compute the tokens every row begins with once
+    (`common_prefix_outputs`); decided once per run (`stages.common.choose_common_prefix`)."""
+    _COMMON_PREFIX[base_model(model)] = on
+
+
+def shares_common_prefix(model) -> bool:
+    """Whether `use_common_prefix(model, True)` was recorded."""
+    return _COMMON_PREFIX.get(base_model(model), False)
+
+
+def common_prefix_layout(input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                         keep: int) -> tuple[int, int, torch.Tensor] | None:
+    """`(start, length, rest_mask)` when the left-padded rows (B, T) share a run of at least `MIN_COMMON_PREFIX`
+    tokens (`common_prefix_span`) and computing it once takes fewer tokens than the rows' real ones: the run is
+    row 0's columns start .. start + length - 1, and the rest of every row is its columns from first + length on
+    (first: the earliest start), under `rest_mask` (B, length + T - first - length): ones for the run (held in a
+    cache), then the row's own mask there with its own copy of the run masked out. Else None."""
+    first, length = common_prefix_span(input_ids, attention_mask, keep)
+    rows, width = input_ids.shape
+    cut = first + length
+    if length < MIN_COMMON_PREFIX or rows * (width - cut) + length >= int(attention_mask.sum()):
+        return None
+    starts = (~attention_mask.bool()).long().cumprod(-1).sum(-1)
+    columns = torch.arange(cut, width, device=input_ids.device)
+    # a row that starts later than `first` has run tokens at or after `cut`: the cache holds them, mask them
+    rest = attention_mask[:, cut:].long() * (columns[None] >= (starts + length)[:, None]).long()
+    return int(starts[0]), length, torch.cat([rest.new_ones(rows, length), rest], dim=1)
+
+
+def common_prefix_span(input_ids: torch.Tensor, attention_mask: torch.Tensor, keep: int) -> tuple[int, int]:
+    """`(first, length)` of the longest run of tokens that every left-padded row of (B, T) begins with, where
+    `first` is the earliest column any row starts at; the run stops short of the last `keep` columns of every
+    row (their outputs are wanted from the second forward). `(0, 0)` when rows share nothing or B < 2."""
+    mask = attention_mask.bool()
+    rows, width = input_ids.shape
+    if rows < 2:
+        return 0, 0
+    starts = (~mask).long().cumprod(-1).sum(-1)  # leading padding of each row
+    limit = int((width - keep - starts).min())
+    if limit <= 0:
+        return 0, 0
+    columns = starts[:, None] + torch.arange(limit, device=input_ids.device)
+    aligned, real = input_ids.gather(1, columns), mask.gather(1, columns)
+    same = (aligned == aligned[:1]).all(0) & real.all(0)
+    return int(starts.min()), int(same.long().cumprod(0).sum())
+
+
+def _common_prefix_outputs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, keep: int,
+                           kind: str) -> torch.Tensor | None:
+    """`common_prefix_outputs` without the per-run record (the check `common_prefix_gives_full_values` uses it)."""
+    layout = common_prefix_layout(input_ids, attention_mask, keep) if shares_prefixes(model) else None
+    cache = full_attention_cache(model) if layout is not None else None
+    if cache is None:
+        return None
+    start, length, full_mask = layout
+    rows, cut = input_ids.size(0), input_ids.size(1) - full_mask.size(1) + length
+    cache.layers = [PrefixLayer() for _ in cache.layers]
+    positions = torch.arange(length, device=input_ids.device)[None]
+    kwargs = dict(input_ids=input_ids[:1, start:start + length], position_ids=positions, past_key_values=cache,
+                  use_cache=True)
+    try:
+        try:
+            model(**kwargs, logits_to_keep=1)
+        except TypeError as exc:  # a scalar model (no logits_to_keep) runs its head on the prefix: H -> 1, cheap
+            if "logits_to_keep" not in str(exc):
+                raise
+            model(**kwargs)
+    except TypeError as exc:  # a model class that takes no cache here
+        if any(name in str(exc) for name in ("past_key_values", "use_cache")):
+            return None
+        raise
+    for layer in cache.layers:  # one row for every row, by broadcast: the gradient sums over the rows
+        layer.keys, layer.values = (x.expand(rows, *x.shape[1:]) for x in (layer.keys, layer.values))
+    kwargs = dict(input_ids=input_ids[:, cut:], attention_mask=full_mask,
+                  position_ids=position_ids(attention_mask)[:, cut:], past_key_values=cache, use_cache=True)
+    if kind == "hidden":
+        out = hidden_states(model, **kwargs)
+    elif kind == "scores":
+        out = _scores(model, **kwargs)
+    else:
+        try:
+            out = model(**kwargs, logits_to_keep=keep).logits
+        except TypeError as exc:
+            if "logits_to_keep" not in str(exc):
+                raise
+            out = model(**kwargs).logits
+    return out[:, -keep:]
+
+
+def common_prefix_outputs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, keep: int,
+                          kind: str = "hidden") -> torch.Tensor | None:
+    """The outputs at the last `keep` columns of a forward over left-padded (B, T) rows, with the tokens that every
+    row begins with computed once: `kind` "hidden" (B, keep, H), the hidden states the LM head reads
+    (`decoder_outputs`); "logits" (B, keep, V); "scores" (B, keep), a scalar model's outputs (`token_scores`).
+
+    Chat templates put the same system prompt and turn markers before every question (SmolLM2's is 30 of the 38
+    tokens of "What is 3 + 4?"), so a rollout's rows often share most of their prompt. The shared run goes
+    through the model once, as one row, filling the KV cache; the cache is broadcast to every row and the rest of
+    each row runs against it, with the positions it has in the full row. Gradients flow through the broadcast
+    into the prefix's forward, so values and gradients equal the full forward's (up to float rounding).
+
+    None, and the caller runs its usual forward, when not recorded for `model` (`use_common_prefix`: off where a
+    forward is a collective across ranks, ZeRO-3, since ranks would differ in how many forwards they run), when
+    the rows share fewer than `MIN_COMMON_PREFIX` tokens or it would compute no fewer tokens than the rows' real
+    ones, or when the model cannot take a cache here (`shares_prefixes`, `full_attention_cache`)."""
+    if not shares_common_prefix(model):
+        return None
+    return _common_prefix_outputs(model, input_ids, attention_mask, keep, kind)
+
+
+@torch.no_grad()
+def common_prefix_gives_full_values(model, rtol: float = 1e-4) -> bool:
+    """Whether `common_prefix_outputs` matches `model`'s plain forward, checked once on three rows that share
+    `MIN_COMMON_PREFIX` + 2 tokens, two of them left-padded: a model that reads the cache or positions its own
+    way is refused by the values."""
+    scalar = scalar_head(model) is not None
+    device = next(base_model(model).parameters()).device
+    vocab = getattr(base_model(model).config, "vocab_size", None) or 2
+    shared = MIN_COMMON_PREFIX + 2
+    ids = (torch.arange(3 * 16, device=device).view(3, 16) * 7 + 3).remainder(vocab)
+    mask = torch.ones_like(ids)
+    for row, pad in enumerate((0, 2, 3)):
+        ids[row, pad:pad + shared] = (torch.arange(shared, device=device) * 5 + 1).remainder(vocab)
+        mask[row, :pad] = 0
+    keep = 3
+    was_training = base_model(model).training
+    model.eval()
+    try:
+        kind = "scores" if scalar else "hidden"
+        got = _common_prefix_outputs(model, ids, mask, keep, kind)
+        if got is None:
+            return False
+        if scalar:
+            full = token_scores(model, ids, mask)[:, -keep:]
+        else:
+            full = final_hidden(model, ids, mask, position_ids(mask))[:, -keep:]
+    except (RuntimeError, TypeError, ValueError, NotImplementedError):
+        return False
+    finally:
+        model.train(was_training)
+    return bool(torch.allclose(got.float(), full.float(), rtol=rtol, atol=rtol))
+
+
+def _scores(model, **kwargs) -> torch.Tensor:
+    """(B, T) scalar output of a sequence-classification model at every position of its forward with `kwargs`."""
+    captured = {}
+
+    def grab(_module, _inputs, output):
+        captured["out"] = output
+
+    handle = _head(model).register_forward_hook(grab)
+    try:
+        model(**kwargs)
+    finally:
+        handle.remove()
+    return captured["out"].squeeze(-1).float()
+
+
 def token_scores(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
                  positions: torch.Tensor | None = None) -> torch.Tensor:
     """(B, T) scalar output of a sequence-classification model at every position (critic values).
@@ -346,18 +509,8 @@ def token_scores(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | 
     so the same model class serves as reward model (one score) and critic (a value per token). Packed rows
     (`data.tokenize.collate_packed_pairs`) pass `positions` and no attention mask.
     """
-    captured = {}
-
-    def grab(_module, _inputs, output):
-        captured["out"] = output
-
-    handle = _head(model).register_forward_hook(grab)
-    try:
-        model(input_ids=input_ids, attention_mask=attention_mask,
-              position_ids=position_ids(attention_mask) if positions is None else positions, use_cache=False)
-    finally:
-        handle.remove()
-    return captured["out"].squeeze(-1).float()
+    return _scores(model, input_ids=input_ids, attention_mask=attention_mask,
+                   position_ids=position_ids(attention_mask) if positions is None else positions, use_cache=False)
 
 
 def packed_sequence_scores(model, input_ids: torch.Tensor, positions: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:

@@ -15,8 +15,9 @@ from rlhfkit.algos import (entropy_from_logits, kl_penalty, linear_token_logprob
                            shape_rewards, token_logprobs)
 from rlhfkit.config.ppo_schema import PPOSection
 from rlhfkit.models.cpu_linear import packed_weights
-from rlhfkit.models.forward import (causal_logits, final_hidden, head_logprobs_weight, head_matmul, packed_outputs,
-                                   padding_free, position_ids, read_packed, shared_prefix_logits, token_scores)
+from rlhfkit.models.forward import (causal_logits, common_prefix_outputs, final_hidden, head_logprobs_weight,
+                                   head_matmul, packed_outputs, padding_free, position_ids, read_packed,
+                                   shared_prefix_logits, token_scores)
 from rlhfkit.models.lora import adapter_disabled
 from rlhfkit.rollout.batch import RolloutBatch
 from rlhfkit.rollout.estimators import ESTIMATORS
@@ -28,14 +29,18 @@ def response_logits(model, batch: RolloutBatch, temperature: float = 1.0) -> tor
     The behaviour policy that sampled the tokens is softmax(z / T), so pi_old, pi and pi_ref are all taken
     at the same T (as TRL and OpenRLHF do); otherwise the ratio and the KL compare different distributions.
     Only the last R + 1 positions go through the LM head: the prompt's logits are never needed. Rows that
-    share a prompt (a group of samples) compute it once (`shared_prefix_logits`).
+    share a prompt (a group of samples) compute it once (`shared_prefix_logits`), and so do the tokens that every
+    row begins with (`common_prefix_outputs`).
     """
     logits = None
     if batch.groups_share_prompts:  # every rank's batch is one of groups: all take the same two forwards
         logits = shared_prefix_logits(model, batch.prompt_ids, batch.prompt_mask, batch.response_ids,
                                       batch.response_mask, always=True)
+    width = batch.response_ids.size(1)
+    if logits is None:  # the tokens every row begins with (a chat template's system prompt) computed once
+        logits = common_prefix_outputs(model, batch.input_ids[:, :-1], batch.attention_mask[:, :-1], width,
+                                       kind="logits")
     if logits is None:  # one forward over prompt + response
-        width = batch.response_ids.size(1)
         logits = causal_logits(model, batch.input_ids, batch.attention_mask, keep=width + 1)
         # position P - 1 + j predicts response token j: the kept positions P - 1 .. P + R - 1, less the last
         logits = logits[:, -(width + 1):-1]
@@ -49,6 +54,9 @@ def response_hidden(model, batch: RolloutBatch) -> torch.Tensor:
     if batch.groups_share_prompts:
         hidden = shared_prefix_logits(model, batch.prompt_ids, batch.prompt_mask, batch.response_ids,
                                       batch.response_mask, always=True, hidden=True)
+    if hidden is None:  # the tokens every row begins with once, where that computes fewer tokens than packing
+        hidden = common_prefix_outputs(model, batch.input_ids[:, :-1], batch.attention_mask[:, :-1],
+                                       batch.response_ids.size(1))
     if hidden is None and padding_free(model):  # the response's padding after EOS and the prompts' costs nothing
         flat, where = packed_outputs(model, batch.input_ids, batch.attention_mask)
         hidden = read_packed(flat, where[:, batch.prompt_width - 1:-1])
@@ -90,7 +98,12 @@ def response_logprobs(model, batch: RolloutBatch, temperature: float = 1.0) -> t
 
 def response_values(critic, batch: RolloutBatch) -> torch.Tensor:
     """(B, R) critic values of the state before each response token (same columns as the logits); padding-free
-    where recorded for the critic (`forward.use_padding_free`; then 0 where the state is padding)."""
+    where recorded for the critic (`forward.use_padding_free`; then 0 where the state is padding); the tokens every
+    row begins with computed once where recorded (`forward.common_prefix_outputs`)."""
+    values = common_prefix_outputs(critic, batch.input_ids[:, :-1], batch.attention_mask[:, :-1],
+                                   batch.response_ids.size(1), kind="scores")
+    if values is not None:
+        return values
     if padding_free(critic):
         flat, where = packed_outputs(critic, batch.input_ids, batch.attention_mask, scores=True)
         return read_packed(flat, where[:, batch.prompt_width - 1:-1])

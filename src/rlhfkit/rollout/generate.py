@@ -9,8 +9,8 @@ from rlhfkit.config.ppo_schema import GenConfig
 from rlhfkit.data.templates import end_token_ids
 from rlhfkit.data.tokenize import pad_sequences
 from rlhfkit.models.cpu_linear import packed_weights
-from rlhfkit.models.forward import (contiguous_groups, full_attention_cache, pack_padded, padding_free,
-                                    unique_rows, unpack_states)
+from rlhfkit.models.forward import (common_prefix_layout, contiguous_groups, full_attention_cache, pack_padded,
+                                    padding_free, shares_common_prefix, unique_rows, unpack_states)
 from rlhfkit.models.lora import base_model
 from rlhfkit.models.segments import packed_attention, packed_row_tokens
 from rlhfkit.rollout.batch import RolloutBatch
@@ -146,7 +146,8 @@ def kv_cache(model, capacity: int):
 
 def _prefill(model, prompt_ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, capacity: int,
              groups_allowed: bool = True, packed: bool | None = None):
-    """The prompts' forward that fills the KV cache: `(cache, logits of the last position, groups)`.
+    """The prompts' forward that fills the KV cache: `(cache, logits of the last position, groups, mask of the
+    cache's columns)`.
 
     Rows with the same prompt (a group of samples of one prompt) are computed once. When the rows come in
     blocks of G consecutive samples per prompt and the model passes `group_decode_is_exact`, the cache keeps
@@ -170,6 +171,10 @@ def _prefill(model, prompt_ids: torch.Tensor, mask: torch.Tensor, positions: tor
         else:
             group = 0
         prompt_ids, mask, positions = prompt_ids[first], mask[first], positions[first]
+    if unique is None and cache is not None and groups_allowed and shares_common_prefix(model):
+        shared = _common_prefix_prefill(model, prompt_ids, mask, positions, cache)
+        if shared is not None:
+            return shared
     if packed is None:
         packed = cache is not None and padding_free(model) and packed_prefill_is_exact(model)
     if cache is not None and packed and not mask.all() and bool(mask[:, -1].all()):
@@ -185,11 +190,36 @@ def _prefill(model, prompt_ids: torch.Tensor, mask: torch.Tensor, positions: tor
             out = model(**kwargs)
         cache, logits = out.past_key_values, out.logits[:, -1]
     if unique is None:
-        return cache, logits, None
+        return cache, logits, None, mask
     if group:
-        return cache, logits[inverse], GroupCache(cache, mask, group)
+        return cache, logits[inverse], GroupCache(cache, mask, group), mask[inverse]
     cache.reorder_cache(inverse)
-    return cache, logits[inverse], None
+    return cache, logits[inverse], None, mask[inverse]
+
+
+def _common_prefix_prefill(model, prompt_ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, cache):
+    """The prefill with the tokens every prompt begins with (a chat template's system prompt) computed once
+    (`forward.common_prefix_layout`): that run as one row fills `cache`, which is copied out to every row, then the
+    rest of each prompt runs against it at its own positions. Returns `_prefill`'s `(cache, logits, None, mask)`,
+    the mask now of the cache's columns (the run, then the rest); None when the prompts share too little."""
+    layout = common_prefix_layout(prompt_ids, mask, keep=1)
+    if layout is None:
+        return None
+    start, length, full_mask = layout
+    rows, cut = prompt_ids.size(0), prompt_ids.size(1) - full_mask.size(1) + length
+    run = dict(input_ids=prompt_ids[:1, start:start + length],
+               position_ids=torch.arange(length, device=mask.device)[None], past_key_values=cache, use_cache=True)
+    rest = dict(input_ids=prompt_ids[:, cut:], attention_mask=full_mask, position_ids=positions[:, cut:],
+                past_key_values=cache, use_cache=True)
+    try:
+        model(**run, logits_to_keep=1)
+        cache.reorder_cache(torch.zeros(rows, dtype=torch.long, device=mask.device))
+        out = model(**rest, logits_to_keep=1)
+    except TypeError as exc:  # a model class without logits_to_keep: the plain prefill
+        if "logits_to_keep" not in str(exc):
+            raise
+        return None
+    return out.past_key_values, out.logits[:, -1], None, full_mask
 
 
 def _packed_prefill(model, prompt_ids: torch.Tensor, mask: torch.Tensor, cache):
@@ -243,8 +273,8 @@ def packed_prefill_is_exact(model) -> bool:
         try:
             results = []
             for packed in (False, True):
-                cache, logits, _ = _prefill(model, prompt_ids, mask, positions, 8, groups_allowed=False,
-                                            packed=packed)
+                cache, logits, _, _ = _prefill(model, prompt_ids, mask, positions, 8, groups_allowed=False,
+                                               packed=packed)
                 step = model(input_ids=token, attention_mask=torch.cat([mask, mask.new_ones(2, 1)], dim=1),
                              position_ids=positions[:, -1:] + 1, past_key_values=cache, use_cache=True)
                 results.append(torch.stack([logits, step.logits[:, -1]]).float())
@@ -285,8 +315,8 @@ def sample_tokens(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, cf
     temperature = 1.0 if greedy else cfg.temperature
     mask = prompt_mask.long()
     positions = (mask.cumsum(-1) - 1).clamp(min=0)  # left padding does not shift positions
-    cache, logits, groups = _prefill(model, prompt_ids, mask, positions, prompt_ids.size(1) + cfg.max_new_tokens,
-                                     groups_allowed=synced is None)
+    cache, logits, groups, mask = _prefill(model, prompt_ids, mask, positions,
+                                           prompt_ids.size(1) + cfg.max_new_tokens, groups_allowed=synced is None)
     position = positions[:, -1:]
     done = torch.zeros(batch, dtype=torch.bool, device=prompt_ids.device)
     filtered = 0 < cfg.top_k < logits.size(-1) or cfg.top_p < 1.0

@@ -24,7 +24,7 @@ from rlhfkit.models.reward_fn import (CombinedReward, FunctionReward, ModelRewar
                                      load_reward_function, same_tokenization)
 from rlhfkit.rollout.estimators import ESTIMATORS
 from rlhfkit.rollout.generate import ignored_generation_settings
-from rlhfkit.stages.common import choose_head_logprobs, choose_padding_free
+from rlhfkit.stages.common import choose_common_prefix, choose_head_logprobs, choose_padding_free
 
 
 @dataclass
@@ -157,4 +157,8 @@ def load_ppo_models(cfg: PPOConfig, tokenizer, engine, total_updates: int) -> PP
         engine)]
     if packing:
         notes.append(f"padding-free forwards: {', '.join(dict.fromkeys(packing))}")
+    shared = [name for name, m in models[:3] if m is not None and choose_common_prefix(
+        m, cfg.ppo.shared_prefix, cfg.engine.precision, engine)]
+    if shared:
+        notes.append(f"tokens every row begins with, computed once: {', '.join(shared)}")
     return PPOModels(actor, critic, reference, reward, notes)
