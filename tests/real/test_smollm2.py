@@ -271,6 +271,37 @@ def test_rollout_stops_at_the_first_im_end_and_the_rm_scores_the_trained_layout(
         assert scores[i].item() == pytest.approx(alone, abs=2e-3)
 
 
+def test_the_chat_templates_shared_tokens_go_through_the_model_once_with_the_same_results(smollm2, task_files):
+    """SmolLM2's template puts the same 27 tokens (system prompt, turn markers, "What is ") before every task
+    question: the check passes on the real model, the rollout's prefill and the log-probs and their gradient
+    compute that run once, and give the plain forwards' samples, log-probs and gradient."""
+    from rlhfkit.config.ppo_schema import GenConfig
+    from rlhfkit.demo.sampling import load_policy, sample
+    from rlhfkit.models.forward import common_prefix_gives_full_values, common_prefix_span, use_common_prefix
+    from rlhfkit.rollout.experience import response_logprobs
+
+    model, tok = load_policy(smollm2)
+    assert common_prefix_gives_full_values(model)
+    prompts = [json.loads(line)["prompt"] for line in (task_files / "prompts.jsonl").read_text().splitlines()][:6]
+    runs = {}
+    for shared in (False, True):
+        use_common_prefix(model, shared)
+        batch = sample(model, tok, prompts, GenConfig(max_new_tokens=6), seed=3)
+        model.zero_grad(set_to_none=True)
+        logp = response_logprobs(model, batch)
+        (logp * batch.response_mask).sum().backward()
+        grad = model.model.layers[0].self_attn.q_proj.weight.grad.clone()
+        runs[shared] = (batch, logp.detach(), grad)
+    use_common_prefix(model, False)
+    (plain, plain_logp, plain_grad), (batch, logp, grad) = runs[False], runs[True]
+    # the template's 27 tokens, and here " 1 +" too: the first six training questions (sorted) are "What is 1 + B?"
+    assert common_prefix_span(batch.prompt_ids, batch.prompt_mask, 1) == (0, 30)
+    assert torch.equal(batch.response_ids, plain.response_ids)
+    torch.testing.assert_close(batch.sample_logprobs, plain.sample_logprobs, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(logp, plain_logp, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(grad, plain_grad, atol=1e-4 * float(plain_grad.abs().max()), rtol=1e-3)
+
+
 def sequence_score(model, ids: list[int]) -> float:
     from rlhfkit.models.forward import sequence_scores
 
