@@ -358,8 +358,8 @@ def common_prefix_layout(input_ids: torch.Tensor, attention_mask: torch.Tensor,
     """`(start, length, rest_mask)` when the left-padded rows (B, T) share a run of at least `MIN_COMMON_PREFIX`
     tokens (`common_prefix_span`) and computing it once takes fewer tokens than the rows' real ones: the run is
     row 0's columns start .. start + length - 1, and the rest of every row is its columns from first + length on
-    (first: the earliest start), under `rest_mask` (B, length + T - first - length): ones for the run (held in a
-    cache), then the row's own mask there with its own copy of the run masked out. Else None."""
+    (first: the earliest start), under `rest_mask` (B, T - first): ones for the run's `length` columns (held in a
+    cache), then the row's own mask from first + length on, with its own copy of the run masked out. Else None."""
     first, length = common_prefix_span(input_ids, attention_mask, keep)
     rows, width = input_ids.shape
     cut = first + length
@@ -438,7 +438,7 @@ def common_prefix_outputs(model, input_ids: torch.Tensor, attention_mask: torch.
     row begins with computed once: `kind` "hidden" (B, keep, H), the hidden states the LM head reads
     (`decoder_outputs`); "logits" (B, keep, V); "scores" (B, keep), a scalar model's outputs (`token_scores`).
 
-    Chat templates put the same system prompt and turn markers before every question (SmolLM2's is 30 of the 38
+    Chat templates put the same system prompt and turn markers before every question (SmolLM2's are 27 of the 38
     tokens of "What is 3 + 4?"), so a rollout's rows often share most of their prompt. The shared run goes
     through the model once, as one row, filling the KV cache; the cache is broadcast to every row and the rest of
     each row runs against it, with the positions it has in the full row. Gradients flow through the broadcast
