@@ -104,19 +104,20 @@ def ppo_world(tiny_model_dir, tmp_path_factory) -> Path:
     return root
 
 
-# Loss curves pinned before a refactor (tests/fixtures/pinned_losses.json): a change meant to keep behaviour
+# Loss curves pinned before a refactor (tests/fixtures/pinned_losses-*.json): a change meant to keep behaviour
 # must reproduce them. RLHFKIT_RECORD_PINS=1 writes the current values instead of checking them (only for a
 # change that is meant to alter the numbers, and said so in its commit, or for a CPU without pins yet).
-PINS = ROOT / "tests" / "fixtures" / "pinned_losses.json"
+FIXTURES = ROOT / "tests" / "fixtures"
 
 
 def pins_file() -> Path:
-    """The pins of this CPU's vector instruction set (`torch.backends.cpu.get_cpu_capability()`): the GEMM and
-    reduction kernels of AVX-512 and of AVX2 round differently, and over tens of steps the curves part by more
-    than the tolerance. `pinned_losses.json` holds the AVX-512 hosts' curves (where they were first recorded),
-    `pinned_losses-<capability>.json` any other's."""
-    capability = torch.backends.cpu.get_cpu_capability()
-    return PINS if capability == "AVX512" else PINS.with_name(f"pinned_losses-{capability}.json")
+    """The pins of this kind of CPU: its vendor and vector instruction set
+    (`torch.backends.cpu.get_cpu_capability()`). AVX-512's and AVX2's kernels round differently, and so do the
+    GEMMs an AMD CPU runs (oneDNN's, `models.cpu_linear`) and an Intel one (MKL's); over tens of steps the curves
+    part by more than the tolerance. `pinned_losses-<vendor>-<capability>.json`, e.g. `-AuthenticAMD-AVX512`."""
+    from rlhfkit.models.cpu_linear import cpu_vendor
+
+    return FIXTURES / f"pinned_losses-{cpu_vendor()}-{torch.backends.cpu.get_cpu_capability()}.json"
 
 
 def check_pinned(name: str, values: dict, tol: float = 1e-4) -> None:
@@ -129,7 +130,7 @@ def check_pinned(name: str, values: dict, tol: float = 1e-4) -> None:
         pins[name] = values
         path.write_text(json.dumps(pins, indent=1, sort_keys=True) + "\n")
         return
-    assert name in pins, (f"no pinned losses for {name!r} in {path} (this CPU's instruction set); record them "
+    assert name in pins, (f"no pinned losses for {name!r} in {path} (this CPU's vendor and instruction set); record them "
                           f"with RLHFKIT_RECORD_PINS=1 at a commit whose curves are trusted")
     for key, series in pins[name].items():
         assert values.get(key) == pytest.approx(series, abs=tol, rel=tol), (name, key)

@@ -115,7 +115,6 @@ def test_it_declines_where_it_would_not_save_or_is_not_recorded(tiny_model_dir):
         out = common_prefix_outputs(model, ids, mask, 5)
         assert out is not None and out.shape == (4, 5, base_model(model).config.hidden_size)
         short = ids.clone()
-        short[:, :].copy_(ids)
         cut = mask.long().argmax(-1) + MIN_COMMON_PREFIX - 1  # each row's run broken before MIN tokens
         short[torch.arange(4), cut] = torch.arange(4) + 1
         assert common_prefix_outputs(model, short, mask, 5) is None

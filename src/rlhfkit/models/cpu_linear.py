@@ -110,7 +110,8 @@ def layer_matmul(layer: torch.nn.Module):
     return linear
 
 
-def _cpu_vendor() -> str:
+def cpu_vendor() -> str:
+    """The CPU's vendor string as /proc/cpuinfo gives it (`AuthenticAMD`, `GenuineIntel`), else the platform's."""
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as f:
             for line in f:
@@ -128,7 +129,7 @@ def onednn_is_faster() -> bool:
     timing, so the same machine always computes the same way; on Intel CPUs MKL is already fast."""
     if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")):
         return False
-    if "AMD" not in _cpu_vendor().upper():
+    if "AMD" not in cpu_vendor().upper():
         return False
     try:
         _onednn(torch.ones(MIN_ROWS, MIN_DIM), torch.ones(MIN_DIM, MIN_DIM), None)
