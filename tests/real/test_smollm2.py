@@ -277,7 +277,7 @@ def test_the_chat_templates_shared_tokens_go_through_the_model_once_with_the_sam
     compute that run once, and give the plain forwards' samples, log-probs and gradient."""
     from rlhfkit.config.ppo_schema import GenConfig
     from rlhfkit.demo.sampling import load_policy, sample
-    from rlhfkit.models.forward import common_prefix_gives_full_values, common_prefix_span, use_common_prefix
+    from rlhfkit.models.prefix import common_prefix_gives_full_values, common_prefix_span, use_common_prefix
     from rlhfkit.rollout.experience import response_logprobs
 
     model, tok = load_policy(smollm2)

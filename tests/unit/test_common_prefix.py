@@ -1,4 +1,4 @@
-"""The tokens every rollout row begins with, computed once (`forward.common_prefix_outputs`): the span by hand, and
+"""The tokens every rollout row begins with, computed once (`prefix.common_prefix_outputs`): the span by hand, and
 the response log-probs, entropies, critic values and every gradient against the plain forward's, with rows that
 start at different columns (left padding) and responses cut short; when it declines; the one-off check."""
 
@@ -6,8 +6,9 @@ import pytest
 import torch
 
 from rlhfkit.models import load_causal_lm, load_tokenizer
-from rlhfkit.models.forward import (MIN_COMMON_PREFIX, common_prefix_gives_full_values, common_prefix_outputs,
-                                    common_prefix_span, use_common_prefix, use_head_logprobs)
+from rlhfkit.models.forward import use_head_logprobs
+from rlhfkit.models.prefix import (MIN_COMMON_PREFIX, common_prefix_gives_full_values, common_prefix_outputs,
+                                   common_prefix_span, use_common_prefix)
 from rlhfkit.models.lora import base_model
 from rlhfkit.rollout import RolloutBatch
 from rlhfkit.rollout.experience import response_logprobs_and_entropy, response_values

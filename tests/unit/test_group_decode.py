@@ -87,7 +87,7 @@ def test_sampling_in_groups_draws_what_every_rows_copy_of_the_cache_draws(dtype,
     tokens, logprobs = _sample(model, ids, mask, True)
     cache, _, groups, _ = seen[-1]
     assert groups is not None and groups.group == 4
-    assert cache.layers[0].prompt_keys.shape[:2] == (3, 2)  # 3 prompts x 2 key/value heads, held once
+    assert cache.layers[0].prompt_keys_t.shape[:2] == (3, 2)  # 3 prompts x 2 key/value heads, held once
     assert cache.layers[0].key_buffer.shape[:3] == (3, 2, 4)  # 4 rows' own responses per prompt and head
     plain_tokens, plain_logprobs = _sample(model, ids, mask, False)
     assert seen[-1][2] is None
@@ -132,7 +132,7 @@ def test_the_check_accepts_llama_and_gpt2_and_refuses_attention_it_does_not_appl
 
 def test_contiguous_groups_finds_blocks_of_rows_with_one_prompt():
     """The largest G >= 2 with every block of G consecutive rows on one prompt; 0 otherwise."""
-    from rlhfkit.models.forward import contiguous_groups
+    from rlhfkit.models.prefix import contiguous_groups
 
     cases = {(7, 7, 2, 2, 5, 5): 2, (3, 3, 3, 3): 4, (0, 0, 1, 1, 0, 0): 2,  # a prompt repeated in two blocks
              (0, 0, 0, 0, 1, 1): 2, (0, 0, 0, 1, 1, 1): 3, (7, 2, 7, 2): 0, (0, 1, 2): 0, (0, 0, 0, 1): 0}

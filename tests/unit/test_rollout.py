@@ -255,7 +255,8 @@ def test_prompt_shared_by_a_group_is_computed_once_with_the_same_logprobs_and_gr
     """shared_prefix_logits (each distinct prompt once, its KV cache broadcast to the group's block of rows, or
     indexed out to rows in any order) gives the full forward's logits on every valid response token, and the
     same parameter gradients."""
-    from rlhfkit.models.forward import causal_logits, shared_prefix_logits, unique_rows
+    from rlhfkit.models.forward import causal_logits
+    from rlhfkit.models.prefix import shared_prefix_logits, unique_rows
 
     tok, _ = tiny
     model = load_causal_lm(str(tiny_model_dir), tokenizer=tok).train()

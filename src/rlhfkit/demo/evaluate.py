@@ -60,9 +60,9 @@ def gold_of_policies(folders: dict, prompts: list[str], gen: GenConfig, gold, se
 def fast_sampling(model) -> None:
     """Give an evaluated model the CPU paths `rlhfkit ppo` gives its models: oneDNN linear layers where they beat
     MKL (`cpu_linear.use_fast_cpu_linear`) and the tokens every prompt begins with computed once
-    (`forward.use_common_prefix`, where its one-off check passes). Same values up to float rounding."""
+    (`prefix.use_common_prefix`, where its one-off check passes). Same values up to float rounding."""
     from rlhfkit.models.cpu_linear import use_fast_cpu_linear
-    from rlhfkit.models.forward import common_prefix_gives_full_values, use_common_prefix
+    from rlhfkit.models.prefix import common_prefix_gives_full_values, use_common_prefix
 
     use_fast_cpu_linear(model, torch.device("cpu"))
     use_common_prefix(model, common_prefix_gives_full_values(model))

@@ -123,7 +123,7 @@ def packed_row_tokens(model, inference: bool = False) -> int | None:
     mask, attention costs the square of the row's length). Every layer must be plain full attention (a sliding
     window or a soft cap sends a layer to the masked path) for a long row to pay off. `inference`: for a forward
     without autograd (the rollout's prefill), where gradient checkpointing recomputes nothing."""
-    from rlhfkit.models.forward import full_attention_cache  # forward.py imports this module
+    from rlhfkit.models.prefix import full_attention_cache  # prefix.py imports this module (through forward.py)
 
     inner = base_model(model)
     per_sequence = (getattr(inner.config, "_attn_implementation", None) == "sdpa"

@@ -31,7 +31,7 @@ class RolloutBatch:
     group: Optional[torch.Tensor] = None  # (B,) long: which prompt of the iteration a row answers (rows of one
     #                                       prompt, ppo.n_samples_per_prompt of them, share it; any row order)
     groups_share_prompts: bool = False  # the run samples groups (n_samples_per_prompt > 1): forwards compute a
-    #                                     prompt once per group (models/forward.py: shared_prefix_logits)
+    #                                     prompt once per group (models/prefix.py: shared_prefix_logits)
     # ---- experience (rollout/experience.py); None until filled
     old_logprobs: Optional[torch.Tensor] = None  # (B, R) log pi_old(token) under the sampling temperature
     ref_logprobs: Optional[torch.Tensor] = None  # (B, R) log pi_ref(token), same temperature

@@ -15,9 +15,9 @@ from rlhfkit.algos import (entropy_from_logits, kl_penalty, linear_token_logprob
                            shape_rewards, token_logprobs)
 from rlhfkit.config.ppo_schema import PPOSection
 from rlhfkit.models.cpu_linear import packed_weights
-from rlhfkit.models.forward import (causal_logits, common_prefix_outputs, final_hidden, head_logprobs_weight,
-                                   head_matmul, packed_outputs, padding_free, position_ids, read_packed,
-                                   shared_prefix_logits, token_scores)
+from rlhfkit.models.forward import (causal_logits, final_hidden, head_logprobs_weight, head_matmul, packed_outputs,
+                                    padding_free, position_ids, read_packed, token_scores)
+from rlhfkit.models.prefix import common_prefix_outputs, shared_prefix_logits
 from rlhfkit.models.lora import adapter_disabled
 from rlhfkit.rollout.batch import RolloutBatch
 from rlhfkit.rollout.estimators import ESTIMATORS
@@ -99,7 +99,7 @@ def response_logprobs(model, batch: RolloutBatch, temperature: float = 1.0) -> t
 def response_values(critic, batch: RolloutBatch) -> torch.Tensor:
     """(B, R) critic values of the state before each response token (same columns as the logits); padding-free
     where recorded for the critic (`forward.use_padding_free`; then 0 where the state is padding); the tokens every
-    row begins with computed once where recorded (`forward.common_prefix_outputs`)."""
+    row begins with computed once where recorded (`prefix.common_prefix_outputs`)."""
     values = common_prefix_outputs(critic, batch.input_ids[:, :-1], batch.attention_mask[:, :-1],
                                    batch.response_ids.size(1), kind="scores")
     if values is not None:

@@ -9,8 +9,9 @@ from rlhfkit.config.ppo_schema import GenConfig
 from rlhfkit.data.templates import end_token_ids
 from rlhfkit.data.tokenize import pad_sequences
 from rlhfkit.models.cpu_linear import packed_weights
-from rlhfkit.models.forward import (common_prefix_layout, contiguous_groups, full_attention_cache, pack_padded,
-                                    padding_free, shares_common_prefix, unique_rows, unpack_states)
+from rlhfkit.models.forward import pack_padded, padding_free, unpack_states
+from rlhfkit.models.prefix import (common_prefix_layout, contiguous_groups, full_attention_cache, shares_common_prefix,
+                                   unique_rows)
 from rlhfkit.models.lora import base_model
 from rlhfkit.models.segments import packed_attention, packed_row_tokens
 from rlhfkit.rollout.batch import RolloutBatch
@@ -199,7 +200,7 @@ def _prefill(model, prompt_ids: torch.Tensor, mask: torch.Tensor, positions: tor
 
 def _common_prefix_prefill(model, prompt_ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, cache):
     """The prefill with the tokens every prompt begins with (a chat template's system prompt) computed once
-    (`forward.common_prefix_layout`): that run as one row fills `cache`, which is copied out to every row, then the
+    (`prefix.common_prefix_layout`): that run as one row fills `cache`, which is copied out to every row, then the
     rest of each prompt runs against it at its own positions. Returns `_prefill`'s `(cache, logits, None, mask)`,
     the mask now of the cache's columns (the run, then the rest); None when the prompts share too little."""
     layout = common_prefix_layout(prompt_ids, mask, keep=1)

@@ -15,8 +15,9 @@ from tqdm.auto import tqdm
 
 from rlhfkit.config.fields import dump_yaml
 from rlhfkit.errors import RunError
-from rlhfkit.models.forward import (common_prefix_gives_full_values, head_gives_logits, lm_head_weight,
-                                   packing_gives_padded_values, use_common_prefix, use_head_logprobs, use_padding_free)
+from rlhfkit.models.forward import (head_gives_logits, lm_head_weight, packing_gives_padded_values, use_head_logprobs,
+                                    use_padding_free)
+from rlhfkit.models.prefix import common_prefix_gives_full_values, use_common_prefix
 
 
 def set_seed(seed: int) -> None:
@@ -192,9 +193,9 @@ def choose_padding_free(model, setting: bool | None, precision: str, engine) -> 
 
 def choose_common_prefix(model, setting: bool | None, precision: str, engine) -> bool:
     """Decide once per run whether `model`'s forwards over rollout rows compute the tokens every row begins with
-    once (`forward.common_prefix_outputs`; the `ppo.shared_prefix` setting: null = on where the model is held whole
-    on every rank and `forward.common_prefix_gives_full_values` finds its plain forward's values on every rank),
-    and record it for the loops (`forward.use_common_prefix`). Never under ZeRO-3: there every forward is a
+    once (`prefix.common_prefix_outputs`; the `ppo.shared_prefix` setting: null = on where the model is held whole
+    on every rank and `prefix.common_prefix_gives_full_values` finds its plain forward's values on every rank),
+    and record it for the loops (`prefix.use_common_prefix`). Never under ZeRO-3: there every forward is a
     collective, and ranks whose rows share different runs would make different numbers of forwards."""
     on = setting is not False and engine.reduce_sum(float(engine.holds_whole(model))) == engine.world_size
     if on and setting is None:

@@ -42,7 +42,8 @@ from rlhfkit.engine import make_engine
 from rlhfkit.errors import ModelError
 from rlhfkit.models import load_causal_lm, load_tokenizer
 from rlhfkit.models.forward import (causal_logits, custom_mask_kind, final_hidden, head_logprobs_weight, head_matmul,
-                                    masked_logits, position_ids, shared_prefix_logits)
+                                    masked_logits, position_ids)
+from rlhfkit.models.prefix import shared_prefix_logits
 from rlhfkit.models.loading import load_generation_config
 from rlhfkit.models.lora import adapter_disabled, apply_lora, checkpointed, is_lora
 from rlhfkit.stages.common import (MetricsLogger, choose_head_logprobs, epoch_order, longest_first, plan_steps,
@@ -75,7 +76,7 @@ def sequence_logprobs(model, rows: list[dict], pad_id: int, device) -> tuple[tor
     `[prompt | chosen | rejected]` segment, segments are packed into rows without padding, and the mask keeps
     each response to its prompt and itself (`data.tokenize.collate_prompt_sharing_pairs`): every token once, no
     padding, the LM head on the scored positions only. Otherwise the B prompts run once and the 2B responses
-    attend to their KV cache (`forward.shared_prefix_logits`); the prompt's last token runs with the responses,
+    attend to their KV cache (`prefix.shared_prefix_logits`); the prompt's last token runs with the responses,
     so every scored logit comes from one LM-head matmul over all response rows, as in the full forward (a
     few-row matmul for the prompts' last positions rounds differently with the weights' memory alignment: a LoRA
     policy with its adapter disabled would differ from a frozen copy by an ulp). Under gradient checkpointing
