@@ -368,3 +368,39 @@ def test_generation_prefills_a_shared_prompt_once_and_samples_the_same(tiny, mon
     every_row = generate_rollout(model, CPU(), tok, rows, cfg)
     assert torch.equal(shared.response_ids, every_row.response_ids)
     torch.testing.assert_close(shared.sample_logprobs, every_row.sample_logprobs, atol=1e-5, rtol=1e-5)
+
+
+def test_the_kv_cache_goes_by_the_keyword_the_model_class_takes(tiny, tiny_model_dir):
+    """transformers 5.24 renamed the forward's `past_key_values` to `cache` (the old name warns and goes in 5.40; a
+    name the class does not take would vanish into its **kwargs, and the model would decode without its cache).
+    The keyword is read from the class, also through a LoRA wrapper; greedy rollouts, plain and in groups, give
+    the tokens of decoding by full forwards without any cache, and no deprecation warning names the old keyword."""
+    import inspect
+    import warnings
+
+    from rlhfkit.config.schema import LoraConfig
+    from rlhfkit.models.forward import cache_kwargs
+    from rlhfkit.models.lora import apply_lora
+
+    tok, model = tiny
+    keyword = "cache" if "cache" in inspect.signature(type(model).forward).parameters else "past_key_values"
+    assert cache_kwargs(model, "the cache") == {keyword: "the cache"}
+    wrapped = apply_lora(load_causal_lm(str(tiny_model_dir), tokenizer=tok), LoraConfig(rank=4))
+    assert cache_kwargs(wrapped, "the cache") == {keyword: "the cache"}
+
+    rows = prompt_rows(tok, ["say apple", "say a very long river stone cloud green"])
+    cfg = GenConfig(max_new_tokens=6)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        plain = generate_rollout(model, CPU(), tok, rows, cfg, greedy=True)
+        grouped = generate_rollout(model, CPU(), tok, [r for r in rows for _ in range(2)], cfg, greedy=True)
+    assert not [w for w in caught if "past_key_values" in str(w.message)], [str(w.message) for w in caught]
+    assert torch.equal(grouped.response_ids[::2], plain.response_ids)
+    with torch.no_grad():
+        for i, row in enumerate(rows):
+            ids, want = torch.tensor([row["prompt_ids"]]), []
+            for _ in range(int(plain.response_mask[i].sum())):
+                token = model(input_ids=ids, use_cache=False).logits[0, -1].argmax()
+                want.append(int(token))
+                ids = torch.cat([ids, token.view(1, 1)], dim=1)
+            assert plain.response_ids[i, :len(want)].tolist() == want

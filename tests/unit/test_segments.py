@@ -7,7 +7,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, LlamaForSequenceClassifi
 
 from rlhfkit.data.tokenize import collate_packed, collate_packed_pairs
 from rlhfkit.models import segments
-from rlhfkit.models.forward import packed_logits, packed_sequence_scores
+from rlhfkit.models.forward import cache_kwargs, packed_logits, packed_sequence_scores, returned_cache
 from rlhfkit.models.segments import NAME, packed_attention, sequence_spans
 
 
@@ -130,7 +130,7 @@ def test_a_cached_or_unpacked_forward_inside_falls_back_to_the_mask():
         with packed_attention(model):
             plain = model(input_ids=ids).logits  # one sequence per row: a single span each, same as causal
             first = model(input_ids=ids[:, :4], use_cache=True)  # decoding with a cache: query shorter than keys
-            step = model(input_ids=ids[:, 4:5], past_key_values=first.past_key_values, use_cache=True).logits
+            step = model(input_ids=ids[:, 4:5], use_cache=True, **cache_kwargs(model, returned_cache(first))).logits
     torch.testing.assert_close(plain, full, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(step[:, -1], full[:, 4], rtol=1e-5, atol=1e-5)
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import weakref
 
 import torch
@@ -27,6 +28,25 @@ HEAD_NAMES = ("score", "classifier", "v_head")
 def position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
     """(B, T) positions counting only real tokens; pads get 0 (they are masked anyway)."""
     return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
+@functools.lru_cache(maxsize=None)
+def _cache_keyword(model_class: type) -> str:
+    return "cache" if "cache" in inspect.signature(model_class.forward).parameters else "past_key_values"
+
+
+def cache_kwargs(model, cache) -> dict:
+    """`{keyword: cache}`: a KV cache passed to `model`'s forward under the name its class takes, `cache` since
+    transformers 5.24 (`past_key_values` warns there and goes in 5.40), `past_key_values` before. An unknown
+    keyword would vanish into the model's **kwargs and decode without the cache, so the name is read from the
+    class's signature, not assumed."""
+    return {_cache_keyword(type(base_model(model))): cache}
+
+
+def returned_cache(output):
+    """The KV cache a forward returned: `output.cache`, or `output.past_key_values` before transformers 5.24."""
+    cache = getattr(output, "cache", None)
+    return cache if cache is not None else output.past_key_values
 
 
 def causal_logits(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, keep: int = 0) -> torch.Tensor:

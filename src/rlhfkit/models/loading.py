@@ -100,7 +100,10 @@ def _prepare(model, opts: LoadConfig, tokenizer=None):
     if opts.lean_activations:
         use_lean_activations(model)
     if opts.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if hasattr(model, "activation_checkpointing_enable"):  # transformers 5.24's name (the old one goes in v6)
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.config.use_cache = False
     return model
 

@@ -16,8 +16,8 @@ import weakref
 import torch
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
-from rlhfkit.models.forward import (decoder_outputs, final_hidden, hidden_states, position_ids, scalar_head,
-                                    scalar_outputs, token_scores)
+from rlhfkit.models.forward import (cache_kwargs, decoder_outputs, final_hidden, hidden_states, position_ids,
+                                    scalar_head, scalar_outputs, token_scores)
 from rlhfkit.models.lora import base_model, checkpointed
 
 
@@ -88,7 +88,7 @@ def shared_prefix_logits(model, prompt_ids: torch.Tensor, prompt_mask: torch.Ten
     each response's first token; the cache is then indexed out to every row, and the responses run against it.
     Gradients flow through the shared cache into the prompt's forward, so the result and its gradient equal
     the full forward's (up to float rounding). None when no two rows share a prompt, or when the model cannot
-    take a cache here (`shares_prefixes`, or a model class without `past_key_values` / `logits_to_keep`).
+    take a cache here (`shares_prefixes`, or a model class without a cache argument or `logits_to_keep`).
 
     With `always`, the two forwards run even when no prompt repeats: under ZeRO-3 every forward is a
     collective, so each rank must make the same number of calls whatever its rows (callers pass a setting
@@ -117,9 +117,9 @@ def shared_prefix_logits(model, prompt_ids: torch.Tensor, prompt_mask: torch.Ten
     try:
         with capture as captured:
             out = model(input_ids=prompt_ids[first], attention_mask=mask, position_ids=position_ids(mask),
-                        past_key_values=cache, use_cache=True, logits_to_keep=1)
+                        use_cache=True, logits_to_keep=1, **cache_kwargs(model, cache))
     except TypeError as exc:  # a model class without these arguments
-        if any(name in str(exc) for name in ("logits_to_keep", "past_key_values", "use_cache")):
+        if any(name in str(exc) for name in ("logits_to_keep", "past_key_values", "'cache'", "use_cache")):
             return None
         raise
     if group:  # a copy by broadcast: its gradient is a sum over each block (index_select's is a scatter-add)
@@ -134,7 +134,7 @@ def shared_prefix_logits(model, prompt_ids: torch.Tensor, prompt_mask: torch.Ten
     full_mask = torch.cat([prompt_mask.long(), response_mask.long()], dim=1)
     width = prompt_ids.size(1)
     kwargs = dict(input_ids=response_ids[:, :-1], attention_mask=full_mask[:, :-1],
-                  position_ids=position_ids(full_mask)[:, width:-1], past_key_values=cache, use_cache=True)
+                  position_ids=position_ids(full_mask)[:, width:-1], use_cache=True, **cache_kwargs(model, cache))
     if hidden:
         rest = hidden_states(model, **kwargs)
     else:
@@ -205,8 +205,8 @@ def _common_prefix_outputs(model, input_ids: torch.Tensor, attention_mask: torch
     rows, cut = input_ids.size(0), input_ids.size(1) - full_mask.size(1) + length
     cache.layers = [PrefixLayer() for _ in cache.layers]
     positions = torch.arange(length, device=input_ids.device)[None]
-    kwargs = dict(input_ids=input_ids[:1, start:start + length], position_ids=positions, past_key_values=cache,
-                  use_cache=True)
+    kwargs = dict(input_ids=input_ids[:1, start:start + length], position_ids=positions, use_cache=True,
+                  **cache_kwargs(model, cache))
     try:
         try:
             model(**kwargs, logits_to_keep=1)
@@ -215,13 +215,13 @@ def _common_prefix_outputs(model, input_ids: torch.Tensor, attention_mask: torch
                 raise
             model(**kwargs)
     except TypeError as exc:  # a model class that takes no cache here
-        if any(name in str(exc) for name in ("past_key_values", "use_cache")):
+        if any(name in str(exc) for name in ("past_key_values", "'cache'", "use_cache")):
             return None
         raise
     for layer in cache.layers:  # one row for every row, by broadcast: the gradient sums over the rows
         layer.keys, layer.values = (x.expand(rows, *x.shape[1:]) for x in (layer.keys, layer.values))
     kwargs = dict(input_ids=input_ids[:, cut:], attention_mask=full_mask,
-                  position_ids=position_ids(attention_mask)[:, cut:], past_key_values=cache, use_cache=True)
+                  position_ids=position_ids(attention_mask)[:, cut:], use_cache=True, **cache_kwargs(model, cache))
     if kind == "hidden":
         out = hidden_states(model, **kwargs)
     elif kind == "scores":

@@ -9,7 +9,7 @@ from rlhfkit.config.ppo_schema import GenConfig
 from rlhfkit.data.templates import end_token_ids
 from rlhfkit.data.tokenize import pad_sequences
 from rlhfkit.models.cpu_linear import packed_weights
-from rlhfkit.models.forward import pack_padded, padding_free, unpack_states
+from rlhfkit.models.forward import cache_kwargs, pack_padded, padding_free, returned_cache, unpack_states
 from rlhfkit.models.prefix import (common_prefix_layout, contiguous_groups, full_attention_cache, shares_common_prefix,
                                    unique_rows)
 from rlhfkit.models.lora import base_model
@@ -182,14 +182,14 @@ def _prefill(model, prompt_ids: torch.Tensor, mask: torch.Tensor, positions: tor
         cache, logits = _packed_prefill(model, prompt_ids, mask, cache)
     else:
         kwargs = dict(input_ids=prompt_ids, attention_mask=mask, position_ids=positions, use_cache=True,
-                      past_key_values=cache)
+                      **cache_kwargs(model, cache))
         try:
             out = model(**kwargs, logits_to_keep=1)
         except TypeError as exc:  # a model class without logits_to_keep
             if "logits_to_keep" not in str(exc):
                 raise
             out = model(**kwargs)
-        cache, logits = out.past_key_values, out.logits[:, -1]
+        cache, logits = returned_cache(out), out.logits[:, -1]
     if unique is None:
         return cache, logits, None, mask
     if group:
@@ -209,9 +209,9 @@ def _common_prefix_prefill(model, prompt_ids: torch.Tensor, mask: torch.Tensor, 
     start, length, full_mask = layout
     rows, cut = prompt_ids.size(0), prompt_ids.size(1) - full_mask.size(1) + length
     run = dict(input_ids=prompt_ids[:1, start:start + length],
-               position_ids=torch.arange(length, device=mask.device)[None], past_key_values=cache, use_cache=True)
+               position_ids=torch.arange(length, device=mask.device)[None], use_cache=True, **cache_kwargs(model, cache))
     rest = dict(input_ids=prompt_ids[:, cut:], attention_mask=full_mask, position_ids=positions[:, cut:],
-                past_key_values=cache, use_cache=True)
+                use_cache=True, **cache_kwargs(model, cache))
     try:
         model(**run, logits_to_keep=1)
         cache.reorder_cache(torch.zeros(rows, dtype=torch.long, device=mask.device))
@@ -220,7 +220,7 @@ def _common_prefix_prefill(model, prompt_ids: torch.Tensor, mask: torch.Tensor, 
         if "logits_to_keep" not in str(exc):
             raise
         return None
-    return out.past_key_values, out.logits[:, -1], None, full_mask
+    return returned_cache(out), out.logits[:, -1], None, full_mask
 
 
 def _packed_prefill(model, prompt_ids: torch.Tensor, mask: torch.Tensor, cache):
@@ -236,8 +236,8 @@ def _packed_prefill(model, prompt_ids: torch.Tensor, mask: torch.Tensor, cache):
     last = where[:, -1]  # left padding: every prompt ends in the last column
     width = ids.size(1)
     columns, slot = torch.unique(last % width, return_inverse=True)  # the LM head runs on these columns only
-    kwargs = dict(input_ids=ids, attention_mask=None, position_ids=positions, use_cache=True, past_key_values=cache,
-                  rlhfkit_packed=True)
+    kwargs = dict(input_ids=ids, attention_mask=None, position_ids=positions, use_cache=True, rlhfkit_packed=True,
+                  **cache_kwargs(model, cache))
     with packed_attention(model):
         try:
             logits = model(**kwargs, logits_to_keep=columns).logits  # (N, len(columns), V)
@@ -277,7 +277,7 @@ def packed_prefill_is_exact(model) -> bool:
                 cache, logits, _, _ = _prefill(model, prompt_ids, mask, positions, 8, groups_allowed=False,
                                                packed=packed)
                 step = model(input_ids=token, attention_mask=torch.cat([mask, mask.new_ones(2, 1)], dim=1),
-                             position_ids=positions[:, -1:] + 1, past_key_values=cache, use_cache=True)
+                             position_ids=positions[:, -1:] + 1, use_cache=True, **cache_kwargs(model, cache))
                 results.append(torch.stack([logits, step.logits[:, -1]]).float())
             plain, packed = results
             scale = plain.abs().max().clamp(min=1e-6)
@@ -344,13 +344,13 @@ def sample_tokens(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, cf
         position = position + 1
         if groups is not None:  # the prompts' padding is in `groups`; every response token is attended
             with decoding_in_groups(model):
-                out = model(input_ids=token, position_ids=position, past_key_values=cache, use_cache=True,
-                            rlhfkit_groups=groups)
+                out = model(input_ids=token, position_ids=position, use_cache=True, rlhfkit_groups=groups,
+                            **cache_kwargs(model, cache))
         else:
             mask = torch.cat([mask, mask.new_ones(batch, 1)], dim=1)
-            out = model(input_ids=token, attention_mask=mask, position_ids=position, past_key_values=cache,
-                        use_cache=True)
-        cache, logits = out.past_key_values, out.logits[:, -1]
+            out = model(input_ids=token, attention_mask=mask, position_ids=position, use_cache=True,
+                        **cache_kwargs(model, cache))
+        cache, logits = returned_cache(out), out.logits[:, -1]
     return torch.cat(tokens, dim=1), torch.cat(logprobs, dim=1)
 
 

@@ -26,7 +26,7 @@ from transformers import AttentionInterface
 from transformers.cache_utils import DynamicLayer
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from rlhfkit.models.forward import unpack_states
+from rlhfkit.models.forward import cache_kwargs, unpack_states
 from rlhfkit.models.prefix import full_attention_cache
 from rlhfkit.models.lora import attention_implementation, base_model
 
@@ -177,27 +177,27 @@ def _decode(model, prompt_ids, mask, tokens, grouped: bool) -> torch.Tensor:
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
     if grouped:
         cache = group_cache(model, steps)
-        out = model(input_ids=prompt_ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
-                    use_cache=True)
+        out = model(input_ids=prompt_ids, attention_mask=mask, position_ids=positions, use_cache=True,
+                    **cache_kwargs(model, cache))
         groups = GroupCache(cache, mask, group)
     else:
         cache = kv_cache(model, prompt_ids.size(1) + steps)
         repeat = torch.arange(prompt_ids.size(0), device=prompt_ids.device).repeat_interleave(group)
         prompt_ids, mask, positions = prompt_ids[repeat], mask[repeat], positions[repeat]
-        out = model(input_ids=prompt_ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
-                    use_cache=True)
+        out = model(input_ids=prompt_ids, attention_mask=mask, position_ids=positions, use_cache=True,
+                    **cache_kwargs(model, cache))
     logits = [out.logits[:, -1].repeat_interleave(group, 0) if grouped else out.logits[:, -1]]
     position = positions[:, -1:].repeat_interleave(group, 0) if grouped else positions[:, -1:]
     for step in range(steps - 1):
         position = position + 1
         if grouped:
             with decoding_in_groups(model):
-                out = model(input_ids=tokens[:, step:step + 1], position_ids=position, past_key_values=cache,
-                            use_cache=True, rlhfkit_groups=groups)
+                out = model(input_ids=tokens[:, step:step + 1], position_ids=position, use_cache=True,
+                            rlhfkit_groups=groups, **cache_kwargs(model, cache))
         else:
             mask = torch.cat([mask, mask.new_ones(rows, 1)], dim=1)
             out = model(input_ids=tokens[:, step:step + 1], attention_mask=mask, position_ids=position,
-                        past_key_values=cache, use_cache=True)
+                        use_cache=True, **cache_kwargs(model, cache))
         logits.append(out.logits[:, -1])
     return torch.stack(logits, 1).float()
 
