@@ -130,8 +130,8 @@ def check_pinned(name: str, values: dict, tol: float = 1e-4) -> None:
         pins[name] = values
         path.write_text(json.dumps(pins, indent=1, sort_keys=True) + "\n")
         return
-    assert name in pins, (f"no pinned losses for {name!r} in {path} (this CPU's vendor and instruction set); record them "
-                          f"with RLHFKIT_RECORD_PINS=1 at a commit whose curves are trusted")
+    assert name in pins, (f"no pinned losses for {name!r} in {path} (this CPU's vendor and instruction set); "
+                          f"record them with RLHFKIT_RECORD_PINS=1 at a commit whose curves are trusted")
     for key, series in pins[name].items():
         assert values.get(key) == pytest.approx(series, abs=tol, rel=tol), (name, key)
 

@@ -209,7 +209,8 @@ def _common_prefix_prefill(model, prompt_ids: torch.Tensor, mask: torch.Tensor, 
     start, length, full_mask = layout
     rows, cut = prompt_ids.size(0), prompt_ids.size(1) - full_mask.size(1) + length
     run = dict(input_ids=prompt_ids[:1, start:start + length],
-               position_ids=torch.arange(length, device=mask.device)[None], use_cache=True, **cache_kwargs(model, cache))
+               position_ids=torch.arange(length, device=mask.device)[None], use_cache=True,
+               **cache_kwargs(model, cache))
     rest = dict(input_ids=prompt_ids[:, cut:], attention_mask=full_mask, position_ids=positions[:, cut:],
                 use_cache=True, **cache_kwargs(model, cache))
     try:
