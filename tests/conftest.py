@@ -108,6 +108,9 @@ def ppo_world(tiny_model_dir, tmp_path_factory) -> Path:
 # must reproduce them. RLHFKIT_RECORD_PINS=1 writes the current values instead of checking them (only for a
 # change that is meant to alter the numbers, and said so in its commit, or for a CPU without pins yet).
 FIXTURES = ROOT / "tests" / "fixtures"
+# the pinned SFT and RM runs split each step's rows into micro-batches in order, as when they were recorded: the
+# default length-balanced split (train.balance_micro_batches) sums the same gradient in another order
+PLAIN_SPLIT = "train.balance_micro_batches=false"
 
 
 def pins_file() -> Path:

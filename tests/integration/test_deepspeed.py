@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from conftest import ROOT, check_pinned, read_metrics, run_cli, series_of, sft_rows, write_jsonl
+from conftest import PLAIN_SPLIT, ROOT, check_pinned, read_metrics, run_cli, series_of, sft_rows, write_jsonl
 
 pytestmark = pytest.mark.slow
 
@@ -31,7 +31,8 @@ def launch(*args, nproc=2, launcher="torchrun", timeout=600):
 def sft_args(tmp_path_factory, tiny_model_dir):
     data = write_jsonl(tmp_path_factory.mktemp("ds") / "train.jsonl", sft_rows())
     return [f"model={tiny_model_dir}", f"data.train={data}", "train.max_steps=12", "train.batch_size=8",
-            "train.micro_batch_size=2", "train.lr=1e-2", "train.eval_every=6", "data.eval_fraction=0.1"]
+            "train.micro_batch_size=2", "train.lr=1e-2", "train.eval_every=6", "data.eval_fraction=0.1",
+            PLAIN_SPLIT]
 
 
 @pytest.fixture(scope="module")
@@ -141,7 +142,7 @@ def ds_reward_model(tmp_path_factory, ppo_world):
     res = launch("rm", f"model={ppo_world / 'sft' / 'final'}", f"data.train={_pairs(root / 'pairs.jsonl')}",
                  f"output_dir={out}", "train.batch_size=16", "train.micro_batch_size=4", "train.lr=5e-3",
                  "train.max_steps=15", "train.eval_every=5", "data.eval_fraction=0.2", "engine.backend=deepspeed",
-                 "engine.zero_stage=3",
+                 "engine.zero_stage=3", PLAIN_SPLIT,
                  # the reward and critic of the pinned LoRA PPO curve: padded, as when it was recorded (packing
                  # rounds differently, ~1e-6, and 15 sampled PPO iterations amplify it)
                  "packing=false")
@@ -168,7 +169,7 @@ def test_reward_model_under_zero2_gives_the_pinned_losses(tmp_path, ppo_world):
     res = launch("rm", f"model={ppo_world / 'sft' / 'final'}", f"data.train={_pairs(tmp_path / 'pairs.jsonl')}",
                  f"output_dir={out}", "train.batch_size=16", "train.micro_batch_size=4", "train.lr=5e-3",
                  "train.max_steps=6", "train.eval_every=3", "data.eval_fraction=0.2", "rm.norm_samples=16",
-                 "engine.backend=deepspeed", "engine.zero_stage=2")
+                 "engine.backend=deepspeed", "engine.zero_stage=2", PLAIN_SPLIT)
     assert res.returncode == 0, res.stderr[-3000:]
     check_pinned("zero2/rm", series_of(read_metrics(out / "metrics.jsonl"), "loss", "eval/loss", "accuracy"))
 

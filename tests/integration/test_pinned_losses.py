@@ -15,11 +15,11 @@ from rlhfkit.stages.ppo import run_ppo
 from rlhfkit.stages.reward import run_rm
 from rlhfkit.stages.sft import run_sft
 
-from conftest import NAMES, check_pinned, read_metrics, series_of, sft_rows, write_jsonl
+from conftest import NAMES, PLAIN_SPLIT, check_pinned, read_metrics, series_of, sft_rows, write_jsonl
 
 pytestmark = pytest.mark.slow
 
-QUIET = ["log.tensorboard=false", "train.save_every=0", "data.cache=false"]
+QUIET = ["log.tensorboard=false", "train.save_every=0", "data.cache=false", PLAIN_SPLIT]
 
 
 def pairs(n: int = 96) -> list[dict]:

@@ -86,11 +86,11 @@ def test_bad_config_key_exits_before_writing(tmp_path, tiny_model_dir):
     assert not (tmp_path / "run").exists()
 
 
-def _one_update(tmp_path, model_dir, data, micro, name):
+def _one_update(tmp_path, model_dir, data, micro, name, *extra):
     cfg = load_config(SFTConfig, None, [f"model={model_dir}", f"data.train={data}", f"output_dir={tmp_path / name}",
                                         "train.max_steps=1", "train.batch_size=4", f"train.micro_batch_size={micro}",
                                         "train.lr=1e-2", "data.eval_fraction=0", "log.tensorboard=false",
-                                        "log.progress=false"])
+                                        "log.progress=false", *extra])
     run_sft(cfg)
     return AutoModelForCausalLM.from_pretrained(tmp_path / name / "final").state_dict()
 
@@ -102,12 +102,14 @@ def test_micro_batch_times_accumulation_is_invariant(tmp_path, tiny_model_dir):
             {"prompt": "say stone", "response": "stone stone"}, {"prompt": "say cloud", "response": "cloud " * 6}]
     data = write_jsonl(tmp_path / "train.jsonl", rows)
     a = _one_update(tmp_path, tiny_model_dir, data, 1, "m1")
-    b = _one_update(tmp_path, tiny_model_dir, data, 4, "m4")
     base = AutoModelForCausalLM.from_pretrained(tiny_model_dir).state_dict()
     moved = max((a[k] - base[k]).abs().max().item() for k in a)
     assert moved > 1e-4  # the update did something
-    for key in a:
-        torch.testing.assert_close(a[key], b[key], atol=2e-5, rtol=1e-4)  # Adam amplifies float noise in ~0 grads
+    # micro 2 regroups the rows (balanced token totals when packed, similar lengths together when padded)
+    for name, micro, extra in (("m4", 4, ()), ("m2", 2, ()), ("m2-padded", 2, ("packing=false",))):
+        b = _one_update(tmp_path, tiny_model_dir, data, micro, name, *extra)
+        for key in a:  # Adam amplifies float noise in ~0 grads
+            torch.testing.assert_close(a[key], b[key], atol=2e-5, rtol=1e-4, msg=lambda m: f"{name} {key}: {m}")
 
 
 def test_lora_export_is_merged_and_matches_unmerged_logits(tmp_path, tiny_model_dir):

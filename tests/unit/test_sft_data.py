@@ -87,6 +87,24 @@ def test_pack_bins_first_fit_decreasing_within_the_longest_row():
     assert sum(len(b) for b in pack_bins([7, 7, 7], 7)) == 3
 
 
+def test_micro_batches_balance_packed_tokens_and_group_padded_lengths():
+    from rlhfkit.data.tokenize import micro_batches
+
+    rows, lengths = list("abcdef"), [5, 1, 4, 2, 3, 3]
+    # packed: longest first into the emptiest micro-batch with room: a(5) | c(4) | e(3); f(3) -> e's; d(2) -> c's;
+    # b(1) -> a's: 6 tokens each, where the plain split [a, b] [c, d] [e, f] has 6, 6, 6 by luck of the order
+    assert micro_batches(rows, 2, lengths, packed=True) == [["a", "b"], ["c", "d"], ["e", "f"]]
+    assert micro_batches(rows, 2, [5, 4, 3, 3, 2, 1], packed=True) == [["a", "f"], ["b", "e"], ["c", "d"]]
+    # padded: sorted by length, so a micro-batch pads to a length near its own rows' (each keeps the rows' order)
+    assert micro_batches(rows, 2, lengths, packed=False) == [["a", "c"], ["e", "f"], ["b", "d"]]
+    # no lengths: the plain split
+    assert micro_batches(rows, 4, None, packed=True) == [["a", "b", "c", "d"], ["e", "f"]]
+    # the plain split's sizes (the last micro-batch holds the rest), every row exactly once
+    for packed in (True, False):
+        out = micro_batches(rows[:5], 2, lengths[:5], packed)
+        assert [len(m) for m in out] == [2, 2, 1] and sorted(sum(out, [])) == list("abcde")
+
+
 def test_prompt_sharing_pairs_layout_positions_mask_and_scored_tokens():
     """Two pairs by hand: A = prompt [10, 11], chosen [12, 13], rejected [14]; B = prompt [20], chosen [21],
     rejected [22, 23]. Segment lengths 5 and 4: one bin of width 5 each (first fit in the longest's width)."""

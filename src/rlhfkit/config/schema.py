@@ -67,6 +67,9 @@ class TrainConfig:
     max_steps: int = option(-1, "optimizer steps to run (ppo: iterations); -1 = from epochs")
     batch_size: int = option(16, "examples per optimizer step, over all ranks (ppo: prompts per iteration)")
     micro_batch_size: int = option(4, "examples per forward pass per rank; batch_size/micro/world = accumulation")
+    balance_micro_batches: bool = option(True, "sft, rm: a step's rows into micro-batches by length (packed: even "
+                                         "token totals, a lower peak; padded: similar lengths, less padding); the "
+                                         "same step up to float rounding. false: the shuffled order")
     lr: float = option(1.0e-5, "peak learning rate")
     weight_decay: float = option(0.0, "AdamW weight decay (not applied to biases and norms)")
     betas: list = option([0.9, 0.95], "AdamW betas")

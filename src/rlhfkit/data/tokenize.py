@@ -147,6 +147,29 @@ def pack_bins(lengths: list[int], capacity: int) -> list[list[int]]:
     return bins
 
 
+def micro_batches(rows: list, size: int, lengths: list[int] | None, packed: bool) -> list[list]:
+    """A step's `rows` in micro-batches of `size` rows (the last one holds the rest, as a plain split would),
+    arranged by `lengths` (each row's tokens; None: in order, the plain split): a row's loss enters the step's sum
+    once whichever micro-batch holds it, so only the cost changes. `packed` (padding-free micro-batches): the token
+    totals balanced, longest row first into the micro-batch with the fewest tokens, since the largest micro-batch
+    sets the step's peak activation memory; padded ones: rows of similar length together, so little padding is
+    computed. Within a micro-batch the rows keep their order in `rows`."""
+    counts = [min(size, len(rows) - start) for start in range(0, len(rows), size)]
+    if lengths is None:
+        return [rows[start:start + size] for start in range(0, len(rows), size)]
+    order = sorted(range(len(rows)), key=lambda i: -lengths[i])
+    if not packed:
+        starts = [sum(counts[:b]) for b in range(len(counts))]
+        members = [order[start:start + count] for start, count in zip(starts, counts)]
+    else:
+        members, totals = [[] for _ in counts], [0] * len(counts)
+        for i in order:
+            b = min((b for b in range(len(counts)) if len(members[b]) < counts[b]), key=lambda b: totals[b])
+            members[b].append(i)
+            totals[b] += lengths[i]
+    return [[rows[i] for i in sorted(m)] for m in members]
+
+
 def collate_packed(rows: list[dict], pad_id: int, capacity: int | None = None) -> dict:
     """Padding-free batch: the rows concatenated into bins as long as the longest row (or of `capacity` tokens
     where that is longer), (N, T) input_ids, position_ids and labels, no attention mask.

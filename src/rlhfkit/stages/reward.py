@@ -8,6 +8,7 @@ token of its sequence (`sequence_scores`: correct for left and right padding and
 
 from __future__ import annotations
 
+import operator
 import random
 import time
 
@@ -17,7 +18,7 @@ from rlhfkit.algos import pairwise_loss
 from rlhfkit.config.schema import RMConfig
 from rlhfkit.data.loader import load_stage_data, skipped_rows
 from rlhfkit.data.templates import end_token_ids
-from rlhfkit.data.tokenize import collate_packed_pairs, collate_preferences
+from rlhfkit.data.tokenize import collate_packed_pairs, collate_preferences, micro_batches
 from rlhfkit.engine import make_engine
 from rlhfkit.models import load_scalar_model, load_tokenizer
 from rlhfkit.models.forward import packed_sequence_scores, sequence_scores
@@ -117,11 +118,13 @@ def describe(info: dict) -> str:
 
 
 def train_step(rm, rows: list, accum: int, micro_size: int, batch_size: int, pad_id: int, margin, engine,
-               packed: bool = False) -> dict:
-    """One optimizer step over `rows` (this rank's share of `batch_size` pairs) in `accum` micro-batches."""
+               packed: bool = False, balance: bool = True) -> dict:
+    """One optimizer step over `rows` (this rank's share of `batch_size` pairs) in `accum` micro-batches
+    (`balance`: arranged by length, `data.tokenize.micro_batches`)."""
     sums = dict.fromkeys(SUM_KEYS, 0.0)
-    for m in range(accum):
-        micro = rows[m * micro_size:(m + 1) * micro_size]
+    rows = rows[:accum * micro_size]
+    lengths = [(operator.add if packed else max)(len(r["chosen_ids"]), len(r["rejected_ids"])) for r in rows]
+    for micro in micro_batches(rows, micro_size, lengths if balance else None, packed):
         chosen, rejected = pair_scores(rm.module, micro, pad_id, engine.device, packed)
         # the micro-batch's summed loss over the pairs of the whole batch: micro 1 x accum 4 == micro 4 x accum 1
         rm.backward(pairwise_loss(chosen, rejected, margin) * len(micro), batch_size)
@@ -168,7 +171,8 @@ def run_rm(cfg: RMConfig, resume: bool = False, force: bool = False) -> dict:
                        show=("loss", "accuracy", "eval/accuracy")) as loop:
             for step, epoch, rows in loop.steps(data.train, start):
                 tick = time.perf_counter()
-                metrics = train_step(rm, rows, accum, micro_size, cfg.train.batch_size, pad_id, margin, engine, packed)
+                metrics = train_step(rm, rows, accum, micro_size, cfg.train.batch_size, pad_id, margin, engine, packed,
+                                     cfg.train.balance_micro_batches)
                 loop.end_step(step + 1, {**metrics, "epoch": epoch, "time/step": time.perf_counter() - tick})
 
         # 4. reward statistics and how inputs were rendered, stored in config.json for PPO and `rlhfkit score`

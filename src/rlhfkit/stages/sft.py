@@ -12,7 +12,7 @@ from rlhfkit.algos import linear_lm_loss_sum, lm_loss_sum
 from rlhfkit.config.schema import SFTConfig
 from rlhfkit.data.loader import load_stage_data, skipped_rows
 from rlhfkit.data.templates import end_token_ids
-from rlhfkit.data.tokenize import collate_packed, collate_sft
+from rlhfkit.data.tokenize import collate_packed, collate_sft, micro_batches
 from rlhfkit.engine import make_engine
 from rlhfkit.models import load_causal_lm, load_tokenizer
 from rlhfkit.models.forward import causal_logits, final_hidden, lm_head_weight, packed_logits, position_ids
@@ -110,13 +110,15 @@ def count_labels(rows: list) -> int:
 
 
 def train_step(actor, rows: list, accum: int, micro: int, pad_id: int, engine, collate=collate_sft,
-               fused: bool = False) -> dict:
-    """One optimizer step over `rows` (this rank's share of the batch) in `accum` micro-batches."""
+               fused: bool = False, balance: bool = True) -> dict:
+    """One optimizer step over `rows` (this rank's share of the batch) in `accum` micro-batches (`balance`:
+    arranged by length, `data.tokenize.micro_batches`)."""
     # normalise by the tokens of the whole batch over all ranks, so micro 1 x accum 4 == micro 4 x accum 1
     n_tokens = engine.total(count_labels(rows))
     loss_sum = 0.0
-    for m in range(accum):
-        nll, _ = lm_forward(actor.module, collate(rows[m * micro:(m + 1) * micro], pad_id), engine.device, fused)
+    lengths = [len(r["input_ids"]) for r in rows[:accum * micro]] if balance else None
+    for part in micro_batches(rows[:accum * micro], micro, lengths, packed=collate is not collate_sft):
+        nll, _ = lm_forward(actor.module, collate(part, pad_id), engine.device, fused)
         actor.backward(nll, n_tokens)
         loss_sum += nll.item()
     lr = actor.lr
@@ -167,7 +169,8 @@ def run_sft(cfg: SFTConfig, resume: bool = False, force: bool = False) -> dict:
                        show=("loss", "eval/loss", "lr")) as loop:
             for step, epoch, rows in loop.steps(data.train, start):
                 tick = time.perf_counter()
-                metrics = train_step(actor, rows, accum, micro, pad_id, engine, collate, fused)
+                metrics = train_step(actor, rows, accum, micro, pad_id, engine, collate, fused,
+                                     cfg.train.balance_micro_batches)
                 loop.end_step(step + 1, {**metrics, "time/step": time.perf_counter() - tick, "epoch": epoch})
 
     # 4. export a plain transformers folder (LoRA merged, ZeRO-3 gathered)
