@@ -192,9 +192,9 @@ def yaml_unknown_key(tmp, w):
     path = tmp / "sft.yaml"
     path.write_text(f"model: {w['model']}\ndata: {{train: x.jsonl}}\ntrain: {{lr: 1.0e-4, lrr: 1}}\n")
     return "sft", ["--config", str(path), "model=", "data.train="], (
-        "unknown config key 'train.lrr' (known keys here: batch_size, betas, epochs, eval_every, keep_checkpoints, "
-        "log_every, lr, max_grad_norm, max_steps, micro_batch_size, min_lr_ratio, save_every, scheduler, seed, "
-        "warmup_steps, weight_decay)")
+        "unknown config key 'train.lrr' (known keys here: balance_micro_batches, batch_size, betas, epochs, "
+        "eval_every, keep_checkpoints, log_every, lr, max_grad_norm, max_steps, micro_batch_size, min_lr_ratio, "
+        "save_every, scheduler, seed, warmup_steps, weight_decay)")
 
 
 def yaml_wrong_type(tmp, w):
