@@ -74,6 +74,18 @@ def test_lean_model_gives_the_same_loss_and_gradients(dtype):
         torch.testing.assert_close(lean(input_ids=ids).logits, plain(input_ids=ids).logits, **tol)
 
 
+def test_a_fresh_model_with_unit_norm_weights_is_switched_too():
+    """A freshly initialised model's norms have weight 1, where the squared sum of a norm's output is the same for
+    every input: a check on that loss saw a zero gradient's rounding noise and refused every such norm."""
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=97, hidden_size=48, intermediate_size=112, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    model = LlamaForCausalLM(config)
+    assert all(bool((p == 1).all()) for n, p in model.named_parameters() if "norm" in n)
+    assert use_lean_activations(model) == 2 * 2 + 1 + 2
+    assert isinstance(model.model.layers[1].input_layernorm, LeanRMSNorm)
+
+
 def test_lean_modules_keep_fewer_tensors():
     model = tiny_llama()
     layer = model.model.layers[0]
