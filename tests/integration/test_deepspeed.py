@@ -54,6 +54,22 @@ def assert_same_weights(a, b, atol=5e-5):
         torch.testing.assert_close(wa[key], wb[key], atol=atol, rtol=1e-4)
 
 
+def test_length_balanced_micro_batches_on_two_ranks_match_one_process(tmp_path, sft_args):
+    """The default split (train.balance_micro_batches): each rank arranges its own share of the batch, so the
+    micro-batches differ from one process's; the step's gradient, summed over micro-batches and ranks, does not."""
+    balanced = [a for a in sft_args if a != PLAIN_SPLIT]
+    local, ranks = tmp_path / "local", tmp_path / "ranks"
+    res = run_cli("sft", *balanced, f"output_dir={local}")
+    assert res.returncode == 0, res.stderr
+    res = launch("sft", *balanced, f"output_dir={ranks}", "engine.backend=deepspeed", "engine.zero_stage=2")
+    assert res.returncode == 0, res.stderr[-3000:]
+    curves = [[m["eval/loss"] for m in read_metrics(out / "metrics.jsonl") if "eval/loss" in m]
+              for out in (ranks, local)]
+    assert curves[0][-1] < curves[0][0] - 1.0  # it learned
+    assert curves[0] == pytest.approx(curves[1], abs=1e-4)
+    assert_same_weights(ranks, local)
+
+
 @pytest.mark.parametrize("stage, launcher", [(2, "torchrun"), (3, "deepspeed")])
 def test_two_ranks_match_the_local_engine(tmp_path, sft_args, local_run, stage, launcher):
     out = tmp_path / "run"
