@@ -154,14 +154,14 @@ def micro_batches(rows: list, size: int, lengths: list[int] | None, packed: bool
     totals balanced, longest row first into the micro-batch with the fewest tokens, since the largest micro-batch
     sets the step's peak activation memory; padded ones: rows of similar length together, so little padding is
     computed. Within a micro-batch the rows keep their order in `rows`."""
-    counts = [min(size, len(rows) - start) for start in range(0, len(rows), size)]
+    starts = range(0, len(rows), size)
     if lengths is None:
-        return [rows[start:start + size] for start in range(0, len(rows), size)]
+        return [rows[start:start + size] for start in starts]
     order = sorted(range(len(rows)), key=lambda i: -lengths[i])
     if not packed:
-        starts = [sum(counts[:b]) for b in range(len(counts))]
-        members = [order[start:start + count] for start, count in zip(starts, counts)]
+        members = [order[start:start + size] for start in starts]
     else:
+        counts = [min(size, len(rows) - start) for start in starts]
         members, totals = [[] for _ in counts], [0] * len(counts)
         for i in order:
             b = min((b for b in range(len(counts)) if len(members[b]) < counts[b]), key=lambda b: totals[b])
