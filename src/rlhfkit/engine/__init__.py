@@ -8,6 +8,7 @@ from rlhfkit.engine.cpu_memory import keep_freed_memory
 from rlhfkit.engine.local import LocalEngine
 from rlhfkit.engine.protocol import Engine, Trainable
 from rlhfkit.engine.storage import atomic_folder, latest_checkpoint
+from rlhfkit.models import kernels
 
 
 def _deepspeed_engine(cfg: EngineConfig, train: TrainConfig | None = None):
@@ -25,6 +26,7 @@ def make_engine(cfg: EngineConfig, train: TrainConfig | None = None) -> Engine:
     engine = ENGINES[cfg.backend](cfg, train)
     if engine.device.type == "cpu" and cfg.keep_freed_memory:
         keep_freed_memory()
+    kernels.enable(engine.device.type == "cpu" and cfg.fused_kernels)
     return engine
 
 

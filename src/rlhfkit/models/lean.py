@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from rlhfkit.engine.partition import is_partitioned
+from rlhfkit.models import kernels
 
 
 class _Recipe:
@@ -135,6 +136,10 @@ class _RMSNormFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, eps):
+        if kernels.usable(x, weight):  # one fused loop for 1 / rms and the output
+            out, inv_rms = kernels.rms_norm_forward(x, weight, eps)
+            ctx.save_for_backward(x, weight, inv_rms)
+            return register_recomputable(out, kernels.norm_output, x, weight, inv_rms)
         inv_rms = torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps)
         ctx.save_for_backward(x, weight, inv_rms)
         return register_recomputable(_norm_output(x, weight, inv_rms), _norm_output, x, weight, inv_rms)
@@ -143,6 +148,10 @@ class _RMSNormFunction(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad):
         x, weight, inv_rms = ctx.saved_tensors
+        if kernels.usable(x, weight, grad, inv_rms) and grad.shape == x.shape:
+            grad_x, grad_weight = kernels.rms_norm_backward(grad, x, weight, inv_rms)
+            return (grad_x if ctx.needs_input_grad[0] else None,
+                    grad_weight if ctx.needs_input_grad[1] else None, None)
         normed = x.float() * inv_rms  # recomputed: the one tensor not kept
         grad_weight = None
         if ctx.needs_input_grad[1]:
@@ -163,12 +172,17 @@ class _SiluMulFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, gate, up):
         ctx.save_for_backward(gate, up)
+        if kernels.usable(gate, up) and gate.shape == up.shape:
+            return register_recomputable(kernels.silu_mul(gate, up), kernels.silu_mul, gate, up)
         return register_recomputable(_silu_mul(gate, up), _silu_mul, gate, up)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad):
         gate, up = ctx.saved_tensors
+        if kernels.usable(gate, up, grad) and gate.shape == up.shape == grad.shape:
+            grad_gate, grad_up = kernels.silu_mul_backward(grad, gate, up)
+            return (grad_gate if ctx.needs_input_grad[0] else None, grad_up if ctx.needs_input_grad[1] else None)
         sig = torch.sigmoid(gate)
         silu = gate * sig
         grad_up = grad * silu if ctx.needs_input_grad[1] else None

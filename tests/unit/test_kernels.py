@@ -1,0 +1,166 @@
+"""Fused CPU kernels (`models/kernels.py`): PyTorch's values and gradients, one output for the norm's forward and
+its recomputation, the same bits on several threads, the lean modules' training with them, the fallback."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from rlhfkit.models import kernels
+from rlhfkit.models.lean import use_lean_activations
+
+
+@pytest.fixture
+def switched(monkeypatch, tmp_path):
+    """The kernels on (built into a cache of this test's own), the module's state restored afterwards."""
+    monkeypatch.setenv("RLHFKIT_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(kernels, "_STATE", {"on": True, "lib": None, "failed": False, "pool": None})
+    assert kernels.usable(torch.zeros(kernels.MIN_ELEMENTS)), "the C kernels did not build on this machine"
+    return tmp_path / "cache"
+
+
+def close(got, expected, tol=1e-5):
+    assert float((got - expected).abs().max()) <= tol * float(expected.abs().max())
+
+
+def rms_reference(x, w, eps):
+    return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+
+
+def test_kernels_give_pytorchs_values_and_gradients(switched):
+    torch.manual_seed(0)
+    x, d = torch.randn(2, 160, 128), torch.randn(2, 160, 128)  # 40,960 elements: above MIN_ELEMENTS
+    w = torch.rand(128) + 0.5
+    y, inv = kernels.rms_norm_forward(x, w, 1e-5)
+    close(y, rms_reference(x, w, 1e-5))
+    close(inv, torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5))
+    assert torch.equal(kernels.norm_output(x, w, inv), y)  # lean's recomputation: the forward's bits
+    xg, wg = x.clone().requires_grad_(), w.clone().requires_grad_()
+    (rms_reference(xg, wg, 1e-5) * d).sum().backward()
+    dx, dw = kernels.rms_norm_backward(d, x, w, inv)
+    close(dx, xg.grad)
+    close(dw, wg.grad)
+
+    gate, up, d = torch.randn(2, 160, 256) * 4, torch.randn(2, 160, 256), torch.randn(2, 160, 256)
+    close(kernels.silu_mul(gate, up), F.silu(gate) * up)
+    gg, ug = gate.clone().requires_grad_(), up.clone().requires_grad_()
+    (F.silu(gg) * ug * d).sum().backward()
+    d_gate, d_up = kernels.silu_mul_backward(d, gate, up)
+    close(d_gate, gg.grad)
+    close(d_up, ug.grad)
+
+
+def test_hand_computed_values(switched):
+    # rows of 2^15 / 4 copies of (3, 4, 0, 0): rms = sqrt(25 / 4) = 2.5; y = w * x / 2.5
+    x = torch.tensor([3.0, 4.0, 0.0, 0.0]).repeat(kernels.MIN_ELEMENTS // 4, 1)
+    w = torch.tensor([1.0, 2.0, 3.0, 4.0])
+    y, inv = kernels.rms_norm_forward(x, w, 0.0)
+    assert torch.allclose(inv, torch.full((x.shape[0], 1), 0.4))
+    assert torch.allclose(y[0], torch.tensor([1.2, 3.2, 0.0, 0.0]))
+    # SiLU(0) * u = 0; SiLU'(0) = 1/2, so d/dgate = d * u / 2 and d/dup = 0
+    zeros, ones = torch.zeros(kernels.MIN_ELEMENTS), torch.ones(kernels.MIN_ELEMENTS)
+    assert torch.equal(kernels.silu_mul(zeros, ones), zeros)
+    d_gate, d_up = kernels.silu_mul_backward(ones * 3, zeros, ones * 2)
+    assert torch.equal(d_gate, ones * 3.0) and torch.equal(d_up, zeros)
+
+
+def test_several_threads_give_the_same_bits(switched):
+    torch.manual_seed(1)
+    x, d, w = torch.randn(1024, 256), torch.randn(1024, 256), torch.rand(256)  # 4 x MIN_SPLIT elements
+    gate, up = torch.randn(1024, 512), torch.randn(1024, 512)
+    before = torch.get_num_threads()
+    results = []
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            y, inv = kernels.rms_norm_forward(x, w, 1e-6)
+            results.append((y, inv, *kernels.rms_norm_backward(d, x, w, inv), kernels.silu_mul(gate, up),
+                            *kernels.silu_mul_backward(d.repeat(1, 2), gate, up)))
+    finally:
+        torch.set_num_threads(before)
+    one, two = results
+    for index, (a, b) in enumerate(zip(one, two)):
+        if index == 3:  # the weight gradient: partial sums per thread, added at the end
+            close(b, a, 1e-6)
+        else:
+            assert torch.equal(a, b)
+
+
+def llama(seed=0):
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=97, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+    model = LlamaForCausalLM(config)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+    use_lean_activations(model)
+    return model
+
+
+def test_lean_training_with_the_kernels_matches_pytorchs_operators(switched, monkeypatch):
+    ids = torch.randint(0, 97, (2, 200), generator=torch.Generator().manual_seed(2))  # hidden: 51,200 elements
+    calls = []
+    for name in ("rms_norm_forward", "rms_norm_backward", "silu_mul", "silu_mul_backward", "norm_output"):
+        original = getattr(kernels, name)
+        monkeypatch.setattr(kernels, name, lambda *a, _f=original, _n=name: calls.append(_n) or _f(*a))
+    results = []
+    for on in (False, True):
+        kernels.enable(on)
+        model = llama()
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        results.append((loss.detach(), {n: p.grad for n, p in model.named_parameters()}))
+        if not on:
+            assert calls == []
+    # every norm (2 per layer and the final one) and MLP ran fused, forward and backward; the norm outputs that
+    # q/k/v and gate/up keep were recomputed by the kernel
+    assert calls.count("rms_norm_forward") == calls.count("rms_norm_backward") == 5
+    assert calls.count("silu_mul_backward") == 2 and calls.count("silu_mul") >= 2
+    assert calls.count("norm_output") >= 4
+    (plain_loss, plain_grads), (fused_loss, fused_grads) = results
+    torch.testing.assert_close(fused_loss, plain_loss, rtol=1e-6, atol=0)
+    for name, grad in plain_grads.items():
+        close(fused_grads[name], grad, 2e-5)
+
+
+def test_small_tensors_and_other_dtypes_stay_on_pytorch(switched):
+    assert not kernels.usable(torch.zeros(kernels.MIN_ELEMENTS - 1))
+    assert not kernels.usable(torch.zeros(kernels.MIN_ELEMENTS, dtype=torch.bfloat16))
+    assert not kernels.usable(torch.zeros(kernels.MIN_ELEMENTS), torch.zeros(4, dtype=torch.float64))
+    kernels.enable(False)
+    assert not kernels.usable(torch.zeros(kernels.MIN_ELEMENTS))
+
+
+def test_a_failing_compiler_falls_back_once_with_a_message(monkeypatch, tmp_path, capsys):
+    monkeypatch.setenv("RLHFKIT_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(kernels, "_STATE", {"on": True, "lib": None, "failed": False, "pool": None})
+    monkeypatch.setattr(kernels, "FLAGS", [*kernels.FLAGS, "-Wl,--no-such-linker-option"])
+    x = torch.randn(kernels.MIN_ELEMENTS)
+    assert not kernels.usable(x) and not kernels.usable(x)
+    err = capsys.readouterr().err
+    assert err.count("fused CPU kernels unavailable") == 1 and "engine.fused_kernels=false" in err
+    model = llama()  # the lean modules train on PyTorch's operators
+    ids = torch.randint(0, 97, (2, 200), generator=torch.Generator().manual_seed(2))
+    model(input_ids=ids, labels=ids).loss.backward()
+    assert all(p.grad is not None for p in model.parameters())
+    assert not list(tmp_path.glob("kernels/*.so"))  # nothing half-built left as if it were the library
+
+
+def test_the_build_is_cached_per_source(switched):
+    first = kernels.build()
+    assert first.parent == switched / "kernels" and first.is_file()
+    stamp = first.stat().st_mtime_ns
+    assert kernels.build() == first and first.stat().st_mtime_ns == stamp
+
+
+def test_the_engine_switches_them(monkeypatch):
+    from rlhfkit.config.schema import EngineConfig
+    from rlhfkit.engine import make_engine
+
+    monkeypatch.setattr(kernels, "_STATE", {"on": False, "lib": None, "failed": False, "pool": None})
+    make_engine(EngineConfig(fused_kernels=True))
+    assert kernels._STATE["on"]
+    make_engine(EngineConfig(fused_kernels=False))
+    assert not kernels._STATE["on"]
