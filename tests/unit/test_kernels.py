@@ -164,3 +164,66 @@ def test_the_engine_switches_them(monkeypatch):
     assert kernels._STATE["on"]
     make_engine(EngineConfig(fused_kernels=False))
     assert not kernels._STATE["on"]
+
+
+def test_rotary_kernel_gives_transformers_rotation(switched):
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    torch.manual_seed(3)
+    # q and k as the attention makes them: (B, T, H, D) projections seen as (B, H, T, D); cos/sin per row
+    q = torch.randn(2, 300, 4, 64).transpose(1, 2)
+    k = torch.randn(2, 300, 2, 64).transpose(1, 2)
+    for batch in (2, 1):  # per-row positions (packed rows) or one set broadcast over the batch
+        angles = torch.rand(batch, 300, 64) * 6
+        cos, sin = angles.cos(), angles.sin()
+        expected = apply_rotary_pos_emb(q, k, cos, sin)
+        got = (kernels.rotary(q, cos, sin), kernels.rotary(k, cos, sin))
+        for g, e in zip(got, expected):
+            assert torch.equal(g, e)  # each product rounded, then the sum: transformers' own rounding
+            assert g.stride() == q.stride() if g.shape == q.shape else g.stride() == k.stride()
+        # backward: the transpose of the rotation, against autograd through transformers' function
+        qg, kg = q.detach().clone().requires_grad_(), k.detach().clone().requires_grad_()
+        dq, dk = torch.randn_like(q), torch.randn_like(k)
+        out = apply_rotary_pos_emb(qg, kg, cos, sin)
+        (out[0] * dq).sum().add((out[1] * dk).sum()).backward()
+        close(kernels.rotary(dq, cos, sin, transpose=True), qg.grad)
+        close(kernels.rotary(dk, cos, sin, transpose=True), kg.grad)
+
+
+def test_rotary_hand_computed(switched):
+    # D = 2: y = (x1 c - x2 s, x2 c + x1 s), a rotation by the angle; its transpose rotates back
+    rows = kernels.MIN_ELEMENTS // 2
+    x = torch.tensor([1.0, 0.0]).repeat(1, 1, rows, 1)
+    cos, sin = torch.zeros(1, rows, 2), torch.ones(1, rows, 2)  # a quarter turn
+    y = kernels.rotary(x, cos, sin)
+    assert torch.equal(y[0, 0, 0], torch.tensor([0.0, 1.0]))
+    assert torch.equal(kernels.rotary(y, cos, sin, transpose=True), x)
+
+
+def test_fused_rotary_in_a_model_and_only_there(switched, monkeypatch):
+    from rlhfkit.models.rotary import use_fused_rotary
+
+    ids = torch.randint(0, 97, (2, 400), generator=torch.Generator().manual_seed(4))  # k: 2 x 2 x 400 x 32
+    calls = []
+    original = kernels.rotary
+    monkeypatch.setattr(kernels, "rotary", lambda *a, **kw: calls.append(1) or original(*a, **kw))
+    plain = llama()
+    plain_loss = plain(input_ids=ids, labels=ids).loss
+    plain_loss.backward()
+    fused = llama()
+    assert use_fused_rotary(fused) == 2
+    assert len(calls) == 4  # its check against transformers' function: q and k, forward and backward
+    calls.clear()
+    loss = fused(input_ids=ids, labels=ids).loss
+    loss.backward()
+    assert len(calls) == 2 * 2 * 2  # q and k, forward and backward, in 2 layers
+    torch.testing.assert_close(loss, plain_loss, rtol=1e-6, atol=0)
+    for (name, p), q in zip(fused.named_parameters(), plain.parameters()):
+        close(p.grad, q.grad, 2e-5)
+    calls.clear()
+    other = llama()  # not switched: the same transformers module, its own cos and sin untagged
+    other(input_ids=ids, labels=ids).loss.backward()
+    assert calls == []
+    kernels.enable(False)  # switched off: transformers' function for the switched model too
+    fused(input_ids=ids, labels=ids)
+    assert calls == []

@@ -102,6 +102,34 @@ void silu_mul_forward(const float *restrict g, const float *restrict u, float *r
     }
 }
 
+/* rotary embedding of x (B, H, T, D) with cos, sin (B, T, D), any strides but a unit one for D (x is usually the
+   (B, T, H, D) projection seen through a transpose): y1 = x1 * c1 - x2 * s1, y2 = x2 * c2 + x1 * s2 for the halves
+   of D, transformers' x * cos + rotate_half(x) * sin; `transpose` applies the map's transpose (backward):
+   y1 = x1 * c1 + x2 * s2, y2 = x2 * c2 - x1 * s1. Rows r0..r1 of the B * T * H rows, in (b, t, h) order. */
+void rope(const float *restrict x, const float *restrict cos, const float *restrict sin, float *restrict y,
+          int transpose, int64_t heads, int64_t t_len, int64_t d, int64_t xb, int64_t xh, int64_t xt, int64_t yb,
+          int64_t yh, int64_t yt, int64_t cb, int64_t ct, int64_t r0, int64_t r1) {
+    const int64_t half = d / 2;
+    for (int64_t r = r0; r < r1; r++) {
+        const int64_t b = r / (t_len * heads), t = (r / heads) % t_len, h = r % heads;
+        const float *xr = x + b * xb + h * xh + t * xt, *c = cos + b * cb + t * ct, *s = sin + b * cb + t * ct;
+        float *yr = y + b * yb + h * yh + t * yt;
+        if (transpose) {
+            #pragma omp simd
+            for (int64_t j = 0; j < half; j++) {
+                yr[j] = xr[j] * c[j] + xr[j + half] * s[j + half];
+                yr[j + half] = xr[j + half] * c[j + half] - xr[j] * s[j];
+            }
+        } else {
+            #pragma omp simd
+            for (int64_t j = 0; j < half; j++) {
+                yr[j] = xr[j] * c[j] - xr[j + half] * s[j];
+                yr[j + half] = xr[j + half] * c[j + half] + xr[j] * s[j + half];
+            }
+        }
+    }
+}
+
 /* d/dgate = d * u * SiLU'(g), SiLU'(g) = s + silu - silu * s; d/dup = d * silu */
 void silu_mul_backward(const float *restrict d, const float *restrict g, const float *restrict u,
                        float *restrict dg, float *restrict du, int64_t i0, int64_t i1) {
@@ -122,12 +150,18 @@ _LOCK = threading.Lock()
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 _SIGNATURES = {"rms_forward": [_P, _P, _P, _P, _F, _I, _I, _I], "rms_output": [_P, _P, _P, _P, _I, _I, _I],
                "rms_backward": [_P, _P, _P, _P, _P, _P, _I, _I, _I], "silu_mul_forward": [_P, _P, _P, _I, _I],
-               "silu_mul_backward": [_P, _P, _P, _P, _P, _I, _I]}
+               "silu_mul_backward": [_P, _P, _P, _P, _P, _I, _I],
+               "rope": [_P, _P, _P, _P, ctypes.c_int] + [_I] * 13}
 
 
 def enable(on: bool) -> None:
     """Switch the kernels on or off for this process (the library is built on the first use)."""
     _STATE["on"] = bool(on)
+
+
+def enabled() -> bool:
+    """Switched on for this process (whether they build is known at the first use)."""
+    return _STATE["on"]
 
 
 def cache_dir() -> Path:
@@ -277,3 +311,19 @@ def silu_mul_backward(grad: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) 
     _split(lambda a, b: lib.silu_mul_backward(_ptr(grad), _ptr(gate), _ptr(up), _ptr(dg), _ptr(du), a, b),
            gate.numel())
     return dg, du
+
+
+def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, transpose: bool = False) -> torch.Tensor:
+    """transformers' rotary embedding `x * cos + rotate_half(x) * sin` (`transpose`: the map's transpose, the
+    backward of it), x (B, H, T, D), cos and sin (B or 1, T, D); the output has x's layout."""
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    cos, sin = cos.contiguous(), sin.contiguous()
+    batch, heads, t_len, d = x.shape
+    y = torch.empty_like(x)
+    cb = cos.stride(0) if cos.shape[0] == batch else 0
+    lib = _library()
+    _split(lambda a, b: lib.rope(_ptr(x), _ptr(cos), _ptr(sin), _ptr(y), int(transpose), heads, t_len, d,
+                                 x.stride(0), x.stride(1), x.stride(2), y.stride(0), y.stride(1), y.stride(2), cb,
+                                 cos.stride(1), a, b), batch * t_len * heads, d)
+    return y

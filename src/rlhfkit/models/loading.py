@@ -17,7 +17,9 @@ from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForSequence
 
 from rlhfkit.config.schema import LoadConfig
 from rlhfkit.errors import ModelError
+from rlhfkit.models import kernels
 from rlhfkit.models.lean import use_lean_activations
+from rlhfkit.models.rotary import use_fused_rotary
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "auto": "auto"}
 # A folder holding none of these has no tokenizer (fast, sentencepiece, BPE vocab, or a config naming one).
@@ -99,6 +101,8 @@ def _prepare(model, opts: LoadConfig, tokenizer=None):
             model.config.pad_token_id = tokenizer.pad_token_id
     if opts.lean_activations:
         use_lean_activations(model)
+        if kernels.enabled():  # switched on by the engine (engine.fused_kernels)
+            use_fused_rotary(model)
     if opts.gradient_checkpointing:
         if hasattr(model, "activation_checkpointing_enable"):  # transformers 5.24's name (the old one goes in v6)
             model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
