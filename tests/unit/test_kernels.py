@@ -64,7 +64,8 @@ def test_hand_computed_values(switched):
     assert torch.equal(d_gate, ones * 3.0) and torch.equal(d_up, zeros)
 
 
-def test_several_threads_give_the_same_bits(switched):
+def test_several_threads_give_the_same_bits(switched, monkeypatch):
+    monkeypatch.setattr(kernels, "MIN_SPLIT", 1 << 16)
     torch.manual_seed(1)
     x, d, w = torch.randn(1024, 256), torch.randn(1024, 256), torch.rand(256)  # 4 x MIN_SPLIT elements
     gate, up = torch.randn(1024, 512), torch.randn(1024, 512)
@@ -78,6 +79,7 @@ def test_several_threads_give_the_same_bits(switched):
                             *kernels.silu_mul_backward(d.repeat(1, 2), gate, up)))
     finally:
         torch.set_num_threads(before)
+    assert kernels._STATE["pool"] is not None  # the second run split its rows over two threads
     one, two = results
     for index, (a, b) in enumerate(zip(one, two)):
         if index == 3:  # the weight gradient: partial sums per thread, added at the end
