@@ -147,6 +147,21 @@ def test_lora_reference_is_the_actor_with_its_adapter_disabled(tmp_path, tiny_mo
     assert (with_ref.old_logprobs - base).abs().max() > 1e-2  # the adapted actor itself differs
 
 
+def test_rl_models_on_a_cpu_keep_zeroed_gradients_of_their_trainable_parameters(tmp_path, tiny_model_dir, rollout):
+    (tmp_path / "r.py").write_text("def f(prompts, responses):\n    return [0.0] * len(responses)\n")
+    cfg = ppo_config(actor=str(tiny_model_dir), reward=f"{tmp_path / 'r.py'}:f", lora={"rank": 4, "alpha": 8.0})
+    models = load_ppo_models(cfg, rollout[0], LocalEngine(), 10)
+    for trainable in (models.actor, models.critic):
+        params = dict(trainable.module.named_parameters())
+        kept = {n for n, p in params.items() if p.grad is not None}
+        assert kept == {n for n, p in params.items() if p.requires_grad} and kept  # the adapters (and value head)
+        assert all(not params[n].grad.any() for n in kept)
+        grads = {n: params[n].grad for n in kept}
+        trainable.module(input_ids=torch.tensor([[1, 2, 3]])).logits.sum().backward()
+        trainable.step()  # zeroed in place, not freed: the same tensors for the next iteration
+        assert all(params[n].grad is grads[n] and not grads[n].any() for n in kept)
+
+
 def test_ema_averages_and_swaps_back():
     layer = torch.nn.Linear(2, 1, bias=False)
     with torch.no_grad():

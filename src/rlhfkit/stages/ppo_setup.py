@@ -137,9 +137,13 @@ def load_ppo_models(cfg: PPOConfig, tokenizer, engine, total_updates: int) -> PP
         reference = engine.prepare_frozen(load_causal_lm(name, frozen_opts, tokenizer), role="reference")
         notes.append(f"reference: {name}")
 
-    actor = engine.prepare(actor, cfg.train, total_updates, role="policy")
+    # on a CPU the gradients stay allocated between iterations (see Engine.prepare): the update's peak holds them
+    # anyway, and memory a step gets afresh costs page faults there (SmolLM2 PPO: update 12.0 -> 11.6 s)
+    keep = engine.device.type == "cpu"
+    actor = engine.prepare(actor, cfg.train, total_updates, role="policy", keep_grads=keep)
     if critic is not None:
-        critic = engine.prepare(critic, cfg.train, total_updates, role="critic", lr=cfg.ppo.critic_lr)
+        critic = engine.prepare(critic, cfg.train, total_updates, role="critic", lr=cfg.ppo.critic_lr,
+                                keep_grads=keep)
     # on CPUs where oneDNN's float32 GEMM beats MKL's (AMD), ~2x faster linears for all four models
     models = (actor.module, critic.module if critic else None, reference, *reward.models)
     if sum(use_fast_cpu_linear(m, engine.device) for m in models if m is not None):
