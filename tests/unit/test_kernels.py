@@ -234,3 +234,15 @@ def test_fused_rotary_in_a_model_and_only_there(switched, monkeypatch):
     kernels.enable(False)  # switched off: transformers' function for the switched model too
     fused(input_ids=ids, labels=ids)
     assert calls == []
+
+
+def test_a_hanging_compiler_is_given_up_on(monkeypatch, tmp_path, capsys):
+    compiler = tmp_path / "slowcc"
+    compiler.write_text("#!/bin/sh\nexec sleep 30\n")
+    compiler.chmod(0o755)
+    monkeypatch.setenv("CC", str(compiler))
+    monkeypatch.setenv("RLHFKIT_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(kernels, "BUILD_TIMEOUT_S", 1)
+    monkeypatch.setattr(kernels, "_STATE", {"on": True, "lib": None, "failed": False, "pool": None})
+    assert not kernels.usable(torch.zeros(kernels.MIN_ELEMENTS))
+    assert "slowcc took more than 1 s" in capsys.readouterr().err

@@ -146,6 +146,7 @@ void silu_mul_backward(const float *restrict d, const float *restrict g, const f
 }
 """
 
+BUILD_TIMEOUT_S = 120
 FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-ffp-contract=off", "-fopenmp-simd", "-fPIC", "-shared"]
 
 _STATE: dict = {"on": False, "lib": None, "failed": False, "pool": None}
@@ -203,8 +204,11 @@ def build(folder: Path | None = None) -> Path:
     with tempfile.TemporaryDirectory(dir=folder) as tmp:  # ranks building at once each write their own, then swap
         source, target = Path(tmp) / "kernels.c", Path(tmp) / path.name
         source.write_text(SOURCE)
-        done = subprocess.run([compiler, *FLAGS, str(source), "-o", str(target), "-lm"], capture_output=True,
-                              text=True)
+        try:
+            done = subprocess.run([compiler, *FLAGS, str(source), "-o", str(target), "-lm"], capture_output=True,
+                                  text=True, timeout=BUILD_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            raise RuntimeError(f"{Path(compiler).name} took more than {BUILD_TIMEOUT_S} s") from None
         if done.returncode != 0:
             raise RuntimeError(f"{Path(compiler).name} failed: {(done.stderr or done.stdout).strip()[-500:]}")
         os.replace(target, path)
