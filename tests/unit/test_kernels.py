@@ -15,7 +15,7 @@ def switched(monkeypatch, tmp_path):
     """The kernels on (built into a cache of this test's own), the module's state restored afterwards."""
     monkeypatch.setenv("RLHFKIT_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.setattr(kernels, "_STATE", {"on": True, "lib": None, "failed": False, "pool": None})
-    assert kernels.usable(torch.zeros(kernels.MIN_ELEMENTS)), "the C kernels did not build on this machine"
+    assert kernels.usable(torch.zeros(kernels.MIN_WIDTH)), "the C kernels did not build on this machine"
     return tmp_path / "cache"
 
 
@@ -29,8 +29,8 @@ def rms_reference(x, w, eps):
 
 def test_kernels_give_pytorchs_values_and_gradients(switched):
     torch.manual_seed(0)
-    x, d = torch.randn(2, 160, 128), torch.randn(2, 160, 128)  # 40,960 elements: above MIN_ELEMENTS
-    w = torch.rand(128) + 0.5
+    x, d = torch.randn(2, 160, 256), torch.randn(2, 160, 256)
+    w = torch.rand(256) + 0.5
     y, inv = kernels.rms_norm_forward(x, w, 1e-5)
     close(y, rms_reference(x, w, 1e-5))
     close(inv, torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5))
@@ -51,14 +51,14 @@ def test_kernels_give_pytorchs_values_and_gradients(switched):
 
 
 def test_hand_computed_values(switched):
-    # rows of 2^15 / 4 copies of (3, 4, 0, 0): rms = sqrt(25 / 4) = 2.5; y = w * x / 2.5
-    x = torch.tensor([3.0, 4.0, 0.0, 0.0]).repeat(kernels.MIN_ELEMENTS // 4, 1)
+    # rows of (3, 4, 0, 0): rms = sqrt(25 / 4) = 2.5; y = w * x / 2.5
+    x = torch.tensor([3.0, 4.0, 0.0, 0.0]).repeat(3, 1)
     w = torch.tensor([1.0, 2.0, 3.0, 4.0])
     y, inv = kernels.rms_norm_forward(x, w, 0.0)
     assert torch.allclose(inv, torch.full((x.shape[0], 1), 0.4))
     assert torch.allclose(y[0], torch.tensor([1.2, 3.2, 0.0, 0.0]))
     # SiLU(0) * u = 0; SiLU'(0) = 1/2, so d/dgate = d * u / 2 and d/dup = 0
-    zeros, ones = torch.zeros(kernels.MIN_ELEMENTS), torch.ones(kernels.MIN_ELEMENTS)
+    zeros, ones = torch.zeros(5), torch.ones(5)
     assert torch.equal(kernels.silu_mul(zeros, ones), zeros)
     d_gate, d_up = kernels.silu_mul_backward(ones * 3, zeros, ones * 2)
     assert torch.equal(d_gate, ones * 3.0) and torch.equal(d_up, zeros)
@@ -90,7 +90,7 @@ def test_several_threads_give_the_same_bits(switched, monkeypatch):
 
 def llama(seed=0):
     torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=97, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+    config = LlamaConfig(vocab_size=97, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
     model = LlamaForCausalLM(config)
     with torch.no_grad():
@@ -103,7 +103,7 @@ def llama(seed=0):
 
 @pytest.mark.parametrize("checkpointed", [False, True])
 def test_lean_training_with_the_kernels_matches_pytorchs_operators(switched, monkeypatch, checkpointed):
-    ids = torch.randint(0, 97, (2, 200), generator=torch.Generator().manual_seed(2))  # hidden: 51,200 elements
+    ids = torch.randint(0, 97, (2, 50), generator=torch.Generator().manual_seed(2))
     calls = []
     for name in ("rms_norm_forward", "rms_norm_backward", "silu_mul", "silu_mul_backward", "norm_output"):
         original = getattr(kernels, name)
@@ -112,6 +112,9 @@ def test_lean_training_with_the_kernels_matches_pytorchs_operators(switched, mon
     for on in (False, True):
         kernels.enable(on)
         model = llama()
+        # use_lean_activations checked each module on a random input: with the kernels on, through them
+        assert (calls.count("rms_norm_forward"), calls.count("silu_mul_backward")) == ((5, 2) if on else (0, 0))
+        calls.clear()
         if checkpointed:  # backward recomputes each layer's forward, kernels included
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
             model.train()
@@ -132,24 +135,26 @@ def test_lean_training_with_the_kernels_matches_pytorchs_operators(switched, mon
         close(fused_grads[name], grad, 2e-5)
 
 
-def test_small_tensors_and_other_dtypes_stay_on_pytorch(switched):
-    assert not kernels.usable(torch.zeros(kernels.MIN_ELEMENTS - 1))
-    assert not kernels.usable(torch.zeros(kernels.MIN_ELEMENTS, dtype=torch.bfloat16))
-    assert not kernels.usable(torch.zeros(kernels.MIN_ELEMENTS), torch.zeros(4, dtype=torch.float64))
+def test_narrow_models_and_other_dtypes_stay_on_pytorch(switched):
+    assert kernels.usable(torch.zeros(1, kernels.MIN_WIDTH))  # one row of a wide model: yes, whatever the batch
+    assert not kernels.usable(torch.zeros(10_000, kernels.MIN_WIDTH - 1))  # a narrow model: never
+    assert not kernels.usable(torch.zeros(4, 64), width=kernels.MIN_WIDTH - 64)
+    assert not kernels.usable(torch.zeros(kernels.MIN_WIDTH, dtype=torch.bfloat16))
+    assert not kernels.usable(torch.zeros(kernels.MIN_WIDTH), torch.zeros(4, dtype=torch.float64))
     kernels.enable(False)
-    assert not kernels.usable(torch.zeros(kernels.MIN_ELEMENTS))
+    assert not kernels.usable(torch.zeros(kernels.MIN_WIDTH))
 
 
 def test_a_failing_compiler_falls_back_once_with_a_message(monkeypatch, tmp_path, capsys):
     monkeypatch.setenv("RLHFKIT_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(kernels, "_STATE", {"on": True, "lib": None, "failed": False, "pool": None})
     monkeypatch.setattr(kernels, "FLAGS", [*kernels.FLAGS, "-Wl,--no-such-linker-option"])
-    x = torch.randn(kernels.MIN_ELEMENTS)
+    x = torch.randn(kernels.MIN_WIDTH)
     assert not kernels.usable(x) and not kernels.usable(x)
     err = capsys.readouterr().err
     assert err.count("fused CPU kernels unavailable") == 1 and "engine.fused_kernels=false" in err
     model = llama()  # the lean modules train on PyTorch's operators
-    ids = torch.randint(0, 97, (2, 200), generator=torch.Generator().manual_seed(2))
+    ids = torch.randint(0, 97, (2, 50), generator=torch.Generator().manual_seed(2))
     model(input_ids=ids, labels=ids).loss.backward()
     assert all(p.grad is not None for p in model.parameters())
     assert not list(tmp_path.glob("kernels/*.so"))  # nothing half-built left as if it were the library
@@ -199,7 +204,7 @@ def test_rotary_kernel_gives_transformers_rotation(switched):
 
 def test_rotary_hand_computed(switched):
     # D = 2: y = (x1 c - x2 s, x2 c + x1 s), a rotation by the angle; its transpose rotates back
-    rows = kernels.MIN_ELEMENTS // 2
+    rows = 3
     x = torch.tensor([1.0, 0.0]).repeat(1, 1, rows, 1)
     cos, sin = torch.zeros(1, rows, 2), torch.ones(1, rows, 2)  # a quarter turn
     y = kernels.rotary(x, cos, sin)
@@ -210,7 +215,7 @@ def test_rotary_hand_computed(switched):
 def test_fused_rotary_in_a_model_and_only_there(switched, monkeypatch):
     from rlhfkit.models.rotary import use_fused_rotary
 
-    ids = torch.randint(0, 97, (2, 400), generator=torch.Generator().manual_seed(4))  # k: 2 x 2 x 400 x 32
+    ids = torch.randint(0, 97, (2, 50), generator=torch.Generator().manual_seed(4))  # q: 4 heads x 64
     calls = []
     original = kernels.rotary
     monkeypatch.setattr(kernels, "rotary", lambda *a, **kw: calls.append(1) or original(*a, **kw))
@@ -244,5 +249,5 @@ def test_a_hanging_compiler_is_given_up_on(monkeypatch, tmp_path, capsys):
     monkeypatch.setenv("RLHFKIT_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.setattr(kernels, "BUILD_TIMEOUT_S", 1)
     monkeypatch.setattr(kernels, "_STATE", {"on": True, "lib": None, "failed": False, "pool": None})
-    assert not kernels.usable(torch.zeros(kernels.MIN_ELEMENTS))
+    assert not kernels.usable(torch.zeros(kernels.MIN_WIDTH))
     assert "slowcc took more than 1 s" in capsys.readouterr().err

@@ -10,8 +10,10 @@ The C source below is compiled once per machine by the system's C compiler (`$CC
 ~0.2 s) into a shared library cached under `$RLHFKIT_CACHE_DIR/kernels` (else `~/.cache/rlhfkit/kernels`), named by
 a hash of the source, the flags and the CPU, and called through ctypes on the tensors' memory. Where no compiler
 runs, the build fails or the library does not load, rlhfkit says so once and the lean modules keep PyTorch's
-operators. Only float32 contiguous CPU tensors of at least `MIN_ELEMENTS` take these kernels (smaller ones, the
-decode steps and the tests' tiny models among them, stay on PyTorch's: a call costs a few microseconds).
+operators. Only float32 CPU tensors whose rows are at least `MIN_WIDTH` wide take these kernels (the hidden or MLP
+width of a model; heads x head size for the rotation): whether they run depends on the model, never on the batch,
+so a run's arithmetic is the same for every micro-batch size and sequence length (the tests' tiny models stay on
+PyTorch's operators, the benchmarks' and real models take the kernels).
 
 Values: the element-wise results use the same formulas in float32 (SiLU's exp from the C library, vectorised by
 glibc's libmvec on x86-64, so within a few ulp of PyTorch's); the RMS sums in another order and the norm's weight
@@ -40,7 +42,7 @@ from pathlib import Path
 
 import torch
 
-MIN_ELEMENTS = 1 << 15  # smaller tensors stay on PyTorch's operators
+MIN_WIDTH = 256  # rows narrower than this (tiny models) stay on PyTorch's operators
 MIN_SPLIT = 1 << 20  # elements per thread: below this a kernel runs on the calling thread alone (a handoff costs ~0.1 ms)
 
 SOURCE = r"""
@@ -232,10 +234,10 @@ def _library():
     return _STATE["lib"]
 
 
-def usable(*tensors: torch.Tensor) -> bool:
-    """Whether the kernels take these tensors: switched on, float32 on CPU, the first at least `MIN_ELEMENTS`
-    large, and the library built."""
-    return (_STATE["on"] and tensors[0].numel() >= MIN_ELEMENTS
+def usable(*tensors: torch.Tensor, width: int | None = None) -> bool:
+    """Whether the kernels take these tensors: switched on, float32 on CPU, rows at least `MIN_WIDTH` wide
+    (`width`, else the first tensor's last dimension), and the library built."""
+    return (_STATE["on"] and (tensors[0].shape[-1] if width is None else width) >= MIN_WIDTH
             and all(t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors)
             and _library() is not None)
 

@@ -9,8 +9,8 @@ copy) and a sum: ~4% of an SFT step of the benchmark's 20M model. With x = [x1 |
     backward  g1 = d1 * cos1 + d2 * sin2,   g2 = d2 * cos2 - d1 * sin1   (the rotation's transpose)
 
 is one pass each way (`kernels.rotary`, in C); the forward rounds exactly as transformers' does (each product,
-then the sum). Only where the fused kernels are on and take the tensors (`kernels.usable`: float32 on CPU, large
-enough); everywhere else transformers' own function runs.
+then the sum). Only where the fused kernels are on and take the tensors (`kernels.usable`: float32 on CPU, heads x
+head size at least `kernels.MIN_WIDTH`); everywhere else transformers' own function runs.
 
 How it is switched on without copying transformers' attention: `use_fused_rotary(model)` wraps the modeling
 module's `apply_rotary_pos_emb` (once per module; the wrapper calls the original for every tensor it does not
@@ -62,7 +62,7 @@ def _takes(q, k, cos, sin, unsqueeze_dim) -> bool:
             and cos.shape == sin.shape and q.shape[-1] == k.shape[-1] == cos.shape[-1]
             and q.shape[-1] % 2 == 0 and q.shape[2] == k.shape[2] == cos.shape[1]
             and cos.shape[0] in (1, q.shape[0]) and q.shape[0] == k.shape[0]
-            and kernels.usable(k, q, cos, sin))  # the smaller one (k: grouped-query heads) decides
+            and kernels.usable(q, k, cos, sin, width=q.shape[1] * q.shape[-1]))  # heads x head size
 
 
 def _dispatching(original):
@@ -94,15 +94,15 @@ def _same_values(original, head_dim: int) -> bool:
     rounding aside (a modeling module whose function is not the standard rotation keeps its own). True where the
     kernels are off or unavailable: then `original` runs anyway."""
     g = torch.Generator().manual_seed(0)
-    rows = kernels.MIN_ELEMENTS // head_dim + 1
-    q, k = (torch.randn(1, 1, rows, head_dim, generator=g).requires_grad_(True) for _ in range(2))
+    heads, rows = -(-kernels.MIN_WIDTH // head_dim), 5
+    q, k = (torch.randn(1, heads, rows, head_dim, generator=g).requires_grad_(True) for _ in range(2))
     angles = torch.rand(1, rows, head_dim, generator=g) * 6
     cos, sin = angles.cos(), angles.sin()
     setattr(cos, TAG, True)
     setattr(sin, TAG, True)
     if not _takes(q, k, cos, sin, 1):
         return True
-    probe = torch.randn(1, 1, rows, head_dim, generator=g)
+    probe = torch.randn(1, heads, rows, head_dim, generator=g)
     results = []
     with torch.enable_grad():
         for fn in (original, fused_rotary):
