@@ -112,8 +112,9 @@ def test_lean_training_with_the_kernels_matches_pytorchs_operators(switched, mon
     for on in (False, True):
         kernels.enable(on)
         model = llama()
-        # use_lean_activations checked each module on a random input: with the kernels on, through them
-        assert (calls.count("rms_norm_forward"), calls.count("silu_mul_backward")) == ((5, 2) if on else (0, 0))
+        # use_lean_activations checked each module on a random input, with and without autograd: with the
+        # kernels on, through them
+        assert (calls.count("rms_norm_forward"), calls.count("silu_mul_backward")) == ((10, 2) if on else (0, 0))
         calls.clear()
         if checkpointed:  # backward recomputes each layer's forward, kernels included
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -251,3 +252,17 @@ def test_a_hanging_compiler_is_given_up_on(monkeypatch, tmp_path, capsys):
     monkeypatch.setattr(kernels, "_STATE", {"on": True, "lib": None, "failed": False, "pool": None})
     assert not kernels.usable(torch.zeros(kernels.MIN_WIDTH))
     assert "slowcc took more than 1 s" in capsys.readouterr().err
+
+
+def test_forwards_without_autograd_take_the_same_arithmetic(switched):
+    """A frozen copy or a no-grad pass (DPO's and PPO's reference computed by the policy, the rollout's
+    log-probs) must give the training forward's values exactly."""
+    from rlhfkit.models.rotary import use_fused_rotary
+
+    model = llama()
+    use_fused_rotary(model)
+    ids = torch.randint(0, 97, (2, 50), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        frozen = model(input_ids=ids).logits
+    trained = model(input_ids=ids).logits
+    assert trained.requires_grad and torch.equal(trained.detach(), frozen)

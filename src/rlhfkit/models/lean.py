@@ -202,8 +202,11 @@ class LeanRMSNorm(torch.nn.Module):
         if not (torch.is_grad_enabled() and hidden_states.requires_grad) or is_partitioned(self.weight):
             if hidden_states.dtype == torch.float32 and self.weight.dtype == torch.float32 \
                     and not is_partitioned(self.weight):
-                # no autograd (decoding, frozen models): torch's one-kernel RMSNorm, the same float32 formula,
-                # where the class's own forward takes six element-wise passes
+                # no autograd (decoding, frozen models): the fused kernel where the training forward takes it (the
+                # same bits: a reference computed by the policy gives it exactly its own log-probs), else torch's
+                # one-kernel RMSNorm, the same float32 formula, where the class's own forward takes six passes
+                if kernels.usable(hidden_states, self.weight):
+                    return kernels.rms_norm_forward(hidden_states, self.weight, self.variance_epsilon)[0]
                 return F.rms_norm(hidden_states, self.weight.shape, self.weight, self.variance_epsilon)
             return type(self).__mro__[1].forward(self, hidden_states)  # the original class's forward
         return _RMSNormFunction.apply(hidden_states, self.weight, self.variance_epsilon)
@@ -213,8 +216,11 @@ class LeanSwiGLU(torch.nn.Module):
     """Stands in for a gate/up/down SiLU MLP; the three projections stay modules (LoRA and hooks see them)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not torch.is_grad_enabled():  # the same product, formed in the gate output's buffer
-            return self.down_proj(F.silu(self.gate_proj(x), inplace=True).mul_(self.up_proj(x)))
+        if not torch.is_grad_enabled():
+            gate, up = self.gate_proj(x), self.up_proj(x)
+            if kernels.usable(gate, up) and gate.shape == up.shape:  # the training forward's arithmetic
+                return self.down_proj(kernels.silu_mul(gate, up))
+            return self.down_proj(F.silu(gate, inplace=True).mul_(up))  # the same product, in the gate's buffer
         return self.down_proj(_SiluMulFunction.apply(self.gate_proj(x), self.up_proj(x)))
 
 
