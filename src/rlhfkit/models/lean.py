@@ -17,6 +17,9 @@ the gate and up outputs), recomputed bit for bit. This is done with autograd's s
 oneDNN linears and hooks see them unchanged); a tensor saved by a layer is replaced by its recipe only when it
 is, storage and version, the output the lean module registered. SmolLM2: another ~2,700 floats per token and layer.
 
+On CPU, rows at least `kernels.MIN_WIDTH` wide run these forwards, backwards and recomputations as fused C loops
+(`models/kernels.py`, `engine.fused_kernels`), with and without autograd alike: the same values to float rounding.
+
 `use_lean_activations(model)` switches the modules of the known Llama-family classes (by class swap, like
 `cpu_linear.FastCPULinear`: same parameters, same state dict) after checking on a random input that the lean
 forward gives the module's own values; ZeRO-3 partitioned weights and anything unusual keep the original forward.
