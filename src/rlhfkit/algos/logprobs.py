@@ -11,6 +11,8 @@ from typing import Tuple
 import torch
 import torch.nn.functional as F
 
+from rlhfkit.models import grad_in_place
+
 _FULL_PRECISION = (torch.float32, torch.float64)
 
 
@@ -184,6 +186,7 @@ class _LinearTokenLogprobs(torch.autograd.Function):
             if wanted:
                 probs.append(p)
         ctx.temperature, ctx.chunk, ctx.linear, ctx.weight_dtype = temperature, chunk, linear, weight.dtype
+        ctx.weight = weight if grad_in_place.target(weight) is not None else None  # a tagged parameter
         ctx.save_for_backward(h_all, w, labels, *probs)
         empty = hidden.new_zeros(0, dtype=torch.float32)  # no positions (every response masked out)
         logp = torch.cat(logps) if logps else empty
@@ -197,7 +200,9 @@ class _LinearTokenLogprobs(torch.autograd.Function):
         h_all, w, labels, *probs = ctx.saved_tensors
         need_hidden, need_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         grad_hidden = torch.empty(h_all.shape, dtype=h_all.dtype, device=h_all.device) if need_hidden else None
-        grad_weight = torch.zeros(w.shape, dtype=torch.float32, device=w.device) if need_weight else None
+        into = grad_in_place.target(ctx.weight) if need_weight and ctx.weight is not None else None
+        grad_weight = into if into is not None else \
+            torch.zeros(w.shape, dtype=torch.float32, device=w.device) if need_weight else None
         scale = grad_logp.float() / ctx.temperature  # d z / d logits = 1 / T
         for i, start in enumerate(range(0, h_all.size(0), ctx.chunk)):
             g = scale[start:start + ctx.chunk]
@@ -208,7 +213,9 @@ class _LinearTokenLogprobs(torch.autograd.Function):
             if need_weight:
                 grad_weight.addmm_(dz.T, h_all[start:start + ctx.chunk].float())
             probs[i] = None
-        if grad_weight is not None:
+        if into is not None:
+            grad_weight = None  # added into the parameter's .grad already
+        elif grad_weight is not None:
             grad_weight = grad_weight.to(ctx.weight_dtype)
         return grad_hidden, grad_weight, None, None, None, None, None, None, None
 

@@ -109,8 +109,9 @@ class Engine(Protocol):
         gradients sit through generation (SmolLM2 PPO: ~1 GiB of resident memory then, but the iteration's peak,
         in the update, is the same: 7529 vs 7560 MiB) and the update saves the page faults of getting them afresh
         (actor + critic update 12.0 -> 11.6 s); on a GPU that memory would be taken from generation. Not DPO (its
-        reference forward comes between steps; measured no better). Backends that own their gradient buffers
-        (DeepSpeed) ignore it."""
+        reference forward comes between steps; measured no better). A backend that owns the accumulation into
+        the kept gradients (the local one) may let the vocabulary matrices' backwards add into them directly
+        (`models/grad_in_place.py`). Backends that own their gradient buffers (DeepSpeed) ignore it."""
 
     def prepare_frozen(self, model: torch.nn.Module, role: str = "reference") -> torch.nn.Module:
         """An inference model (no gradients, eval mode) placed and partitioned for this backend."""
