@@ -10,6 +10,10 @@ GEMMs call oneDNN (the weight gradient's stays on MKL, faster for its transposed
 falls back to `F.linear`: other dtypes and devices, ZeRO-3 partitioned weights (DeepSpeed owns those
 linears), and small matmuls (decode steps of a few rows, LoRA's rank-r factors), where oneDNN's per-call
 overhead loses.
+
+Where MKL computes the GEMMs (Intel CPUs), `packed_weights(model, rows)` gives decoding MKL's own packed weights
+instead (`MKLPackedLinear`): big models' decode steps read their weights from memory, and MKL re-packs a plain
+weight inside every call.
 """
 
 from __future__ import annotations
