@@ -7,12 +7,9 @@ import copy
 import pytest
 import torch
 
-from rlhfkit.models import cpu_linear
-from rlhfkit.models.cpu_linear import (FastCPULinear, MKLPackedLinear, _OneDNNLinearFunction, packed_weights,
-                                       use_fast_cpu_linear)
+from rlhfkit.models.cpu_linear import FastCPULinear, _OneDNNLinearFunction, packed_weights, use_fast_cpu_linear
 
 needs_onednn = pytest.mark.skipif(not hasattr(torch.ops.mkldnn, "_linear_pointwise"), reason="no oneDNN")
-needs_mkl = pytest.mark.skipif(not cpu_linear.mkl_packing_available(), reason="no MKL packed GEMM in this build")
 
 
 @needs_onednn
@@ -171,45 +168,3 @@ def test_lora_base_layers_are_fused_and_the_adapter_still_applies():
             assert inner.q_proj.base_layer.fused is not None and inner.q_proj.base_layer.fused is inner.k_proj.fused
             fused = model(x)
     torch.testing.assert_close(fused, plain, atol=1e-5, rtol=1e-5)
-
-
-@needs_mkl
-@pytest.mark.parametrize("bias", [True, False])
-def test_mkl_packed_decoding_gives_f_linears_bits_and_puts_the_layers_back(bias, monkeypatch):
-    monkeypatch.setattr(cpu_linear, "MIN_MKL_PACKED_BYTES", 0)  # the tiny block counts as a big model
-    torch.manual_seed(0)
-    model = _Block(bias=bias)
-    small = [torch.randn(4, 1, 64), torch.randn(3, 64), torch.randn(16, 64)]  # decode steps; fewer rows too
-    big = torch.randn(2, 40, 64)  # a prefill: more than MAX_MKL_PACKED_ROWS rows, F.linear's own call
-    with torch.no_grad():
-        expected = [model(x) for x in small + [big]]
-    state = copy.deepcopy(model.state_dict())
-    with packed_weights(model, rows=4):
-        for m in model.modules():  # k/v (32 wide) are below MIN_DIM, as LoRA factors and scalar heads are
-            if isinstance(m, torch.nn.Linear):
-                packed = min(m.in_features, m.out_features) >= cpu_linear.MIN_DIM
-                assert (type(m) is MKLPackedLinear and m.mkl_packed is not None) == packed
-        with torch.no_grad():
-            got = [model(x) for x in small + [big]]
-        with torch.enable_grad():  # training calls ignore the packed copy
-            y = model(small[1].requires_grad_())
-            y.sum().backward()
-        assert model.q_proj.weight.grad is not None
-    assert all(torch.equal(g, e) for g, e in zip(got, expected))
-    assert all(type(m) is torch.nn.Linear and "mkl_packed" not in m.__dict__ for m in model.modules()
-               if isinstance(m, torch.nn.Linear))
-    assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items())
-
-
-@needs_mkl
-def test_mkl_packing_only_without_onednn_layers_with_rows_and_for_big_models(monkeypatch):
-    small = _Block()
-    with packed_weights(small, rows=4):  # 40 KB of weights: read from the caches, nothing packed
-        assert not any(isinstance(m, MKLPackedLinear) for m in small.modules())
-    monkeypatch.setattr(cpu_linear, "MIN_MKL_PACKED_BYTES", 0)
-    fast = _fast(_Block())
-    with packed_weights(fast, rows=4):  # the oneDNN path (AMD CPUs) keeps its own packing
-        assert not any(isinstance(m, MKLPackedLinear) for m in fast.modules())
-    plain = _Block()
-    with packed_weights(plain):  # no rows given: no-grad forwards of many rows (reference, reward)
-        assert not any(isinstance(m, MKLPackedLinear) for m in plain.modules())

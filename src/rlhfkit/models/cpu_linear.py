@@ -10,10 +10,6 @@ GEMMs call oneDNN (the weight gradient's stays on MKL, faster for its transposed
 falls back to `F.linear`: other dtypes and devices, ZeRO-3 partitioned weights (DeepSpeed owns those
 linears), and small matmuls (decode steps of a few rows, LoRA's rank-r factors), where oneDNN's per-call
 overhead loses.
-
-Where MKL computes the GEMMs (Intel CPUs), `packed_weights(model, rows)` gives decoding MKL's own packed weights
-instead (`MKLPackedLinear`): big models' decode steps read their weights from memory, and MKL re-packs a plain
-weight inside every call.
 """
 
 from __future__ import annotations
@@ -215,70 +211,8 @@ def _fusable_groups(model: torch.nn.Module, layers: list[FastCPULinear]) -> list
     return groups
 
 
-MAX_MKL_PACKED_ROWS = 64  # decode steps (a row per sequence); longer inputs (prefill) keep F.linear
-# models whose linear weights are smaller than this decode from the caches as fast with plain MKL calls (the GRPO
-# benchmark's 5M Llama: no faster, +65 MiB peak for the copies); SmolLM2's 540 MB are read from memory every step
-MIN_MKL_PACKED_BYTES = 128 << 20
-
-
-@functools.lru_cache(maxsize=None)
-def mkl_packing_available() -> bool:
-    """True where this PyTorch build has MKL's packed float32 GEMM (`torch.ops.mkl._mkl_linear`, the one
-    inductor's CPU weight prepacking uses) and it gives `F.linear`'s values bit for bit on a probe."""
-    if not (torch._C.has_mkl and hasattr(torch.ops.mkl, "_mkl_linear")):
-        return False
-    try:
-        g = torch.Generator().manual_seed(0)
-        x, w = torch.randn(4, MIN_DIM, generator=g), torch.randn(2 * MIN_DIM, MIN_DIM, generator=g)
-        packed = torch.ops.mkl._mkl_reorder_linear_weight(w, x.size(0))
-        return torch.equal(torch.ops.mkl._mkl_linear(x, packed, w, None, x.size(0)), F.linear(x, w))
-    except RuntimeError:
-        return False
-
-
-class MKLPackedLinear(torch.nn.Linear):
-    """An `nn.Linear` that, while `packed_weights(model, rows)` holds MKL's packed copy of its weight, multiplies
-    no-grad float32 inputs of at most `MAX_MKL_PACKED_ROWS` rows by that copy (`cblas_sgemm_compute`: the weight
-    is not re-packed inside every call); everything else goes to `F.linear`. Installed and removed by
-    `packed_weights`."""
-
-    mkl_packed = None
-    mkl_rows = 0
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        packed = self.mkl_packed
-        if packed is not None and x.dtype == torch.float32 and not torch.is_grad_enabled() \
-                and not torch.is_autocast_enabled(x.device.type) and x.numel() <= MAX_MKL_PACKED_ROWS * x.size(-1):
-            return torch.ops.mkl._mkl_linear(x, packed, self.weight, self.bias, self.mkl_rows)
-        return F.linear(x, self.weight, self.bias)
-
-
 @contextlib.contextmanager
-def _mkl_packed(model: torch.nn.Module, rows: int):
-    """`packed_weights`' path where MKL computes the GEMMs (Intel CPUs): each plain float32 CPU `nn.Linear`
-    becomes an `MKLPackedLinear` with MKL's packed copy of its weight for `rows`-row inputs, and goes back after;
-    only for models with at least `MIN_MKL_PACKED_BYTES` of such weights, whose decoding reads them from memory."""
-    layers = [m for m in model.modules() if type(m) is torch.nn.Linear and m.weight.device.type == "cpu"
-              and m.weight.dtype == torch.float32 and is_whole(m.weight)
-              and min(m.in_features, m.out_features) >= MIN_DIM]
-    if sum(m.weight.numel() * m.weight.element_size() for m in layers) < MIN_MKL_PACKED_BYTES:
-        layers = []
-    try:
-        with torch.no_grad():
-            for layer in layers:
-                layer.__class__ = MKLPackedLinear
-                layer.mkl_packed = torch.ops.mkl._mkl_reorder_linear_weight(layer.weight.detach(), rows)
-                layer.mkl_rows = rows
-        yield
-    finally:
-        for layer in layers:
-            layer.__dict__.pop("mkl_packed", None)
-            layer.__dict__.pop("mkl_rows", None)
-            layer.__class__ = torch.nn.Linear
-
-
-@contextlib.contextmanager
-def packed_weights(model: torch.nn.Module, rows: int = 0):
+def packed_weights(model: torch.nn.Module):
     """While active, `model`'s oneDNN linear layers multiply by a copy of their weight reordered once into
     oneDNN's blocked layout, instead of reordering the plain weight inside every call. For the many small
     matmuls of decoding (a few rows per token step) that is ~30% less time per linear layer (5M Llama, 16 rows:
@@ -290,19 +224,9 @@ def packed_weights(model: torch.nn.Module, rows: int = 0):
     Sibling projections of one input (`FUSABLE`: q/k/v, gate/up) share one copy of their weights concatenated and
     run as one GEMM (`_FusedProjections`): 4 instead of 7 GEMMs per Llama layer and decode step (5M Llama,
     8 prompts x 4 samples x 32 tokens: 0.88 instead of 0.92 s per rollout, with the no-grad RMSNorm and SwiGLU
-    of `models/lean.py`).
-
-    With `rows` (decoding `rows` sequences) and no oneDNN layers (Intel CPUs, where MKL computes the GEMMs), the
-    plain linear layers multiply inputs of a few rows by MKL's packed copy of their weight instead
-    (`MKLPackedLinear`): bit for bit `F.linear`'s values; SmolLM2's decode-step GEMMs of 16 rows, 2 threads: 33
-    instead of 43-44 ms per step (weights read at 12.8 instead of 9.5-9.8 GB/s). Only for models of at least
-    `MIN_MKL_PACKED_BYTES` of linear weights (smaller ones decode from the caches as fast without the copies)."""
+    of `models/lean.py`)."""
     layers = [m for m in model.modules() if isinstance(m, FastCPULinear) and m.weight.device.type == "cpu"
               and m.weight.dtype == torch.float32 and is_whole(m.weight)]
-    if not layers and rows and mkl_packing_available():
-        with _mkl_packed(model, rows):
-            yield
-        return
     groups: list[_FusedProjections] = []
     try:
         with torch.no_grad():

@@ -378,7 +378,7 @@ def generate_rollout(model, engine, tokenizer, rows: list[dict], cfg: GenConfig,
     was_training = model.training
     model.eval()  # no gradient-checkpointing path (it turns the KV cache off)
     try:
-        with engine.gathered(model) as generator, packed_weights(generator, rows=prompt_ids.size(0)):
+        with engine.gathered(model) as generator, packed_weights(generator):
             response_ids, logprobs = sample_tokens(generator, prompt_ids, prompt_mask, cfg, eos_ids, pad_id, greedy,
                                                    synced)
     finally:
