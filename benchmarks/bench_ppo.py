@@ -168,16 +168,23 @@ def floor(world: Path, size: str, batch: int, response: int, gflops: float, phas
                              gflops, phases=[k for k in PHASES if k in phases])
 
 
+def targets(size: str) -> tuple[float, float]:
+    """(time ratio to TRL, ratio to the floor) the issues set: 0.6x TRL on the real model (0.4x at the random
+    sizes, the first PPO issue's), and 1.5x the floor at 5M, 1.3x at 20M and on the real model."""
+    return (0.6 if size == harness.REAL_SIZE else 0.4), (1.5 if size == "5M" else 1.3)
+
+
 def print_row(row: dict) -> None:
     b = row["batch"]
     for name in ("rlhfkit", "trl"):
         s = row[name]
         print(f"  {name:8s} {s['seconds']:7.3f} s/iter  {b / s['seconds']:7.1f} samples/s  "
               f"peak RSS {s['peak_mb']:7.0f} MiB")
-    print(f"  ratio rlhfkit/TRL: time {row['time_ratio']:.2f}x (target <= 0.40), "
+    time_target, floor_target = targets(row["size"])
+    print(f"  ratio rlhfkit/TRL: time {row['time_ratio']:.2f}x (target <= {time_target:.2f}), "
           f"peak memory {row['memory_ratio']:.2f}x (target <= 0.80)")
     print(f"  floor (linear-layer FLOPs at {row['floor']['gflops']:.0f} GFLOP/s): {row['floor']['iteration']:.3f} s; "
-          f"rlhfkit's iteration is {row['floor_ratio']:.2f}x its floor")
+          f"rlhfkit's iteration is {row['floor_ratio']:.2f}x its floor (target <= {floor_target:.1f})")
     phases = row["rlhfkit"]["phases"]
     if phases:
         print("  rlhfkit phases, median s (x floor): " + ", ".join(
