@@ -1,15 +1,17 @@
 """Gradients of a model's vocabulary matrices added straight into the parameter's kept `.grad`.
 
-The input embedding's backward and the fused LM-head backwards (`algos.linear_token_logprobs`,
-`algos.linear_lm_loss_sum`) each build a whole (vocabulary x hidden) gradient, zeros plus a few rows (the
-embedding) or one GEMM (the head), that autograd then adds into `.grad` and frees. On SmolLM2 (49,152 x 576) that
+The input embedding's backward and the chunked LM-head log-probs' backward (`algos.linear_token_logprobs`) each
+build a whole (vocabulary x hidden) gradient, zeros plus a few rows (the embedding) or one GEMM (the head), that
+autograd then adds into `.grad` and frees. (The SFT loss's head, `algos.linear_lm_loss_sum`, forms its gradient in
+the forward, before the scale its backward brings is known: it keeps autograd's accumulation.) On SmolLM2 (49,152 x 576) that
 is a 113 MB temporary per backward, up to eight per PPO iteration (actor and critic, every micro-batch), and
 memory that large comes fresh from the system each time: zero-filling one took 170-180 ms on the benchmark host
 against 7 ms for the same fill into memory written shortly before.
 
 Where the engine keeps a model's gradients between steps and nothing else watches their accumulation (the local
 engine with `keep_grads`; DeepSpeed's hooks on accumulation rule it out there), it calls `enable` on the model: its
-trainable matrices of at least `MIN_ELEMENTS` elements are tagged, and the backwards above add their gradient into
+trainable CPU matrices of at least `MIN_ELEMENTS` elements are tagged (GPUs reuse their memory through the caching
+allocator, and CUDA's `index_add_` adds with atomics, in no fixed order), and the backwards above add their gradient into
 `.grad` in place and hand autograd none for it. The sum is the same; only the order of its float additions differs
 (the rows of one backward are added to `.grad` one by one rather than to a zeroed temporary first), a rounding
 difference. Smaller matrices (the tests' tiny models) keep autograd's own accumulation.
@@ -28,11 +30,12 @@ _TAG = "_rlhfkit_grad_in_place"
 
 
 def enable(module: torch.nn.Module) -> int:
-    """Tag `module`'s trainable float32 parameters of at least `MIN_ELEMENTS` elements for in-place accumulation
+    """Tag `module`'s trainable float32 CPU parameters of at least `MIN_ELEMENTS` elements for in-place accumulation
     and route its plain `nn.Embedding`s with such a weight through `embedding`. Returns the number tagged."""
     tagged = 0
     for p in module.parameters():
-        if p.requires_grad and p.dtype == torch.float32 and p.numel() >= MIN_ELEMENTS and not getattr(p, _TAG, False):
+        if p.requires_grad and p.dtype == torch.float32 and p.device.type == "cpu" and p.numel() >= MIN_ELEMENTS \
+                and not getattr(p, _TAG, False):
             setattr(p, _TAG, True)
             tagged += 1
     for m in module.modules():
