@@ -124,3 +124,15 @@ def test_training_with_it_follows_autograds_updates(small_threshold):
     assert moved > 1e-3
     for (name, p), q in zip(plain.module.named_parameters(), in_place.module.parameters()):
         torch.testing.assert_close(q, p, rtol=0, atol=1e-5, msg=name)
+
+
+def test_a_gradient_dropped_between_forward_and_backward_goes_back_to_autograd(small_threshold):
+    model, reference = tiny(tied=False), tiny(tied=False)
+    weight = model.model.embed_tokens.weight
+    weight.grad = torch.zeros_like(weight)
+    grad_in_place.enable(model)
+    out = model.model.embed_tokens(IDS)  # recorded for in-place accumulation
+    weight.grad = None  # e.g. zero_grad(set_to_none=True) in between: the backward hands autograd the gradient
+    (out * 2.0).sum().backward()
+    (reference.model.embed_tokens(IDS) * 2.0).sum().backward()
+    assert torch.equal(weight.grad, reference.model.embed_tokens.weight.grad)

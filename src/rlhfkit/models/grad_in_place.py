@@ -3,18 +3,18 @@
 The input embedding's backward and the chunked LM-head log-probs' backward (`algos.linear_token_logprobs`) each
 build a whole (vocabulary x hidden) gradient, zeros plus a few rows (the embedding) or one GEMM (the head), that
 autograd then adds into `.grad` and frees. (The SFT loss's head, `algos.linear_lm_loss_sum`, forms its gradient in
-the forward, before the scale its backward brings is known: it keeps autograd's accumulation.) On SmolLM2 (49,152 x 576) that
-is a 113 MB temporary per backward, up to eight per PPO iteration (actor and critic, every micro-batch), and
-memory that large comes fresh from the system each time: zero-filling one took 170-180 ms on the benchmark host
-against 7 ms for the same fill into memory written shortly before.
+the forward, before the scale its backward brings is known: it keeps autograd's accumulation.) On SmolLM2
+(49,152 x 576) that is a 113 MB temporary per backward, up to eight per PPO iteration (actor and critic, every
+micro-batch), and memory that large comes fresh from the system each time: zero-filling one took 170-180 ms on the
+benchmark host against 7 ms for the same fill into memory written shortly before.
 
 Where the engine keeps a model's gradients between steps and nothing else watches their accumulation (the local
 engine with `keep_grads`; DeepSpeed's hooks on accumulation rule it out there), it calls `enable` on the model: its
 trainable CPU matrices of at least `MIN_ELEMENTS` elements are tagged (GPUs reuse their memory through the caching
-allocator, and CUDA's `index_add_` adds with atomics, in no fixed order), and the backwards above add their gradient into
-`.grad` in place and hand autograd none for it. The sum is the same; only the order of its float additions differs
-(the rows of one backward are added to `.grad` one by one rather than to a zeroed temporary first), a rounding
-difference. Smaller matrices (the tests' tiny models) keep autograd's own accumulation.
+allocator, and CUDA's `index_add_` adds with atomics, in no fixed order), and the backwards above add their
+gradient into `.grad` in place and hand autograd none for it. The sum is the same; only the order of its float
+additions differs (the rows of one backward are added to `.grad` one by one rather than to a zeroed temporary
+first), a rounding difference. Smaller matrices (the tests' tiny models) keep autograd's own accumulation.
 
 The tag means "`.grad` is this parameter's accumulator": the tagged parameters' gradients are for
 `loss.backward()`; `torch.autograd.grad` through a tagged model would write into `.grad` instead of returning them.
@@ -63,7 +63,7 @@ class _Embedding(torch.autograd.Function):
     @staticmethod
     def forward(ctx, ids, weight, padding_idx):
         ctx.save_for_backward(ids)
-        ctx.weight, ctx.padding_idx, ctx.rows = weight, padding_idx, weight.size(0)
+        ctx.weight, ctx.padding_idx = weight, padding_idx
         return F.embedding(ids, weight, padding_idx)
 
     @staticmethod
@@ -73,7 +73,7 @@ class _Embedding(torch.autograd.Function):
         into = target(ctx.weight)
         padding = -1 if ctx.padding_idx is None else ctx.padding_idx
         if into is None:  # what F.embedding's own backward computes
-            return None, torch.ops.aten.embedding_dense_backward(grad, ids, ctx.rows, padding, False), None
+            return None, torch.ops.aten.embedding_dense_backward(grad, ids, ctx.weight.size(0), padding, False), None
         flat_ids, rows = ids.reshape(-1), grad.reshape(-1, grad.size(-1)).to(into.dtype)
         if ctx.padding_idx is not None:  # the padding row gets no gradient, as in nn.Embedding
             keep = flat_ids != ctx.padding_idx
