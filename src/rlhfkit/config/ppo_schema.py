@@ -93,6 +93,9 @@ class PPOSection:
                                            "restarting per row, attention run per sequence (sdpa models) or kept "
                                            "inside each row by transformers' packed-sequence mask, so prompts' "
                                            "left padding and the padding after EOS cost nothing (same values); "
+                                           "with groups of samples, the actor's and reference's log-prob "
+                                           "forwards put each distinct prompt once and every response in one "
+                                           "packed row (one forward instead of two; not under ZeRO-3); "
                                            "null = on for each model where a one-off check finds its padded "
                                            "forward's values")
     shared_prefix: Optional[bool] = option(None, "compute once the tokens that every row of a micro-batch begins "

@@ -18,6 +18,7 @@ from transformers.cache_utils import DynamicCache, DynamicLayer
 
 from rlhfkit.models.forward import (cache_kwargs, decoder_outputs, final_hidden, hidden_states, position_ids,
                                     scalar_head, scalar_outputs, token_scores)
+from rlhfkit.models.group_pack import group_packed_hidden, group_packing
 from rlhfkit.models.lora import base_model, checkpointed
 
 
@@ -95,7 +96,8 @@ def shared_prefix_logits(model, prompt_ids: torch.Tensor, prompt_mask: torch.Ten
     that holds for every rank: the run samples groups).
 
     With `hidden`, (B, R, H): the hidden states the LM head would read at those positions (`decoder_outputs`),
-    the head itself run on one position per forward.
+    the head itself run on one position per forward; where recorded for the model (`group_pack.group_packing`),
+    from one forward of the prompts and responses packed in one row instead (`group_pack.group_packed_hidden`).
     """
     if not shares_prefixes(model):
         return None
@@ -112,6 +114,10 @@ def shared_prefix_logits(model, prompt_ids: torch.Tensor, prompt_mask: torch.Ten
     if group:  # blocks of G rows per prompt: each block's first row, and the cache repeated by a broadcast
         first = torch.arange(0, prompt_ids.size(0), group, device=prompt_ids.device)
         inverse = torch.arange(first.numel(), device=prompt_ids.device).repeat_interleave(group)
+    if hidden and group_packing(model):  # prompts and responses in one packed row: one forward, not two
+        packed = group_packed_hidden(model, prompt_ids, prompt_mask, response_ids, response_mask, first, inverse)
+        if packed is not None:
+            return packed
     mask = prompt_mask.long()[first]
     capture = decoder_outputs(model) if hidden else contextlib.nullcontext([])
     try:

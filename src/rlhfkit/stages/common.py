@@ -18,6 +18,7 @@ from rlhfkit.errors import RunError
 from rlhfkit.models.forward import (head_gives_logits, lm_head_weight, packing_gives_padded_values, use_head_logprobs,
                                     use_padding_free)
 from rlhfkit.models.prefix import common_prefix_gives_full_values, use_common_prefix
+from rlhfkit.models.group_pack import group_packing_gives_prefix_values, use_group_packing
 
 
 def set_seed(seed: int) -> None:
@@ -188,6 +189,21 @@ def choose_padding_free(model, setting: bool | None, precision: str, engine) -> 
         rtol = 1e-4 if precision == "fp32" else 2e-2
         on = engine.reduce_sum(float(packing_gives_padded_values(model, rtol))) == engine.world_size
     use_padding_free(model, on)
+    return on
+
+
+def choose_group_packing(model, setting: bool | None, precision: str, engine) -> bool:
+    """Decide once per run whether `model`'s forwards over rows that share prompts (groups of samples) run the
+    prompts and responses as one packed row (`group_pack.group_packed_hidden`; the `ppo.packing` setting: null = on
+    where the model is held whole on every rank and `group_pack.group_packing_gives_prefix_values` finds the
+    two-forward path's values on every rank), and record it for the loops (`group_pack.use_group_packing`). Never
+    under ZeRO-3: there every forward is a collective, and a rank whose rows fell back to two forwards would hang
+    the others."""
+    on = setting is not False and engine.reduce_sum(float(engine.holds_whole(model))) == engine.world_size
+    if on and setting is None:
+        rtol = 1e-4 if precision == "fp32" else 2e-2
+        on = engine.reduce_sum(float(group_packing_gives_prefix_values(model, rtol))) == engine.world_size
+    use_group_packing(model, on)
     return on
 
 

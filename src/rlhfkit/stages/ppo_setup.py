@@ -24,7 +24,8 @@ from rlhfkit.models.reward_fn import (CombinedReward, FunctionReward, ModelRewar
                                      load_reward_function, same_tokenization)
 from rlhfkit.rollout.estimators import ESTIMATORS
 from rlhfkit.rollout.generate import ignored_generation_settings
-from rlhfkit.stages.common import choose_common_prefix, choose_head_logprobs, choose_padding_free
+from rlhfkit.stages.common import (choose_common_prefix, choose_group_packing, choose_head_logprobs,
+                                   choose_padding_free)
 
 
 @dataclass
@@ -161,6 +162,12 @@ def load_ppo_models(cfg: PPOConfig, tokenizer, engine, total_updates: int) -> PP
         engine)]
     if packing:
         notes.append(f"padding-free forwards: {', '.join(dict.fromkeys(packing))}")
+    # groups of samples: the policies' response hidden states from one packed row of prompts and responses
+    grouped = [name for name, m in (("actor", actor.module), ("reference", reference))
+               if m is not None and chunked.get(id(m)) and cfg.ppo.n_samples_per_prompt > 1
+               and choose_group_packing(m, cfg.ppo.packing, cfg.engine.precision, engine)]
+    if grouped:
+        notes.append(f"prompts and their samples in one packed forward: {', '.join(grouped)}")
     shared = [name for name, m in models[:3] if m is not None and choose_common_prefix(
         m, cfg.ppo.shared_prefix, cfg.engine.precision, engine)]
     if shared:
