@@ -164,3 +164,43 @@ def test_rows_that_do_not_fit_the_packed_row_are_refused():
     empty = prompt_mask.clone()
     empty[2:] = 0
     assert group_packed_hidden(model, prompt_ids, empty, response_ids, response_mask, first, inverse) is None
+
+
+def test_a_lora_actor_and_its_adapter_off_reference_take_the_packed_row():
+    """Under LoRA (peft's wrapper around the model) the packed row gives the plain forward's hidden states and LoRA
+    gradients, and with the adapter switched off (the reference) the base model's."""
+    from rlhfkit.config.schema import LoraConfig
+    from rlhfkit.models.lora import adapter_disabled, apply_lora
+
+    model = apply_lora(_llama(), LoraConfig(rank=4)).train()
+    with torch.no_grad():  # peft starts B at zero: give the adapters an effect
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.1)
+    assert group_packing_gives_prefix_values(model) is True
+    batch = _batch()
+    valid = batch[3].bool()
+    weights = torch.randn(*valid.shape, 64)
+    trained = [p for p in model.parameters() if p.requires_grad]
+
+    def run(fn):
+        model.zero_grad(set_to_none=True)
+        hidden = fn()
+        (hidden * weights)[valid].sum().backward()
+        return hidden.detach(), [p.grad.clone() for p in trained]
+
+    expected, expected_grads = run(lambda: _full_hidden(model, *batch))
+    group_pack.use_group_packing(model, True)
+    try:
+        got, grads = run(lambda: shared_prefix_logits(model, *batch, always=True, hidden=True))
+        with torch.no_grad(), adapter_disabled(model):
+            base = shared_prefix_logits(model, *batch, always=True, hidden=True)
+    finally:
+        group_pack.use_group_packing(model, False)
+    torch.testing.assert_close(got[valid], expected[valid], atol=2e-5, rtol=1e-4)
+    for g, e in zip(grads, expected_grads):
+        assert float((g - e).norm()) <= 1e-5 * float(e.norm()) + 1e-7
+    with torch.no_grad(), adapter_disabled(model):
+        plain = _full_hidden(model, *batch)
+    torch.testing.assert_close(base[valid], plain[valid], atol=2e-5, rtol=1e-4)
+    assert not torch.allclose(base[valid], got[valid], atol=1e-3)  # the adapters do change the values
