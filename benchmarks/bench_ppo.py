@@ -17,7 +17,9 @@ ids from rlhfkit's data layer with the model's own tokenizer) (the dataset is ex
 batch, so every iteration of both systems rolls out the same prompt set), responses of exactly R tokens (EOS
 forbidden until R in rlhfkit, no stop token in TRL), float32, no gradient checkpointing, one PPO epoch over one
 mini-batch (the whole batch) in micro-batches of 8 (--micro), KL coefficient 0.05, temperature 1. TRL generates the whole
-batch in one generate() call (local_rollout_forward_batch_size = batch), as rlhfkit does.
+batch in one generate() call and runs its reference, reward and value forwards on the whole batch at once
+(local_rollout_forward_batch_size = batch); rlhfkit does the same (one generation call, ppo.forward_batch_size =
+batch for its no-grad forwards: reference and reward model; its values come from the critic update's forward).
 
 Each system runs in its own subprocess; the two advance one iteration at a time in turn (harness.Lockstep),
 the first iterations are warm-up, and the medians of the rest are compared. rlhfkit runs its real loop
@@ -63,6 +65,7 @@ def rlhfkit_overrides(world: Path, size: str, batch: int, response: int, out, st
             f"train.lr={LR}", "train.warmup_steps=0", "train.scheduler=constant", "train.save_every=0",
             "train.eval_every=0", "train.log_every=1", f"gen.max_new_tokens={response}",
             f"gen.min_new_tokens={response}", "gen.temperature=1.0", f"ppo.kl_coef={KL_COEF}", "ppo.epochs=1",
+            f"ppo.forward_batch_size={batch}",
             "ppo.sample_every=0", "log.tensorboard=false", "log.progress=false"]
 
 

@@ -200,3 +200,24 @@ def test_packed_pairs_score_and_train_as_padded_ones(tiny_model_dir):
     for a, b in zip(packed_grads, padded_grads):  # float rounding relative to each gradient's scale
         torch.testing.assert_close(a, b, atol=1e-5 * float(b.abs().max()) + 1e-6, rtol=1e-3)
     assert packing_is_exact(model, rows, tok.pad_token_id, torch.device("cpu"))
+
+
+@pytest.mark.parametrize("forward_batch_size, rows", [(None, 4), (6, 6)])
+def test_the_reward_models_scoring_takes_the_no_grad_forward_batch_size(tiny_model_dir, tmp_path, forward_batch_size,
+                                                                         rows):
+    """A reward-model folder's scores run `ppo.forward_batch_size` rows per forward (the other no-grad forwards of
+    experience making take it too), the training micro-batch when it is null."""
+    from rlhfkit.config.ppo_schema import PPOConfig
+    from rlhfkit.engine import LocalEngine
+    from rlhfkit.stages.ppo_setup import load_one_reward
+
+    folder = tmp_path / "rm"
+    load_scalar_model(str(tiny_model_dir), tokenizer=load_tokenizer(str(tiny_model_dir))).save_pretrained(folder)
+    shutil.copy(tiny_model_dir / "tokenizer.json", folder / "tokenizer.json")
+    shutil.copy(tiny_model_dir / "tokenizer_config.json", folder / "tokenizer_config.json")
+    prompts = write_jsonl(tmp_path / "prompts.jsonl", [{"prompt": "say hi"}])
+    cfg = load_config(PPOConfig, None, [f"actor={tiny_model_dir}", f"reward={folder}", f"data.prompts={prompts}",
+                                        "train.micro_batch_size=4", "train.batch_size=8", "train.max_steps=1",
+                                        f"ppo.forward_batch_size={forward_batch_size or 'null'}"])
+    reward, _ = load_one_reward(str(folder), cfg, load_tokenizer(str(tiny_model_dir)), LocalEngine())
+    assert reward.micro == rows

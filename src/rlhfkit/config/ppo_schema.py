@@ -74,7 +74,8 @@ class PPOSection:
                                        "and training forwards round differently, ~4e-3, a fake KL at step 0), "
                                        "sampling otherwise", choices=("auto", "sampling", "forward"))
     forward_batch_size: Optional[int] = option(None, "rows per no-grad forward of experience making (old "
-                                                     "log-probs, reference, values): they keep no activations for "
+                                                     "log-probs, reference, values, reward-model scores): they "
+                                                     "keep no activations for "
                                                      "a backward, so more rows than train.micro_batch_size fit, in "
                                                      "fewer, larger matmuls; null = train.micro_batch_size")
     chunked_logprobs: Optional[bool] = option(None, "response log-probs (actor update, reference, old log-probs) "

@@ -69,8 +69,8 @@ def load_one_reward(spec: str, cfg: PPOConfig, actor_tok, engine):
     model = engine.prepare_frozen(model, role="reward")
     actor_ends = end_token_ids(actor_tok, load_generation_config(cfg.actor, cfg.load))  # where rollouts stop
     actor_template = Template.for_tokenizer(actor_tok, cfg.data.template, actor_ends)
-    reward = ModelReward(model, rm_tok, actor_template, cfg.data.template, cfg.train.micro_batch_size,
-                         engine.device)
+    reward = ModelReward(model, rm_tok, actor_template, cfg.data.template,
+                         cfg.ppo.forward_batch_size or cfg.train.micro_batch_size, engine.device)
     if cfg.ppo.normalize_reward and reward.stats is None:
         raise RunError(f"ppo.normalize_reward is true but '{spec}/config.json' has no rlhfkit_reward_mean/"
                        f"rlhfkit_reward_std; set ppo.normalize_reward=false")
