@@ -184,10 +184,7 @@ def choose_padding_free(model, setting: bool | None, precision: str, engine) -> 
     """Decide once per run whether `model`'s forwards over padded rollout rows run padding-free
     (`forward.packed_outputs`; the `ppo.packing` setting: null = on where `forward.packing_gives_padded_values`
     finds the padded forward's values on every rank), and record it for the loops (`forward.use_padding_free`)."""
-    on = setting is not False
-    if on and setting is None:
-        rtol = 1e-4 if precision == "fp32" else 2e-2
-        on = engine.reduce_sum(float(packing_gives_padded_values(model, rtol))) == engine.world_size
+    on = _agreed(model, setting, packing_gives_padded_values, precision, engine, whole_only=False)
     use_padding_free(model, on)
     return on
 
@@ -199,10 +196,7 @@ def choose_group_packing(model, setting: bool | None, precision: str, engine) ->
     two-forward path's values on every rank), and record it for the loops (`group_pack.use_group_packing`). Never
     under ZeRO-3: there every forward is a collective, and a rank whose rows fell back to two forwards would hang
     the others."""
-    on = setting is not False and engine.reduce_sum(float(engine.holds_whole(model))) == engine.world_size
-    if on and setting is None:
-        rtol = 1e-4 if precision == "fp32" else 2e-2
-        on = engine.reduce_sum(float(group_packing_gives_prefix_values(model, rtol))) == engine.world_size
+    on = _agreed(model, setting, group_packing_gives_prefix_values, precision, engine)
     use_group_packing(model, on)
     return on
 
@@ -213,9 +207,19 @@ def choose_common_prefix(model, setting: bool | None, precision: str, engine) ->
     on every rank and `prefix.common_prefix_gives_full_values` finds its plain forward's values on every rank),
     and record it for the loops (`prefix.use_common_prefix`). Never under ZeRO-3: there every forward is a
     collective, and ranks whose rows share different runs would make different numbers of forwards."""
-    on = setting is not False and engine.reduce_sum(float(engine.holds_whole(model))) == engine.world_size
+    on = _agreed(model, setting, common_prefix_gives_full_values, precision, engine)
+    use_common_prefix(model, on)
+    return on
+
+
+def _agreed(model, setting: bool | None, check, precision: str, engine, whole_only: bool = True) -> bool:
+    """A per-run switch for `model`: False when `setting` is false (or, `whole_only`, when any rank holds it
+    partitioned, ZeRO-3); else true when `setting` is, and for null `check(model, rtol)` on every rank (rtol 1e-4
+    in fp32, 2e-2 in half precision)."""
+    on = setting is not False
+    if on and whole_only:
+        on = engine.reduce_sum(float(engine.holds_whole(model))) == engine.world_size
     if on and setting is None:
         rtol = 1e-4 if precision == "fp32" else 2e-2
-        on = engine.reduce_sum(float(common_prefix_gives_full_values(model, rtol))) == engine.world_size
-    use_common_prefix(model, on)
+        on = engine.reduce_sum(float(check(model, rtol))) == engine.world_size
     return on
