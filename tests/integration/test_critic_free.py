@@ -42,9 +42,8 @@ def test_each_critic_free_estimator_learns_without_a_critic(ppo_world, estimator
     assert result["eval/reward_end"] > result["eval/reward_start"] + 0.15, result
     out = ppo_world / f"cf_{estimator}"
     assert f"no critic ({estimator}" in proc.stderr
-    # groups of samples: the policies' log-prob forwards run prompts and responses as one packed row
-    assert ("prompts and their samples in one packed forward: actor, reference" in proc.stderr) == (
-        estimator != "reinforce_pp"), proc.stderr[-3000:]
+    # the policies' log-prob forwards run a group's prompt (or a shared prefix) once in one packed row
+    assert "shared prompts and prefixes in one packed forward: actor, reference" in proc.stderr, proc.stderr[-3000:]
     assert not (out / "final-critic").exists()
     AutoModelForCausalLM.from_pretrained(out / "final")
     rows = [r for r in read_metrics(out / "metrics.jsonl") if "reward/mean" in r]

@@ -7,6 +7,7 @@ import torch
 
 from rlhfkit.models import load_causal_lm, load_tokenizer
 from rlhfkit.models.forward import use_head_logprobs
+from rlhfkit.models.group_pack import group_packing, group_packing_gives_prefix_values, use_group_packing
 from rlhfkit.models.prefix import (MIN_COMMON_PREFIX, common_prefix_gives_full_values, common_prefix_outputs,
                                    common_prefix_span, use_common_prefix)
 from rlhfkit.models.lora import base_model
@@ -51,14 +52,16 @@ def _shared_batch(vocab: int, pad: int = 0) -> RolloutBatch:
                         response_mask=response_mask, prompt_texts=[""] * 4, response_texts=[""] * 4)
 
 
-@pytest.mark.parametrize("chunked", [True, False])
-def test_response_logprobs_with_the_shared_prefix_once_equal_the_plain_forward(tiny_model_dir, chunked):
+@pytest.mark.parametrize("chunked, packed", [(True, False), (False, False), (True, True)])
+def test_response_logprobs_with_the_shared_prefix_once_equal_the_plain_forward(tiny_model_dir, chunked, packed):
     """Log-probs (LM head in chunks on the hidden states, or the model's own logits), entropies and every gradient
-    of the actor's loss, with the 12 shared tokens through the model once instead of four times."""
+    of the actor's loss, with the 12 shared tokens through the model once instead of four times: by a KV cache
+    (two forwards), or in one packed row with each row's other real tokens (`packed`: one forward)."""
     tok = load_tokenizer(str(tiny_model_dir), padding_side="left")
     model = sharpened(load_causal_lm(str(tiny_model_dir), tokenizer=tok)).train()
     batch = _shared_batch(base_model(model).config.vocab_size, tok.pad_token_id)
     use_head_logprobs(model, chunked)
+    use_group_packing(model, packed)
     valid = batch.response_mask.bool()
     upstream = torch.randn(valid.shape, generator=torch.Generator().manual_seed(3))
     calls = []
@@ -78,17 +81,24 @@ def test_response_logprobs_with_the_shared_prefix_once_equal_the_plain_forward(t
     # the shared run as one row of 12 tokens, then each row from its own tokens on: the 16 + 5 - 1 columns (the
     # last response token predicts nothing) less the 12 of the row that starts earliest (row 1)
     assert plain[3] == [torch.Size([4, 21])]
-    assert shared[3] == [torch.Size([1, 12]), torch.Size([4, 8])]
+    # packed: the run once, then each row's other real tokens: 1 + 4 + 2 + 3 of the prompts and 4 + 2 + 4 + 3 of
+    # the responses (their real ones among the first 4 columns: the last column predicts nothing)
+    assert shared[3] == ([torch.Size([1, 12 + 10 + 13])] if packed else [torch.Size([1, 12]), torch.Size([4, 8])])
     torch.testing.assert_close(shared[0][valid], plain[0][valid], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(shared[1][valid], plain[1][valid], atol=1e-5, rtol=1e-5)
     _assert_grads_close(shared[2], plain[2])
     use_common_prefix(model, False)
     use_head_logprobs(model, False)
+    use_group_packing(model, False)
 
 
-def test_critic_values_with_the_shared_prefix_once_equal_the_plain_forward():
+@pytest.mark.parametrize("packed", [False, True])
+def test_critic_values_with_the_shared_prefix_once_equal_the_plain_forward(packed):
     critic = _scalar_model().train()
     batch = _shared_batch(97)
+    assert group_packing_gives_prefix_values(critic) is True  # the one-off check on a scalar model: its scores
+    use_group_packing(critic, packed)
+    assert group_packing(critic) == packed
     valid = batch.response_mask.bool()
     upstream = torch.randn(valid.shape, generator=torch.Generator().manual_seed(4))
 
@@ -103,6 +113,7 @@ def test_critic_values_with_the_shared_prefix_once_equal_the_plain_forward():
     torch.testing.assert_close(shared[0][valid], plain[0][valid], atol=1e-5, rtol=1e-5)
     _assert_grads_close(shared[1], plain[1])
     use_common_prefix(critic, False)
+    use_group_packing(critic, False)
 
 
 def test_it_declines_where_it_would_not_save_or_is_not_recorded(tiny_model_dir):

@@ -33,18 +33,24 @@ def _hand_batch():
     return prompt_ids, prompt_mask, response_ids, response_mask
 
 
+def _hand_layout() -> GroupPacking:
+    """`_hand_batch` as group_packed_hidden lays it out: the 2 prompts' real tokens, then each response but its last
+    valid token."""
+    _, _, response_ids, _ = _hand_batch()
+    return GroupPacking([torch.tensor([5, 6, 7]), torch.tensor([8, 9])], response_ids[:, :2], torch.tensor([2, 1, 2, 0]),
+                        torch.tensor([0, 0, 1, 1]))
+
+
 def test_the_packed_row_holds_each_prompt_once_then_each_response_but_its_last_token():
-    """Hand-made layout: tokens, positions (a response goes on from its prompt's real length), the row position
-    whose output predicts each response token, and what each response token attends to."""
-    prompt_ids, prompt_mask, response_ids, response_mask = _hand_batch()
-    layout = GroupPacking(prompt_ids, prompt_mask, response_ids, response_mask, torch.tensor([0, 2]),
-                          torch.tensor([0, 0, 1, 1]))
+    """Hand-made layout: tokens, positions (a tail goes on from its prefix's real length), where each row's real
+    tokens sit in the row, and what each tail token attends to."""
+    layout = _hand_layout()
     assert layout.input_ids.tolist() == [[5, 6, 7, 8, 9, 11, 12, 21, 31, 32]]
     assert layout.position_ids.tolist() == [[0, 1, 2, 0, 1, 3, 4, 3, 2, 3]]
-    assert layout.prompt_spans == [(0, 3), (3, 5)]
-    # token 0 of a row is predicted at its prompt's last token (2 or 4); token j at the row's response token j - 1;
-    # slots past a row's valid tokens point at its prompt's last token (finite values, masked by the caller)
-    assert layout.hidden_index.tolist() == [[2, 5, 6], [2, 7, 2], [4, 8, 9], [4, 4, 4]]
+    assert layout.prompt_spans == [(0, 3), (3, 5)] and layout.tail_start.tolist() == [5, 7, 8, 10]
+    # response token j of a row is predicted at its real token P - 1 + j: the prompt's last (2 or 4), then its own
+    rows, tokens = torch.arange(4)[:, None], torch.tensor([[2, 3, 4], [2, 3, 2], [1, 2, 3], [1, 1, 1]])
+    assert layout.position(rows, tokens).tolist() == [[2, 5, 6], [2, 7, 2], [4, 8, 9], [4, 4, 4]]
     assert layout.width == 2 and layout.slots.tolist() == [[True, True], [True, False], [True, True],
                                                             [False, False]]
     keys = layout.keys.view(4, 5).tolist()  # the prompt left-padded to 3, then the row's own 2 slots
@@ -141,7 +147,7 @@ def test_the_check_accepts_sdpa_llama_and_refuses_what_it_cannot_run():
     assert group_packing_gives_prefix_values(model) is True
     assert not group_pack.group_packing(model)
     assert group_packing_gives_prefix_values(_llama("eager")) is False
-    layout = GroupPacking(*_hand_batch(), torch.tensor([0, 2]), torch.tensor([0, 0, 1, 1]))
+    layout = _hand_layout()
     q = k = v = torch.randn(1, 2, 10, 8)
     with pytest.raises(NotImplementedError, match="softcap"):  # an option it does not apply: the check says False
         group_pack.group_packed_attention(None, q, k, v, None, rlhfkit_group_packing=layout, softcap=30.0)

@@ -32,7 +32,8 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import repeat_kv
 from transformers.masking_utils import AttentionMaskInterface
 
-from rlhfkit.models.forward import hidden_states
+from rlhfkit.models.forward import (final_hidden, hidden_states, position_ids, scalar_head, scalar_outputs,
+                                    token_scores)
 from rlhfkit.models.lora import attention_implementation, base_model
 from rlhfkit.models.segments import packed_row_tokens
 
@@ -42,49 +43,50 @@ _RECORD: "weakref.WeakKeyDictionary[torch.nn.Module, bool]" = weakref.WeakKeyDic
 
 
 class GroupPacking:
-    """Where each token of the packed row comes from and what it attends to, for B rows whose prompts are the U
-    distinct rows `first` of (prompt_ids, prompt_mask) (`inverse[i]`: row i's prompt).
+    """Where each token of the packed row comes from and what it attends to: U prefixes (`prefixes`, each its real
+    tokens), then B rows' tails (`tails` (B, L) left-aligned, `lengths` (B,) real tokens each; `owner[i]`: the prefix
+    row i continues). Each prefix attends causally within itself; a row's tail attends to its whole prefix and
+    causally to itself, at positions that go on from the prefix's length.
 
-    The row (length T): the U prompts' real tokens, then each row's response tokens but its last valid one (the
-    positions that predict response tokens 1 .. n_i - 1; token 0 is predicted from its prompt's last token). For
-    the attention of the responses, (B, L) query indices into the row (L: the longest response part), (B, W)
-    key indices (the row's prompt left-padded to the longest prompt P, then its own L), the (B, 1, L, W) mask
-    allowed, and the (B, L) real response slots. `hidden_index` (B, R): the row position whose output predicts
-    each response token (the prompt's last token where the response has no such token)."""
+    Attributes: the row (`input_ids`, `position_ids`, (1, T)); each prefix's (start, end) in it (`prompt_spans`),
+    each tail's start (`tail_start` (B,)); for the tails' attention, (B x L) query indices into the row, (B x W) key
+    indices (the row's prefix left-padded to the longest one, then its own L), the (B, 1, L, W) mask `allowed` and
+    the (B, L) real tail slots `slots`."""
 
-    def __init__(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, response_ids: torch.Tensor,
-                 response_mask: torch.Tensor, first: torch.Tensor, inverse: torch.Tensor):
-        device = prompt_ids.device
-        real = prompt_mask.bool()[first]  # (U, T_p)
-        prompt_len = real.sum(-1)
-        kept = (response_mask.long().sum(-1) - 1).clamp(min=0)  # response tokens fed in, per row
+    def __init__(self, prefixes: list[torch.Tensor], tails: torch.Tensor, lengths: torch.Tensor, owner: torch.Tensor):
+        device = tails.device
+        prompt_len = torch.tensor([p.numel() for p in prefixes], device=device)
         prompt_start = prompt_len.cumsum(0) - prompt_len
-        base = int(prompt_len.sum())
-        start = base + kept.cumsum(0) - kept
+        self.tail_start = int(prompt_len.sum()) + lengths.cumsum(0) - lengths
         self.prompt_spans = list(zip(prompt_start.tolist(), (prompt_start + prompt_len).tolist()))
-        self.rows, self.width = inverse.numel(), int(kept.max()) if kept.numel() else 0
+        self.prompt_start, self.prompt_len, self.owner = prompt_start, prompt_len, owner
+        self.rows, self.width = owner.numel(), tails.size(1)
         longest = int(prompt_len.max())
         columns = torch.arange(self.width, device=device)
-        self.slots = columns[None] < kept[:, None]  # (B, L)
-        where = start[:, None] + columns[None]
-        own_len = prompt_len[inverse]
-        ids = torch.cat([prompt_ids[first][real], response_ids[:, :self.width][self.slots]])
-        prompt_positions = real.long().cumsum(-1)[real] - 1
-        positions = torch.cat([prompt_positions, (own_len[:, None] + columns[None]).expand_as(where)[self.slots]])
+        self.slots = columns[None] < lengths[:, None]  # (B, L)
+        where = self.tail_start[:, None] + columns[None]
+        own_len = prompt_len[owner]
+        ids = torch.cat([*prefixes, tails[self.slots]])
+        positions = torch.cat([*(torch.arange(n, device=device) for n in prompt_len.tolist()),
+                               (own_len[:, None] + columns[None]).expand_as(where)[self.slots]])
         self.input_ids, self.position_ids = ids[None], positions[None]
-        last = (prompt_start + prompt_len - 1)[inverse]  # (B,) each row's prompt's last token
+        last = (prompt_start + prompt_len - 1)[owner]  # (B,) each row's prefix's last token
         self.queries = torch.where(self.slots, where, last[:, None]).flatten()
-        lead = longest - own_len  # left padding of each row's prompt keys
+        lead = longest - own_len  # left padding of each row's prefix keys
         prompt_cols = torch.arange(longest, device=device)
         prompt_real = prompt_cols[None] >= lead[:, None]
-        prompt_keys = (prompt_start[inverse][:, None] + prompt_cols[None] - lead[:, None]).masked_fill(~prompt_real, 0)
+        prompt_keys = (prompt_start[owner][:, None] + prompt_cols[None] - lead[:, None]).masked_fill(~prompt_real, 0)
         self.keys = torch.cat([prompt_keys, where.masked_fill(~self.slots, 0)], dim=1).flatten()
         self.key_width = longest + self.width
         causal = (columns[:, None] >= columns[None, :])[None] & self.slots[:, None, :]  # (B, L, L)
         self.allowed = torch.cat([prompt_real[:, None, :].expand(-1, self.width, -1), causal], dim=2)[:, None]
-        steps = torch.arange(response_ids.size(1), device=device)[None]
-        own = (where[:, :1] + steps - 1) if self.width else torch.zeros_like(steps).expand(self.rows, -1)
-        self.hidden_index = torch.where((steps >= 1) & (steps - 1 < kept[:, None]), own, last[:, None])
+
+    def position(self, row: torch.Tensor, token: torch.Tensor) -> torch.Tensor:
+        """The row position of token `token` (its index among row `row`'s real tokens, its prefix's first) of row
+        `row`; broadcast shapes."""
+        prefix_len = self.prompt_len[self.owner][row]
+        return torch.where(token < prefix_len, self.prompt_start[self.owner][row] + token,
+                           self.tail_start[row] + token - prefix_len)
 
 
 def group_packed_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask,
@@ -138,29 +140,75 @@ def packable(model) -> bool:
     return packed_row_tokens(model, inference=not base_model(model).training) is not None
 
 
+def packed_forward(model, layout: GroupPacking, kind: str = "hidden") -> torch.Tensor:
+    """(T, H) hidden states the LM head reads at every position of the packed row (`kind` "hidden"), or (T,) a scalar
+    model's outputs ("scores")."""
+    kwargs = dict(input_ids=layout.input_ids, position_ids=layout.position_ids, attention_mask=None, use_cache=False,
+                  rlhfkit_group_packing=layout)
+    with attention_implementation(model, NAME):
+        return (scalar_outputs(model, **kwargs) if kind == "scores" else hidden_states(model, **kwargs))[0]
+
+
 def group_packed_hidden(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, response_ids: torch.Tensor,
                         response_mask: torch.Tensor, first: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor | None:
     """(B, R, H) hidden states the LM head reads to predict each response token, from one forward of the packed
-    row (`GroupPacking`); None where the rows do not fit it (an empty prompt, a response mask with holes)."""
+    row: the distinct prompts (rows `first`) as prefixes, each row's response but its last valid token as its tail
+    (token 0 is predicted at its prompt's last token). None where the rows do not fit it (an empty prompt, a
+    response mask with holes)."""
     prompt_real = prompt_mask.bool()[first]
     valid = response_mask.bool()
     count = valid.long().sum(-1)
     steps = torch.arange(valid.size(1), device=valid.device)[None]
     if not bool(prompt_real.any(-1).all()) or not torch.equal(valid, steps < count[:, None]):
         return None
-    layout = GroupPacking(prompt_ids, prompt_mask, response_ids, response_mask, first, inverse)
-    with attention_implementation(model, NAME):
-        flat = hidden_states(model, input_ids=layout.input_ids, position_ids=layout.position_ids,
-                             attention_mask=None, use_cache=False, rlhfkit_group_packing=layout)
-    return flat[0][layout.hidden_index]
+    fed = (count - 1).clamp(min=0)
+    width = int(fed.max()) if fed.numel() else 0
+    prefixes = [ids[real] for ids, real in zip(prompt_ids[first], prompt_real)]
+    layout = GroupPacking(prefixes, response_ids[:, :width], fed, inverse)
+    flat = packed_forward(model, layout)
+    # response token j is predicted at the row's real token P_i - 1 + j, where it has one (else at its prompt's last)
+    prompt_len = layout.prompt_len[inverse][:, None]
+    token = prompt_len - 1 + torch.where(steps <= fed[:, None], steps, torch.zeros_like(steps))
+    return flat[layout.position(torch.arange(layout.rows, device=steps.device)[:, None], token)]
+
+
+def contiguous_rows(attention_mask: torch.Tensor) -> bool:
+    """Whether every row's real tokens are one run (left padding, tokens, right padding), as rollout rows are."""
+    real = attention_mask.bool()
+    starts = (~real).long().cumprod(-1).sum(-1)
+    columns = torch.arange(real.size(1), device=real.device)[None]
+    return torch.equal(real, (columns >= starts[:, None]) & (columns < (starts + real.long().sum(-1))[:, None]))
+
+
+def common_prefix_packed(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, length: int, keep: int,
+                         kind: str) -> torch.Tensor:
+    """`prefix.common_prefix_outputs`' result from one forward of the packed row: the `length` tokens every row
+    begins with once as the prefix, each row's other real tokens as its tail. (B, keep, H) hidden states or
+    (B, keep) scores at the last `keep` columns of the left-padded (B, T) rows; padding columns there hold the
+    output at the row's first token (finite; the callers mask them)."""
+    real = attention_mask.bool()
+    counts = real.long().sum(-1)
+    starts = (~real).long().cumprod(-1).sum(-1)  # left padding of each row
+    run = input_ids[0, int(starts[0]):int(starts[0]) + length]
+    lengths = counts - length
+    width = int(lengths.max())
+    columns = torch.arange(width, device=input_ids.device)[None]
+    tails = input_ids.gather(1, (starts[:, None] + length + columns).clamp(max=input_ids.size(1) - 1))
+    layout = GroupPacking([run], tails, lengths, torch.zeros_like(counts))
+    flat = packed_forward(model, layout, kind)
+    column = torch.arange(input_ids.size(1) - keep, input_ids.size(1), device=input_ids.device)[None]
+    token = torch.where(real[:, -keep:], column - starts[:, None], torch.zeros_like(column))
+    return flat[layout.position(torch.arange(layout.rows, device=column.device)[:, None], token)]
 
 
 @torch.no_grad()
 def group_packing_gives_prefix_values(model, rtol: float = 1e-4) -> bool:
-    """Whether `group_packed_hidden` gives the two-forward path's hidden states (`prefix.shared_prefix_logits`),
-    checked on 2 prompts (one left-padded) x 2 samples of random ids, one response cut short by EOS. False where
-    the model cannot run it (`packable`), or its attention takes options this path does not apply or does not
-    receive the forward's keyword arguments."""
+    """Whether the packed row gives what the two-forward paths give, checked on random ids: for a causal LM,
+    `group_packed_hidden` against `prefix.shared_prefix_logits`' hidden states (2 prompts, one left-padded, x 2
+    samples, one response cut short by EOS) and `common_prefix_packed` against the plain forward's hidden states;
+    for a scalar model (a critic), `common_prefix_packed`'s scores against the plain forward's (3 rows sharing a
+    run, two left-padded, one ending in padding). False where the model cannot run it (`packable`), or its
+    attention takes options this path does not apply or does not receive the forward's keyword arguments."""
     from rlhfkit.models.prefix import shared_prefix_logits  # prefix.py calls into this module
 
     if not packable(model):
@@ -168,19 +216,38 @@ def group_packing_gives_prefix_values(model, rtol: float = 1e-4) -> bool:
     inner = base_model(model)
     device = next(inner.parameters()).device
     vocab = getattr(inner.config, "vocab_size", None) or 2
-    prompt_ids = (torch.arange(10, device=device).view(2, 5) * 5 + 3).remainder(vocab).repeat_interleave(2, 0)
-    prompt_mask = torch.ones_like(prompt_ids)
-    prompt_mask[2:, :2] = 0  # the second prompt: 3 tokens after left padding
-    response_ids = (torch.arange(16, device=device).view(4, 4) * 11 + 7).remainder(vocab)
-    response_mask = torch.ones_like(response_ids)
-    response_mask[1, 2:] = 0
+    scalar = scalar_head(model) is not None
+    ids = (torch.arange(3 * 12, device=device).view(3, 12) * 7 + 3).remainder(vocab)
+    mask = torch.ones_like(ids)
+    for row, pad in enumerate((0, 2, 3)):  # a 6-token run every row begins with, after its left padding
+        ids[row, pad:pad + 6] = (torch.arange(6, device=device) * 5 + 1).remainder(vocab)
+        mask[row, :pad] = 0
+    mask[0, -2:] = 0  # the first row ends early
+    keep = 4
     was_training, recorded = inner.training, _RECORD.get(inner)
     model.eval()
-    _RECORD[inner] = False  # the reference values: the two forwards
+    _RECORD[inner] = False  # the reference values: the usual forwards
     try:
-        expected = shared_prefix_logits(model, prompt_ids, prompt_mask, response_ids, response_mask, hidden=True)
-        first, inverse = torch.tensor([0, 2], device=device), torch.tensor([0, 0, 1, 1], device=device)
-        got = group_packed_hidden(model, prompt_ids, prompt_mask, response_ids, response_mask, first, inverse)
+        real = mask[:, -keep:].bool()
+        if scalar:
+            got = common_prefix_packed(model, ids, mask, 6, keep, "scores")[real]
+            expected = token_scores(model, ids, mask)[:, -keep:][real]
+        else:
+            got = common_prefix_packed(model, ids, mask, 6, keep, "hidden")[real]
+            expected = final_hidden(model, ids, mask, position_ids(mask))[:, -keep:][real]
+            prompt_ids = (torch.arange(10, device=device).view(2, 5) * 5 + 3).remainder(vocab).repeat_interleave(2, 0)
+            prompt_mask = torch.ones_like(prompt_ids)
+            prompt_mask[2:, :2] = 0  # the second prompt: 3 tokens after left padding
+            response_ids = (torch.arange(16, device=device).view(4, 4) * 11 + 7).remainder(vocab)
+            response_mask = torch.ones_like(response_ids)
+            response_mask[1, 2:] = 0
+            shared = shared_prefix_logits(model, prompt_ids, prompt_mask, response_ids, response_mask, hidden=True)
+            first, inverse = torch.tensor([0, 2], device=device), torch.tensor([0, 0, 1, 1], device=device)
+            packed = group_packed_hidden(model, prompt_ids, prompt_mask, response_ids, response_mask, first, inverse)
+            if shared is None or packed is None:
+                return False
+            valid = response_mask.bool()
+            got, expected = torch.cat([got, packed[valid]]), torch.cat([expected, shared[valid]])
     except (NotImplementedError, RuntimeError, TypeError):
         return False
     finally:
@@ -189,7 +256,4 @@ def group_packing_gives_prefix_values(model, rtol: float = 1e-4) -> bool:
             _RECORD.pop(inner, None)
         else:
             _RECORD[inner] = recorded
-    if expected is None or got is None:
-        return False
-    valid = response_mask.bool()
-    return bool(torch.allclose(got[valid].float(), expected[valid].float(), rtol=rtol, atol=rtol))
+    return bool(torch.allclose(got.float(), expected.float(), rtol=rtol, atol=rtol))

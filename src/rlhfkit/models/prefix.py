@@ -18,7 +18,7 @@ from transformers.cache_utils import DynamicCache, DynamicLayer
 
 from rlhfkit.models.forward import (cache_kwargs, decoder_outputs, final_hidden, hidden_states, position_ids,
                                     scalar_head, scalar_outputs, token_scores)
-from rlhfkit.models.group_pack import group_packed_hidden, group_packing
+from rlhfkit.models.group_pack import common_prefix_packed, contiguous_rows, group_packed_hidden, group_packing
 from rlhfkit.models.lora import base_model, checkpointed
 
 
@@ -208,6 +208,8 @@ def _common_prefix_outputs(model, input_ids: torch.Tensor, attention_mask: torch
     if cache is None:
         return None
     start, length, full_mask = layout
+    if kind != "logits" and group_packing(model) and contiguous_rows(attention_mask):  # one forward, not two
+        return common_prefix_packed(model, input_ids, attention_mask, length, keep, kind)
     rows, cut = input_ids.size(0), input_ids.size(1) - full_mask.size(1) + length
     cache.layers = [PrefixLayer() for _ in cache.layers]
     positions = torch.arange(length, device=input_ids.device)[None]
@@ -252,7 +254,9 @@ def common_prefix_outputs(model, input_ids: torch.Tensor, attention_mask: torch.
     tokens of "What is 3 + 4?"), so a rollout's rows often share most of their prompt. The shared run goes
     through the model once, as one row, filling the KV cache; the cache is broadcast to every row and the rest of
     each row runs against it, with the positions it has in the full row. Gradients flow through the broadcast
-    into the prefix's forward, so values and gradients equal the full forward's (up to float rounding).
+    into the prefix's forward, so values and gradients equal the full forward's (up to float rounding). Where
+    recorded for the model (`group_pack.group_packing`; "hidden" and "scores"), the run and every row's other real
+    tokens are one packed row instead: one forward, no padding (`group_pack.common_prefix_packed`).
 
     None, and the caller runs its usual forward, when not recorded for `model` (`use_common_prefix`: off where a
     forward is a collective across ranks, ZeRO-3, since ranks would differ in how many forwards they run), when

@@ -162,12 +162,14 @@ def load_ppo_models(cfg: PPOConfig, tokenizer, engine, total_updates: int) -> PP
         engine)]
     if packing:
         notes.append(f"padding-free forwards: {', '.join(dict.fromkeys(packing))}")
-    # groups of samples: the policies' response hidden states from one packed row of prompts and responses
-    grouped = [name for name, m in (("actor", actor.module), ("reference", reference))
-               if m is not None and chunked.get(id(m)) and cfg.ppo.n_samples_per_prompt > 1
+    # a group's prompt, or the template's run every row begins with, once in one packed row with the rest: the
+    # policies' response hidden states (where the head runs in chunks) and the critic's values
+    packable = (("actor", actor.module, chunked.get(id(actor.module))), ("critic", critic.module if critic else None,
+                True), ("reference", reference, chunked.get(id(reference))))
+    grouped = [name for name, m, reads in packable if m is not None and reads
                and choose_group_packing(m, cfg.ppo.packing, cfg.engine.precision, engine)]
     if grouped:
-        notes.append(f"prompts and their samples in one packed forward: {', '.join(grouped)}")
+        notes.append(f"shared prompts and prefixes in one packed forward: {', '.join(grouped)}")
     shared = [name for name, m in models[:3] if m is not None and choose_common_prefix(
         m, cfg.ppo.shared_prefix, cfg.engine.precision, engine)]
     if shared:
