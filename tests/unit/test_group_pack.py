@@ -37,8 +37,8 @@ def _hand_layout() -> GroupPacking:
     """`_hand_batch` as group_packed_hidden lays it out: the 2 prompts' real tokens, then each response but its last
     valid token."""
     _, _, response_ids, _ = _hand_batch()
-    return GroupPacking([torch.tensor([5, 6, 7]), torch.tensor([8, 9])], response_ids[:, :2], torch.tensor([2, 1, 2, 0]),
-                        torch.tensor([0, 0, 1, 1]))
+    return GroupPacking([torch.tensor([5, 6, 7]), torch.tensor([8, 9])], response_ids[:, :2],
+                        torch.tensor([2, 1, 2, 0]), torch.tensor([0, 0, 1, 1]))
 
 
 def test_the_packed_row_holds_each_prompt_once_then_each_response_but_its_last_token():
