@@ -1,4 +1,4 @@
-"""One packed forward for rows that share prompts: each distinct prompt once, then every row's response, in one row.
+"""One packed forward for rows that share a prompt or a prefix: each shared part once, then the rest of every row.
 
 GRPO, RLOO and the other group estimators score G responses of each prompt. `prefix.shared_prefix_logits` computes
 each prompt once with two forwards: the distinct prompts fill a KV cache, then the responses run against it, every
@@ -129,8 +129,8 @@ AttentionMaskInterface.register(NAME, lambda *args, **kwargs: None)  # the atten
 
 
 def use_group_packing(model, on: bool) -> None:
-    """Record for `model` whether its forwards over rows that share prompts run as one packed row
-    (`group_packed_hidden`); decided once per run (`stages.common.choose_group_packing`)."""
+    """Record for `model` whether its forwards over rows that share a prompt (`group_packed_hidden`) or a template's
+    run (`common_prefix_packed`) take one packed row; decided once per run (`stages.common.choose_group_packing`)."""
     _RECORD[base_model(model)] = on
 
 

@@ -190,8 +190,9 @@ def choose_padding_free(model, setting: bool | None, precision: str, engine) -> 
 
 
 def choose_group_packing(model, setting: bool | None, precision: str, engine) -> bool:
-    """Decide once per run whether `model`'s forwards over rows that share prompts (groups of samples) run the
-    prompts and responses as one packed row (`group_pack.group_packed_hidden`; the `ppo.packing` setting: null = on
+    """Decide once per run whether `model`'s forwards over rows that share prompts (groups of samples) or a
+    template's run take one packed row (`group_pack.group_packed_hidden`, `group_pack.common_prefix_packed`; the
+    `ppo.packing` setting: null = on
     where the model is held whole on every rank and `group_pack.group_packing_gives_prefix_values` finds the
     two-forward path's values on every rank), and record it for the loops (`group_pack.use_group_packing`). Never
     under ZeRO-3: there every forward is a collective, and a rank whose rows fell back to two forwards would hang
