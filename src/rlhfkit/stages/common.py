@@ -192,11 +192,10 @@ def choose_padding_free(model, setting: bool | None, precision: str, engine) -> 
 def choose_group_packing(model, setting: bool | None, precision: str, engine) -> bool:
     """Decide once per run whether `model`'s forwards over rows that share prompts (groups of samples) or a
     template's run take one packed row (`group_pack.group_packed_hidden`, `group_pack.common_prefix_packed`; the
-    `ppo.packing` setting: null = on
-    where the model is held whole on every rank and `group_pack.group_packing_gives_prefix_values` finds the
-    two-forward path's values on every rank), and record it for the loops (`group_pack.use_group_packing`). Never
-    under ZeRO-3: there every forward is a collective, and a rank whose rows fell back to two forwards would hang
-    the others."""
+    `ppo.packing` setting: null = on where the model is held whole on every rank and
+    `group_pack.group_packing_gives_prefix_values` finds the two-forward paths' values on every rank), and record it
+    for the loops (`group_pack.use_group_packing`). Never under ZeRO-3: there every forward is a collective, and a
+    rank whose rows fell back to two forwards would hang the others."""
     on = _agreed(model, setting, group_packing_gives_prefix_values, precision, engine)
     use_group_packing(model, on)
     return on
