@@ -204,12 +204,14 @@ def _common_prefix_outputs(model, input_ids: torch.Tensor, attention_mask: torch
                            kind: str) -> torch.Tensor | None:
     """`common_prefix_outputs` without the per-run record (the check `common_prefix_gives_full_values` uses it)."""
     layout = common_prefix_layout(input_ids, attention_mask, keep) if shares_prefixes(model) else None
-    cache = full_attention_cache(model) if layout is not None else None
-    if cache is None:
+    if layout is None:
         return None
     start, length, full_mask = layout
-    if kind != "logits" and group_packing(model) and contiguous_rows(attention_mask):  # one forward, not two
+    if kind != "logits" and group_packing(model) and contiguous_rows(attention_mask):  # one forward, no cache
         return common_prefix_packed(model, input_ids, attention_mask, length, keep, kind)
+    cache = full_attention_cache(model)
+    if cache is None:
+        return None
     rows, cut = input_ids.size(0), input_ids.size(1) - full_mask.size(1) + length
     cache.layers = [PrefixLayer() for _ in cache.layers]
     positions = torch.arange(length, device=input_ids.device)[None]
