@@ -191,23 +191,25 @@ def _cpu() -> str:
         return platform.processor() or platform.machine()
 
 
-def build(folder: Path | None = None) -> Path:
-    """Compile `SOURCE` into the cache (once per source, flags, compiler and CPU); returns the library's path.
-    Raises RuntimeError when no compiler runs or it fails."""
+def build(folder: Path | None = None, source: str | None = None, flags: list[str] | None = None,
+          name: str = "rlhfkit_kernels") -> Path:
+    """Compile `source` (default `SOURCE`, with `FLAGS`) into the cache as `name`_<hash>.so (once per source,
+    flags, compiler and CPU); returns the library's path. Raises RuntimeError when no compiler runs or it fails."""
+    source, flags = (SOURCE if source is None else source), (FLAGS if flags is None else flags)
     compiler = _compiler()
     if compiler is None:
         raise RuntimeError("no C compiler found ($CC, cc, gcc or clang)")
-    key = hashlib.sha256("\0".join([SOURCE, " ".join(FLAGS), compiler, _cpu()]).encode()).hexdigest()[:16]
+    key = hashlib.sha256("\0".join([source, " ".join(flags), compiler, _cpu()]).encode()).hexdigest()[:16]
     folder = folder or cache_dir()
-    path = folder / f"rlhfkit_kernels_{key}.so"
+    path = folder / f"{name}_{key}.so"
     if path.is_file():
         return path
     folder.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=folder) as tmp:  # ranks building at once each write their own, then swap
-        source, target = Path(tmp) / "kernels.c", Path(tmp) / path.name
-        source.write_text(SOURCE)
+        file, target = Path(tmp) / f"{name}.c", Path(tmp) / path.name
+        file.write_text(source)
         try:
-            done = subprocess.run([compiler, *FLAGS, str(source), "-o", str(target), "-lm"], capture_output=True,
+            done = subprocess.run([compiler, *flags, str(file), "-o", str(target), "-lm"], capture_output=True,
                                   text=True, timeout=BUILD_TIMEOUT_S)
         except subprocess.TimeoutExpired:
             raise RuntimeError(f"{Path(compiler).name} took more than {BUILD_TIMEOUT_S} s") from None

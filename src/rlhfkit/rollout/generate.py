@@ -9,6 +9,7 @@ from rlhfkit.config.ppo_schema import GenConfig
 from rlhfkit.data.templates import end_token_ids
 from rlhfkit.data.tokenize import pad_sequences
 from rlhfkit.models.cpu_linear import packed_weights
+from rlhfkit.models.decode_gemm import streaming_decode
 from rlhfkit.models.forward import cache_kwargs, pack_padded, padding_free, returned_cache, unpack_states
 from rlhfkit.models.prefix import (common_prefix_layout, contiguous_groups, full_attention_cache, shares_common_prefix,
                                    unique_rows)
@@ -362,8 +363,9 @@ def generate_rollout(model, engine, tokenizer, rows: list[dict], cfg: GenConfig,
     Prompts are left-padded so new tokens are appended at the same column for every row; positions come from
     the attention mask, so padding does not shift them. Under ZeRO-3 `engine.gathered` collects the
     parameters once for the whole call instead of once per token (TRL PR #1483) and hands back the plain
-    model, without DeepSpeed's hooks, to decode with. The batch carries the sampled tokens' log-probabilities
-    (`sample_logprobs`, 0 after EOS).
+    model, without DeepSpeed's hooks, to decode with. On a CPU the decode steps' linear layers run on oneDNN's
+    packed weights (`cpu_linear.packed_weights`, AMD) or the streaming kernel (`decode_gemm.streaming_decode`,
+    AVX-512). The batch carries the sampled tokens' log-probabilities (`sample_logprobs`, 0 after EOS).
     """
     device = engine.device
     pad_id = tokenizer.pad_token_id
@@ -378,7 +380,7 @@ def generate_rollout(model, engine, tokenizer, rows: list[dict], cfg: GenConfig,
     was_training = model.training
     model.eval()  # no gradient-checkpointing path (it turns the KV cache off)
     try:
-        with engine.gathered(model) as generator, packed_weights(generator):
+        with engine.gathered(model) as generator, packed_weights(generator), streaming_decode(generator):
             response_ids, logprobs = sample_tokens(generator, prompt_ids, prompt_mask, cfg, eos_ids, pad_id, greedy,
                                                    synced)
     finally:
