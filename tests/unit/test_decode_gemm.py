@@ -180,3 +180,21 @@ def test_a_rollout_decodes_through_it_with_mkls_tokens_and_log_probs(switched, t
     assert fast.response_ids.tolist() == plain.response_ids.tolist()
     torch.testing.assert_close(fast.sample_logprobs, plain.sample_logprobs, rtol=1e-4, atol=1e-5)
     assert all(type(m) is not DecodeLinear for m in model.modules())
+
+
+def test_a_failing_build_leaves_decoding_on_mkl_with_one_message(monkeypatch, tmp_path, capsys):
+    monkeypatch.setenv("RLHFKIT_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(kernels, "_STATE", {"on": True, "lib": None, "failed": False, "pool": None})
+    monkeypatch.setattr(decode_gemm, "_STATE", {"lib": None, "failed": False})
+    monkeypatch.setattr(decode_gemm, "FLAGS", [*decode_gemm.FLAGS, "-Wl,--no-such-linker-option"])
+    model = torch.nn.Sequential(torch.nn.Linear(256, 256))
+    x = torch.randn(2, 256)
+    with streaming_decode(model) as n, torch.no_grad():
+        assert n == 0 and type(model[0]) is torch.nn.Linear
+        torch.testing.assert_close(model(x), F.linear(x, model[0].weight, model[0].bias))
+    with streaming_decode(model) as n:
+        assert n == 0
+    assert not takes(x, model[0].weight, None)
+    err = capsys.readouterr().err
+    assert err.count("rlhfkit: decoding GEMM kernel unavailable") == 1 and "decoding uses MKL" in err
+    assert not list(tmp_path.glob("kernels/*.so"))

@@ -28,8 +28,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import sys
-import threading
 
 import torch
 import torch.nn.functional as F
@@ -120,29 +118,20 @@ void decode_gemm(const float *x, int64_t xs, const float *w, const float *b, flo
 """
 
 _STATE: dict = {"lib": None, "failed": False}
-_LOCK = threading.Lock()
 _P, _I = ctypes.c_void_p, ctypes.c_int64
+
+
+def _load():
+    lib = ctypes.CDLL(str(kernels.build(source=SOURCE, flags=FLAGS, name="rlhfkit_decode_gemm")))
+    lib.decode_gemm.argtypes = [_P, _I, _P, _P, _P, _I, _I, _I, _I, ctypes.c_int]
+    lib.decode_gemm.restype = None
+    lib.decode_gemm_ready.restype = ctypes.c_int
+    return lib if lib.decode_gemm_ready() else None  # built without AVX-512: MKL, silently
 
 
 def _library():
     """The loaded library, or None where it cannot be built or loaded (said once) or the CPU lacks AVX-512."""
-    if _STATE["lib"] is None and not _STATE["failed"]:
-        with _LOCK:
-            if _STATE["lib"] is None and not _STATE["failed"]:
-                try:
-                    lib = ctypes.CDLL(str(kernels.build(source=SOURCE, flags=FLAGS, name="rlhfkit_decode_gemm")))
-                    lib.decode_gemm.argtypes = [_P, _I, _P, _P, _P, _I, _I, _I, _I, ctypes.c_int]
-                    lib.decode_gemm.restype = None
-                    lib.decode_gemm_ready.restype = ctypes.c_int
-                    if lib.decode_gemm_ready():
-                        _STATE["lib"] = lib
-                    else:  # no AVX-512: MKL, silently (nothing is wrong)
-                        _STATE["failed"] = True
-                except (OSError, RuntimeError, AttributeError) as exc:
-                    _STATE["failed"] = True
-                    print(f"rlhfkit: the decoding GEMM kernel is unavailable ({exc}); decoding uses MKL "
-                          f"(engine.fused_kernels=false silences this)", file=sys.stderr)
-    return _STATE["lib"]
+    return kernels.load_once(_STATE, _load, "decoding GEMM kernel", "decoding uses MKL")
 
 
 def available() -> bool:

@@ -219,21 +219,33 @@ def build(folder: Path | None = None, source: str | None = None, flags: list[str
     return path
 
 
+def load_once(state: dict, load, what: str, instead: str):
+    """`state["lib"]`: the library `load()` returns, made once per process (checked again under the lock, so
+    threads do not build it twice); None when `load()` returns None (nothing to say: a CPU it is not for) or fails
+    (said once on stderr: "rlhfkit: `what` unavailable (why); `instead`")."""
+    if state["lib"] is None and not state["failed"]:
+        with _LOCK:
+            if state["lib"] is None and not state["failed"]:
+                try:
+                    state["lib"] = load()
+                    state["failed"] = state["lib"] is None
+                except (OSError, RuntimeError, AttributeError) as exc:
+                    state["failed"] = True
+                    print(f"rlhfkit: {what} unavailable ({exc}); {instead} (engine.fused_kernels=false silences "
+                          f"this)", file=sys.stderr)
+    return state["lib"]
+
+
+def _load():
+    lib = ctypes.CDLL(str(build()))
+    for name, argtypes in _SIGNATURES.items():
+        getattr(lib, name).argtypes, getattr(lib, name).restype = argtypes, None
+    return lib
+
+
 def _library():
     """The loaded library, or None where it cannot be built or loaded (said once, on stderr)."""
-    if _STATE["lib"] is None and not _STATE["failed"]:
-        with _LOCK:
-            if _STATE["lib"] is None and not _STATE["failed"]:
-                try:
-                    lib = ctypes.CDLL(str(build()))
-                    for name, argtypes in _SIGNATURES.items():
-                        getattr(lib, name).argtypes, getattr(lib, name).restype = argtypes, None
-                    _STATE["lib"] = lib
-                except (OSError, RuntimeError, AttributeError) as exc:
-                    _STATE["failed"] = True
-                    print(f"rlhfkit: fused CPU kernels unavailable ({exc}); using PyTorch's operators "
-                          f"(engine.fused_kernels=false silences this)", file=sys.stderr)
-    return _STATE["lib"]
+    return load_once(_STATE, _load, "fused CPU kernels", "using PyTorch's operators")
 
 
 def usable(*tensors: torch.Tensor, width: int | None = None) -> bool:
