@@ -198,3 +198,28 @@ def test_a_failing_build_leaves_decoding_on_mkl_with_one_message(monkeypatch, tm
     err = capsys.readouterr().err
     assert err.count("rlhfkit: decoding GEMM kernel unavailable") == 1 and "decoding uses MKL" in err
     assert not list(tmp_path.glob("kernels/*.so"))
+
+
+def test_a_lora_model_decodes_with_its_adapter_through_the_kernel(switched):
+    """peft's LoRA layers keep working with their base layer (and A factor) switched: the adapter's output is
+    added as before, and the wrapped model's decode-step logits equal MKL's to float rounding."""
+    from rlhfkit.config.schema import LoraConfig
+    from rlhfkit.demo.tiny import build_tiny_llama
+    from rlhfkit.models.lora import apply_lora
+
+    model = apply_lora(build_tiny_llama(300, hidden=256, layers=2, heads=4), LoraConfig(rank=4)).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.5)  # an adapter that changes the output (B starts at zero)
+        ids = torch.randint(3, 300, (3, 1), generator=torch.Generator().manual_seed(0))
+        plain = model(input_ids=ids).logits
+        with streaming_decode(model) as n:
+            assert n > 0
+            switched_types = {type(m).__name__ for m in model.modules() if isinstance(m, torch.nn.Linear)}
+            fast = model(input_ids=ids).logits
+        with model.disable_adapter():
+            base = model(input_ids=ids).logits
+    assert "DecodeLinear" in switched_types
+    torch.testing.assert_close(fast, plain, rtol=1e-4, atol=1e-5)
+    assert float((plain - base).abs().max()) > 1e-2  # the adapter is in the compared output

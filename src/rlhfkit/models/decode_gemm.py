@@ -177,7 +177,7 @@ class DecodeLinear(torch.nn.Linear):
 
 def decode_layers(model: torch.nn.Module) -> list[torch.nn.Linear]:
     """The layers `streaming_decode` switches: plain float32 CPU `nn.Linear`s with at least `kernels.MIN_WIDTH`
-    inputs (LoRA's base layers among them; its rank-r factors are too narrow)."""
+    inputs (LoRA's base layers and A factors among them; its B factors, r inputs wide, are not)."""
     return [m for m in model.modules() if type(m) is torch.nn.Linear and m.in_features >= kernels.MIN_WIDTH
             and m.weight.device.type == "cpu" and m.weight.dtype == torch.float32]
 
