@@ -4,6 +4,10 @@
 .PHONY: demo test test-fast test-real install
 
 PYTEST = .venv/bin/python -m pytest -q -p no:cacheprovider --durations=15
+# The fast suite runs on TEST_WORKERS pytest-xdist workers (each test on one thread, conftest.py); the tests that
+# launch several ranks share one group (`xdist_group("ranks")`), so at most one such launch runs at a time.
+# TEST_WORKERS=0 runs it in one process. The real-model tier stays in one process (its models use 2 threads).
+TEST_WORKERS ?= 2
 
 install:
 	./scripts/bootstrap.sh
@@ -14,7 +18,7 @@ demo: install
 test: test-fast test-real
 
 test-fast: install
-	$(PYTEST) -m "not real" $(PYTEST_ARGS)
+	$(PYTEST) -n $(TEST_WORKERS) --dist loadgroup -m "not real" $(PYTEST_ARGS)
 
 test-real: install
 	$(PYTEST) -m real tests/real $(PYTEST_ARGS)

@@ -105,12 +105,14 @@ class ChatModel:
 
 
 def side_by_side(left_title: str, left: str, right_title: str, right: str, width: int) -> str:
-    """Two texts in two wrapped columns under their titles, separated by ' | '."""
+    """Two texts in two wrapped columns under their one-line titles, separated by ' | '. A title longer than its
+    column keeps its end (a model folder's path differs from the other's at the end, not at the start)."""
     col = max(10, (width - 3) // 2)
 
     def lines(title: str, text: str) -> list[str]:
         body = [w for para in (text or "(empty)").splitlines() for w in (textwrap.wrap(para, col) or [""])]
-        return textwrap.wrap(title, col) + ["-" * min(col, max(len(title), 3))] + body
+        title = title if len(title) <= col else "…" + title[-(col - 1):]
+        return [title, "-" * min(col, max(len(title), 3))] + body
 
     a, b = lines(left_title, left), lines(right_title, right)
     a += [""] * (len(b) - len(a))

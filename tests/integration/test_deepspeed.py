@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM
 
 from conftest import PLAIN_SPLIT, ROOT, check_pinned, read_metrics, run_cli, series_of, sft_rows, write_jsonl
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("ranks")]  # one multi-rank launch at a time under xdist
 
 
 def launch(*args, nproc=2, launcher="torchrun", timeout=600):

@@ -17,7 +17,7 @@ import torch
 
 from conftest import ROOT, read_metrics, sft_rows, write_jsonl
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("ranks")]  # one multi-rank launch at a time under xdist
 
 ENTRY = ROOT / "tests" / "integration" / "poisoned_rank.py"
 STEPS, BAD_STEP, LR, WARMUP = 5, 3, 1e-2, 20

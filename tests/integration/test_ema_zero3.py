@@ -5,6 +5,8 @@ import pytest
 from safetensors.torch import load_file
 from test_deepspeed import launch
 
+pytestmark = pytest.mark.xdist_group("ranks")  # one multi-rank launch at a time under xdist
+
 
 def ppo_with_ema(out, ppo_world, stage):
     res = launch("ppo", f"actor={ppo_world / 'sft' / 'final'}", f"reward={ppo_world / 'rewards.py'}:four_words",

@@ -25,7 +25,7 @@ from rlhfkit.cli import main as cli_main
 from conftest import ROOT, check_pinned, read_metrics, series_of, sft_rows, write_jsonl
 from test_deepspeed import _pairs
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("ranks")]  # one multi-rank launch at a time under xdist
 
 ENV = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1"}
 

@@ -13,7 +13,7 @@ import pytest
 from conftest import read_metrics, sft_rows, write_jsonl
 from test_deepspeed import launch
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("ranks")]  # one multi-rank launch at a time under xdist
 
 SAVED_AT = 4  # the checkpoint the resumed run starts from; the run has 10 steps and saves every 4
 

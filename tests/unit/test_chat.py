@@ -43,7 +43,7 @@ def test_compare_shows_both_answers_side_by_side(echo_model, tiny_model_dir):
                   "--max-new-tokens", "12")
     assert res.returncode == 0, res.stderr
     lines = res.stdout.splitlines()
-    assert str(echo_model)[-20:] in lines[0] or "final" in lines[0]
+    assert str(echo_model)[-20:] in lines[0] and str(tiny_model_dir)[-20:] in lines[0]
     assert all(" | " in line or line.endswith(" |") for line in lines if line.strip())
     left = " ".join(line.split(" | ")[0] for line in lines[2:])
     assert "stone stone stone" in left  # the trained model's column; the right one is the untrained model
@@ -106,3 +106,12 @@ def test_side_by_side_wraps_both_columns():
     assert lines[0].startswith("sft") and "| ppo" in lines[0]
     assert lines[2].startswith("short") and all(len(line) <= 43 for line in lines)
     assert " ".join(line.split(" | ")[1] for line in lines[2:]) == "a much longer answer that needs wrapping"
+
+
+def test_side_by_side_titles_stay_on_one_line_and_keep_their_ends():
+    left, right = "/tmp/pytest-of-x/popen-gw0/chat0/sft/final", "/tmp/pytest-of-x/popen-gw0/chat0/ppo/final"
+    lines = side_by_side(left, "one", right, "two", width=43).splitlines()
+    col = (43 - 3) // 2  # 20 characters a column
+    assert lines[0] == "…" + left[-19:] + " | " + "…" + right[-19:]  # "…0/chat0/sft/final" against ".../ppo/final"
+    assert lines[1] == "-" * col + " | " + "-" * col
+    assert lines[2].split(" | ") == ["one" + " " * (col - 3), "two"]
