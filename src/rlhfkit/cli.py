@@ -18,7 +18,8 @@ TRAIN_VERBS = {
     "rm": ("rlhfkit.config.schema:RMConfig", "rlhfkit.stages.reward:run_rm",
            "step 2: reward model (scalar head) on preference pairs"),
     "ppo": ("rlhfkit.config.ppo_schema:PPOConfig", "rlhfkit.stages.ppo:run_ppo",
-            "step 3: PPO with actor, critic, frozen reference and reward (LoRA, PPO-ptx, EMA)"),
+            "step 3: PPO with actor, critic, frozen reference and reward (LoRA, PPO-ptx, EMA), or critic-free "
+            "GRPO / RLOO / REINFORCE++ (ppo.advantage_estimator)"),
     "dpo": ("rlhfkit.config.dpo_schema:DPOConfig", "rlhfkit.stages.dpo:run_dpo",
             "offline preference optimisation from an SFT model: DPO, cDPO, IPO, SimPO (+ RPO's NLL term)"),
     "pipeline": ("rlhfkit.config.pipeline_schema:PipelineConfig", "rlhfkit.stages.pipeline:run_pipeline",
