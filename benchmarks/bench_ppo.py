@@ -156,19 +156,27 @@ def compare(world: Path, trl_python: Path, size: str, batch: int, response: int,
     row = {"size": size, "batch": batch, "response": response, "threads": args.threads, "rlhfkit": mine,
            "trl": theirs, "time_ratio": mine["seconds"] / theirs["seconds"],
            "memory_ratio": mine["peak_mb"] / theirs["peak_mb"]}
-    row["floor"] = floor(world, size, batch, response, args.gflops, mine["phases"])
+    row["floor"] = floor(world, size, batch, response, args.gflops, mine["phases"], args.gbps)
     row["floor_ratio"] = mine["seconds"] / row["floor"]["iteration"]
     print_row(row)
     return row
 
 
-def floor(world: Path, size: str, batch: int, response: int, gflops: float, phases: dict) -> dict:
+def floor(world: Path, size: str, batch: int, response: int, gflops: float, phases: dict, gbps: float) -> dict:
     """The iteration's floor (harness.ppo_floor) for the phases rlhfkit ran: the policy folder is actor and
-    reference, its scalar twin reward model and critic; the prompts are the benchmark's own."""
+    reference, its scalar twin reward model and critic; the prompts are the benchmark's own. With it, under
+    `generate_memory`, generation's bound when its decode steps' memory reads count too
+    (`harness.generate_memory_bound` at `gbps`)."""
     prompts = json.loads(harness.tokenized_prompts(world, batch, size).read_text())
     policy, scalar = harness.linear_sizes(world / size / "policy"), harness.linear_sizes(world / size / "reward")
-    return harness.ppo_floor(policy, scalar, scalar, batch, sum(map(len, prompts)) / len(prompts), response,
-                             gflops, phases=[k for k in PHASES if k in phases])
+    prompt = sum(map(len, prompts)) / len(prompts)
+    row = harness.ppo_floor(policy, scalar, scalar, batch, prompt, response, gflops,
+                            phases=[k for k in PHASES if k in phases])
+    if "generate" in row:
+        row["generate_memory"] = harness.generate_memory_bound(
+            policy, harness.kv_floats_per_position(world / size / "policy"), batch, prompt, response, gflops, gbps)
+        row["gbps"] = gbps
+    return row
 
 
 def targets(size: str) -> tuple[float, float]:
@@ -194,6 +202,14 @@ def print_row(row: dict) -> None:
             f"{k} {phases[k]:.3f} ({phases[k] / row['floor'][k]:.1f}x)" if row["floor"].get(k) else
             f"{k} {phases[k]:.3f}" for k in PHASES if k in phases)
             + ("" if "values" in phases else "; values: computed by critic_update's forward"))
+    f = row["floor"]
+    if "generate_memory" in f and "generate" in phases:
+        # the lowest floor ratio this host allows: generation at its memory bound, every other phase at its floor
+        best = (f["iteration"] - f["generate"] + f["generate_memory"]) / f["iteration"]
+        print(f"  generation bound by memory (weights and KV cache read once per decode step at {f['gbps']:.1f} "
+              f"GB/s): {f['generate_memory']:.3f} s, {f['generate_memory'] / f['generate']:.1f}x its FLOP floor; "
+              f"rlhfkit's generate is {phases['generate'] / f['generate_memory']:.1f}x that bound. With generation "
+              f"at it and every other phase at its FLOP floor the iteration would be {best:.2f}x the floor")
 
 
 def print_table(rows: list[dict]) -> None:
@@ -314,6 +330,7 @@ def main() -> None:
     world = harness.build_world()
     print(harness.machine_line(args.threads), flush=True)
     args.gflops = harness.peak_matmul_gflops(args.threads)
+    args.gbps = harness.peak_read_gbps(args.threads)
     if args.quick:
         configs, args.iters, args.warmup = [("5M", 16, 32)], min(args.iters, 5), 1
     else:

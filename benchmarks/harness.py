@@ -250,6 +250,48 @@ def peak_matmul_gflops(threads: int = 1) -> float:
     return best
 
 
+def peak_read_gbps(threads: int = 1) -> float:
+    """This host's best measured memory read rate at `threads` threads: `torch.sum` over a 256 MiB float32 tensor
+    (far larger than any cache), best of five (GB/s)."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    x = torch.ones(64 << 20)
+    x.sum()
+    best = float("inf")
+    for _ in range(5):
+        start = time.perf_counter()
+        x.sum()
+        best = min(best, time.perf_counter() - start)
+    torch.set_num_threads(before)
+    return x.numel() * 4 / best / 1e9
+
+
+def kv_floats_per_position(folder: Path) -> int:
+    """Floats of keys and values one cached position holds across all layers of a model folder."""
+    from transformers import AutoConfig
+
+    c = AutoConfig.from_pretrained(folder)
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    return 2 * c.num_hidden_layers * (getattr(c, "num_key_value_heads", None) or c.num_attention_heads) * head_dim
+
+
+def generate_memory_bound(policy: dict, kv_floats: int, batch: int, prompt: float, response: int, gflops: float,
+                          gbps: float) -> float:
+    """Seconds the generate phase of `ppo_floor` takes at best when memory is counted too: the prefill at its
+    FLOP floor, then each of the R - 1 decode steps at the larger of its FLOP time and the time to read, once,
+    every linear layer's float32 weights (body and head) and the batch's cached keys and values (`kv_floats`
+    per position, `kv_floats_per_position`) at `gbps`. A decode step multiplies one row per sequence by every
+    weight, so below ~100 rows it waits on memory, not on arithmetic, on a CPU."""
+    seconds = 2 * (policy["body"] * prompt + policy["head"]) * batch / (gflops * 1e9)  # prefill, the head on its last row
+    for step in range(1, response):
+        flops = 2 * (policy["body"] + policy["head"]) * batch
+        read = 4 * (policy["body"] + policy["head"] + kv_floats * batch * (prompt + step))
+        seconds += max(flops / (gflops * 1e9), read / (gbps * 1e9))
+    return seconds
+
+
 def linear_sizes(folder: Path) -> dict:
     """Multiply-accumulates per token of a model folder's linear layers: `body` (every nn.Linear of the
     transformer) and `head` (the LM head or the scalar head), counted on a meta-device copy (no weights read)."""

@@ -28,7 +28,12 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model",
 
 
 def _is_local(name: str) -> bool:
-    return Path(name).exists() or name.startswith((".", "/", "~"))
+    """A local path, not a hub id: it exists, starts like a path, has more parts than a hub id's
+    `namespace/name`, or its first part is a local folder (`runs/typo` where `runs/` exists). A mistyped local
+    path is then reported as missing at once instead of being looked up on the hub."""
+    parts = name.split("/")
+    return (Path(name).exists() or name.startswith((".", "/", "~")) or "\\" in name or len(parts) > 2
+            or (len(parts) == 2 and Path(parts[0]).is_dir()))
 
 
 def _source_kwargs(name: str, opts: LoadConfig) -> dict:

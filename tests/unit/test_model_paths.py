@@ -1,0 +1,27 @@
+"""A mistyped local model path is reported as missing at once, not looked up on the hub (where, offline, it
+waited ~50 s on retries and then blamed the tokenizer)."""
+
+import time
+
+import pytest
+
+from rlhfkit.models import ModelError, load_causal_lm, load_tokenizer
+
+
+@pytest.mark.parametrize("name", ["runs/nope", "runs/sft/final", "out/ppo/final-critic", "./nope"])
+def test_a_missing_local_path_fails_at_once_naming_it(tmp_path, monkeypatch, name):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "runs").mkdir()  # "runs/nope": its first part is a local folder, so it is a path, not a hub id
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)  # the hub would be tried if the name were taken for an id
+    for load in (load_tokenizer, load_causal_lm):
+        start = time.monotonic()
+        with pytest.raises(ModelError, match=f"^model folder '{name}' does not exist$"):
+            load(name)
+        assert time.monotonic() - start < 5  # no network retries
+
+
+def test_a_hub_id_shape_is_still_a_hub_id(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # no "HuggingFaceTB/" folder here: the name is a hub id, refused offline
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(ModelError, match="is neither a local folder nor reachable"):
+        load_tokenizer("HuggingFaceTB/SmolLM2-135M-Instruct")
