@@ -47,6 +47,24 @@ def test_required_fields_and_validation():
         load_config(SFTConfig, None, ["model=m", "data.train=t", "train.batch_size=6", "train.micro_batch_size=4"])
 
 
+@pytest.mark.parametrize("override, message", [
+    ("lora.dropout=2", r"config key 'lora\.dropout': must be in \[0, 1\), got 2"),
+    ("lora.rank=-3", r"config key 'lora\.rank': must be >= 0"),
+    ("train.epochs=0", r"config key 'train\.epochs': 0 would train nothing"),
+])
+def test_values_out_of_range_name_the_key(override, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(SFTConfig, None, ["model=m", "data.train=t", override])
+
+
+def test_values_in_range_pass():
+    cfg = load_config(SFTConfig, None, ["model=m", "data.train=t", "lora.rank=8", "lora.dropout=0.1",
+                                        "train.epochs=0", "train.max_steps=3"])  # max_steps set: epochs unused
+    assert (cfg.lora.rank, cfg.lora.dropout, cfg.train.max_steps) == (8, 0.1, 3)
+    with pytest.raises(ConfigError, match=r"lora\.alpha"):
+        load_config(SFTConfig, None, ["model=m", "data.train=t", "lora.rank=8", "lora.alpha=-1"])
+
+
 def test_override_syntax_error():
     with pytest.raises(ConfigError, match="dotted.key=value"):
         parse_overrides(["train.lr"])

@@ -23,7 +23,7 @@ class SourceOptions:
     template: str = option("auto", "auto: the tokenizer's chat template if it has one, else plain; or chat|plain",
                            choices=("auto", "chat", "plain"))
     split: str = option("train", "split to read from a save_to_disk DatasetDict or a hub dataset")
-    max_rows: int = option(-1, "use at most this many training rows (-1: all)")
+    max_rows: int = option(-1, "use at most this many training rows (-1 or 0: all)")
     preset: Optional[str] = option(None, "seed-dataset preset for a local path, e.g. Dahoas/rm-static (README: "
                                          "Seed datasets): sets format and eval split; implied when the source is "
                                          "a preset's name")
@@ -64,7 +64,7 @@ class DataConfig(SourceOptions):
 @dataclass
 class TrainConfig:
     epochs: int = option(1, "passes over the training data (ignored when max_steps > 0)")
-    max_steps: int = option(-1, "optimizer steps to run (ppo: iterations); -1 = from epochs")
+    max_steps: int = option(-1, "optimizer steps to run (ppo: iterations); -1 (or 0) = from epochs")
     batch_size: int = option(16, "examples per optimizer step, over all ranks (ppo: prompts per iteration)")
     micro_batch_size: int = option(4, "examples per forward pass per rank; batch_size/micro/world = accumulation")
     balance_micro_batches: bool = option(True, "sft, rm: a step's rows into micro-batches by length (packed: even "
@@ -88,6 +88,9 @@ class TrainConfig:
             raise ConfigError(f"config key '{prefix}batch_size': batch sizes must be >= 1")
         if self.lr < 0:
             raise ConfigError(f"config key '{prefix}lr': must be >= 0")
+        if self.epochs < 1 and self.max_steps <= 0:
+            raise ConfigError(f"config key '{prefix}epochs': {self.epochs} would train nothing: must be >= 1 "
+                              f"(or set max_steps)")
 
 
 @dataclass
@@ -111,6 +114,14 @@ class LoraConfig:
     dropout: float = option(0.0, "dropout on the LoRA input")
     target_modules: Optional[list] = option(None, "module names to adapt; default: per architecture (all "
                                                   "attention and MLP projections)")
+
+    def validate(self, prefix: str = "") -> None:
+        if self.rank < 0:
+            raise ConfigError(f"config key '{prefix}rank': must be >= 0 (0 = full fine-tuning), got {self.rank}")
+        if self.rank > 0 and self.alpha <= 0:
+            raise ConfigError(f"config key '{prefix}alpha': must be > 0, got {self.alpha}")
+        if not 0 <= self.dropout < 1:
+            raise ConfigError(f"config key '{prefix}dropout': must be in [0, 1), got {self.dropout}")
 
 
 @dataclass
