@@ -48,8 +48,16 @@ def _train_parser(sub, verb: str):
                               f"with dotted.key=value):\n{fields}")
     p.add_argument("--config", help="YAML config file")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides, e.g. train.lr=5e-6")
-    p.add_argument("--resume", action="store_true", help="continue from output_dir/checkpoints/latest")
-    p.add_argument("--force", action="store_true", help="overwrite an output_dir that holds a finished run")
+    if verb == "pipeline":
+        p.add_argument("--resume", action="store_true", help="continue a step a killed run left unfinished from its "
+                       "checkpoint (complete steps are skipped either way)")
+        p.add_argument("--force", action="store_true", help="rerun every step, complete ones included, each from "
+                       "scratch")
+        return p
+    p.add_argument("--resume", action="store_true", help="continue from output_dir/checkpoints/latest (the same "
+                   "model and data as its config.yaml; other changed settings are listed and used)")
+    p.add_argument("--force", action="store_true", help="start over in an output_dir that holds a finished or "
+                   "killed run: what that run wrote (final/, checkpoints/, tensorboard/, metrics) is removed first")
     return p
 
 

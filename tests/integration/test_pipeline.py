@@ -78,6 +78,17 @@ def test_complete_steps_are_skipped_and_force_reruns(tmp_path, tiny_model_dir):
     assert (out / "sft" / "final" / "model.safetensors").stat().st_mtime_ns == stamp
     assert json.loads((out / "summary.json").read_text())["rows"][0]["name"] == "sft: skipped (complete)"
 
+    # a step a killed run left unfinished (a checkpoint, no final/) is neither restarted nor resumed unasked
+    (out / "rm" / "final").rename(out / "rm" / "final-old")
+    (out / "rm" / "checkpoints").mkdir()
+    (out / "rm" / "checkpoints" / "latest").write_text("step-00000002")
+    unfinished = run_cli("pipeline", "--config", str(path))
+    assert unfinished.returncode == 2
+    assert unfinished.stderr.strip().splitlines()[-1].endswith(
+        f"pipeline: rm: '{out / 'rm'}' holds an unfinished run (checkpoint step-00000002): pass --resume to "
+        f"continue it, or --force to rerun every step")
+    assert (out / "rm" / "checkpoints" / "latest").is_file()
+
     forced = run_cli("pipeline", "--config", str(path), "steps=[sft]", "--force")
     assert forced.returncode == 0, forced.stderr
     assert json.loads(forced.stdout.strip().splitlines()[-1])["sft"] == "ran"

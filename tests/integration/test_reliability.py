@@ -23,6 +23,15 @@ def comparable(rows, after):
     return [{k: v for k, v in r.items() if not k.startswith("time/")} for r in rows if r["step"] > after]
 
 
+def tensorboard_steps(folder, tag):
+    """The steps of `tag` as TensorBoard shows them (its reader drops a killed run's events past a restart)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(folder))
+    events.Reload()
+    return [e.step for e in events.Scalars(tag)]
+
+
 def start(args, cwd=None):
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
     return subprocess.Popen([sys.executable, "-m", "rlhfkit", *args], cwd=cwd, env=env, stdout=subprocess.PIPE,
@@ -72,6 +81,7 @@ def test_kill_9_then_resume_reproduces_the_uninterrupted_run(tmp_path, stage_arg
 
     out = tmp_path / "killed"
     kill_at = random.Random(stage).randint(5, 12)
+    args = [*args, "log.tensorboard=true"]
     proc = start([stage, *args, f"output_dir={out}"])
     wait_for_step(proc, out / "metrics.jsonl", kill_at)
     proc.send_signal(signal.SIGKILL)
@@ -84,6 +94,9 @@ def test_kill_9_then_resume_reproduces_the_uninterrupted_run(tmp_path, stage_arg
     assert res.returncode == 0, res.stderr[-3000:]
     resumed = read_metrics(out / "metrics.jsonl")
     assert [r["step"] for r in resumed] == [r["step"] for r in reference]  # no step lost or logged twice
+    # TensorBoard held the steps after the checkpoint twice (killed run, resumed run): it shows each once
+    key = "loss" if stage != "ppo" else "reward/mean"
+    assert tensorboard_steps(out / "tensorboard", f"{stage}/{key}") == [r["step"] for r in reference if key in r]
     got, want = comparable(resumed, saved), comparable(reference, saved)
     assert len(got) == len(want) > 0
     for a, b in zip(got, want):
@@ -110,6 +123,26 @@ def test_sigterm_saves_a_checkpoint_and_says_how_to_resume(tmp_path, stage_args)
     res = run_cli("sft", *args, f"output_dir={out}", "--resume")
     assert res.returncode == 0, res.stderr[-2000:]
     assert [r["step"] for r in read_metrics(out / "metrics.jsonl")][-1] == 24
+
+
+def test_force_starts_over_and_resume_cannot_reach_the_replaced_run(tmp_path, stage_args):
+    """--force removes the earlier run's checkpoints and events: a later --resume cannot continue the old run."""
+    base = [a for a in stage_args["sft"] if not a.startswith(("train.max_steps", "log.tensorboard"))]
+    out = tmp_path / "run"
+    first = run_cli("sft", *base, "train.max_steps=6", "log.tensorboard=true", f"output_dir={out}")
+    assert first.returncode == 0 and (out / "checkpoints" / "latest").read_text() == "step-00000004"
+
+    refused = run_cli("sft", *base, "train.max_steps=6", f"output_dir={out}")
+    assert refused.returncode == 2 and "already holds a finished run" in refused.stderr
+
+    second = run_cli("sft", *base, "train.max_steps=3", "train.save_every=0", "log.tensorboard=true",
+                     f"output_dir={out}", "--force")
+    assert second.returncode == 0, second.stderr[-2000:]
+    assert not (out / "checkpoints").exists()
+    assert [r["step"] for r in read_metrics(out / "metrics.jsonl")] == [0, 1, 2, 3]  # 0: the first eval
+    assert tensorboard_steps(out / "tensorboard", "sft/loss") == [1, 2, 3]
+    resumed = run_cli("sft", *base, "train.max_steps=6", f"output_dir={out}", "--resume")
+    assert resumed.returncode == 2 and "--resume: no checkpoint in" in resumed.stderr
 
 
 def _config(tmp_path, stage_args, *extra):

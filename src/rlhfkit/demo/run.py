@@ -161,7 +161,8 @@ def run_pipeline_steps(demo: Demo, steps: list[str]) -> None:
     path = demo.out / "pipeline.yaml"
     path.write_text(yaml.safe_dump(pipeline_dict(demo.out, demo.size, demo.seed), sort_keys=False), encoding="utf-8")
     cfg = load_config(PipelineConfig, str(path), [*demo.overrides, f"steps={json.dumps(steps)}"])
-    result = run_pipeline(cfg)
+    # complete steps are reused; a step a killed demo left unfinished continues from its last checkpoint
+    result = run_pipeline(cfg, resume=True)
     demo.reused += [step for step in steps if result[step] != "ran"]
 
 

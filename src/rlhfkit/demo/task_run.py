@@ -111,10 +111,10 @@ def run_task_demo(output: str, task_name: str, quick: bool = False, overrides: l
     write_jsonl(out / "data" / "train_prompts.jsonl", [{"prompt": p} for p in train])
     write_jsonl(out / "data" / "heldout_prompts.jsonl", [{"prompt": p} for p in heldout])
 
-    # 2-3. RL from the instruct model (a complete earlier run is reused)
+    # 2-3. RL from the instruct model (a complete earlier run is reused, an unfinished one continued)
     reused = (out / "ppo" / "final").is_dir()
     if not reused:
-        run_ppo(cfg)
+        run_ppo(cfg, resume=(out / "ppo" / "checkpoints" / "latest").is_file())
 
     # 4. held-out accuracy before and after, with the same sampling seed; KL of the trained policy to the start
     gen = GenConfig(max_new_tokens=cfg.gen.max_new_tokens, generation_batch_size=64)

@@ -13,7 +13,6 @@ from typing import Callable
 import torch
 from tqdm.auto import tqdm
 
-from rlhfkit.config.fields import dump_yaml
 from rlhfkit.errors import RunError
 from rlhfkit.models.forward import (head_gives_logits, lm_head_weight, packing_gives_padded_values, use_head_logprobs,
                                     use_padding_free)
@@ -24,27 +23,6 @@ from rlhfkit.models.group_pack import group_packing_gives_prefix_values, use_gro
 def set_seed(seed: int) -> None:
     random.seed(seed)
     torch.manual_seed(seed)
-
-
-def prepare_output_dir(cfg, resume: bool, force: bool, is_main: bool = True) -> Path:
-    """Refuse to overwrite a finished run (unless --force) and write the resolved config.
-
-    Called only after data and models were checked, so a bad input leaves no folder behind.
-    """
-    out = Path(cfg.output_dir)
-    finished = (out / "final").exists()
-    if finished and not (force or resume):
-        raise RunError(f"output_dir '{out}' already holds a finished run (final/ exists): pass --force to "
-                       f"overwrite it, --resume to continue from its checkpoints, or choose another output_dir")
-    if resume and not (out / "checkpoints" / "latest").is_file():
-        raise RunError(f"--resume: no checkpoint in '{out / 'checkpoints'}' to resume from")
-    if is_main:
-        out.mkdir(parents=True, exist_ok=True)
-        if not resume:
-            for stale in ("metrics.jsonl",):
-                (out / stale).unlink(missing_ok=True)
-        dump_yaml(cfg, out / "config.yaml")
-    return out
 
 
 def _finite(value):
@@ -68,7 +46,9 @@ class MetricsLogger:
         if enabled and cfg.tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
-            self.tb = SummaryWriter(str(out / "tensorboard"))
+            # a resumed run logs the steps after its checkpoint again: TensorBoard drops the killed run's events
+            # from purge_step on, as metrics.jsonl drops its rows
+            self.tb = SummaryWriter(str(out / "tensorboard"), purge_step=initial + 1 if initial else None)
         self.wandb = None
         if enabled and cfg.wandb:
             try:

@@ -47,10 +47,11 @@ from rlhfkit.models.prefix import shared_prefix_logits
 from rlhfkit.models.loading import load_generation_config
 from rlhfkit.models.lora import adapter_disabled, apply_lora, checkpointed, is_lora
 from rlhfkit.stages.common import (MetricsLogger, choose_head_logprobs, epoch_order, longest_first, plan_steps,
-                                   prepare_output_dir, set_seed)
+                                   set_seed)
 from rlhfkit.stages.guard import resume_state
 from rlhfkit.stages.loop import TrainLoop
 from rlhfkit.stages.reward import pair_means
+from rlhfkit.stages.run_dir import prepare_output_dir
 
 REF_KEY = "ref"  # a row's reference log-probs [chosen, rejected], attached when precomputed
 

@@ -18,6 +18,7 @@ from pathlib import Path
 
 from rlhfkit.config.pipeline_schema import PipelineConfig, step_config
 from rlhfkit.engine.launch import is_main_process
+from rlhfkit.errors import RunError
 from rlhfkit.stages.dpo import run_dpo
 from rlhfkit.stages.ppo import run_ppo
 from rlhfkit.stages.reward import run_rm
@@ -122,6 +123,11 @@ def run_pipeline(cfg: PipelineConfig, resume: bool = False, force: bool = False)
             steps[step] = {"status": "skipped (complete)", "result": result}
             _say(f"pipeline: {step}: {folder / 'final'} exists, skipped (--force reruns it)")
             continue
+        latest = folder / "checkpoints" / "latest"
+        if latest.is_file() and not (resume or force):
+            raise RunError(f"pipeline: {step}: '{folder}' holds an unfinished run (checkpoint "
+                           f"{latest.read_text().strip()}): pass --resume to continue it, or --force to rerun every "
+                           f"step")
         _say(f"pipeline: {step}: running into {folder}")
         tick = time.perf_counter()
         with step_log(folder):

@@ -19,7 +19,8 @@ from rlhfkit.models.forward import causal_logits, final_hidden, lm_head_weight, 
 from rlhfkit.models.segments import packed_attention, packed_row_tokens
 from rlhfkit.models.loading import load_generation_config
 from rlhfkit.models.lora import apply_lora
-from rlhfkit.stages.common import MetricsLogger, plan_steps, prepare_output_dir, set_seed
+from rlhfkit.stages.common import MetricsLogger, plan_steps, set_seed
+from rlhfkit.stages.run_dir import prepare_output_dir
 from rlhfkit.stages.guard import resume_state
 from rlhfkit.stages.loop import TrainLoop
 

@@ -1,0 +1,149 @@
+"""A stage's output folder: what a fresh run clears, what --resume checks, the config.yaml it writes.
+
+A folder holds one run. A fresh run (no --resume) into a folder that holds another run's outputs is refused
+unless --force, and with --force everything an earlier run wrote is removed first (checkpoints included), so a
+later --resume can only continue this run. --resume compares the command's settings with the config.yaml of the
+run that wrote the checkpoints: a different model or data is an error (the checkpoint belongs to another run),
+any other changed setting is listed on stderr and used.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import yaml
+
+from rlhfkit.config.fields import dump_yaml, to_dict
+from rlhfkit.errors import USER_ERRORS, RunError
+
+# what the stages write into output_dir (log.txt, the pipeline's copy of stderr, is appended to and kept)
+RUN_FILES = ("metrics.jsonl", "samples.jsonl", "result.json", "report.html")
+RUN_FOLDERS = ("checkpoints", "tensorboard", "final", "final-critic", "final-ema", "plots")
+
+# settings that make a checkpoint another run's: the models and the data
+IDENTITY = ("model", "actor", "critic", "reward", "reference", "load.tokenizer", "data.train", "data.eval",
+            "data.prompts", "data.eval_prompts", "data.ptx", "data.format", "data.fields", "lora.rank",
+            "lora.target_modules")
+# settings a resumed run changes routinely (more steps, other logging): not worth a line
+QUIET = ("output_dir", "train.max_steps", "train.epochs", "train.log_every", "train.eval_every", "train.save_every",
+         "train.keep_checkpoints", "log.", "data.cache", "data.cache_dir", "engine.collective_timeout_s")
+
+
+def prepare_output_dir(cfg, resume: bool, force: bool, is_main: bool = True) -> Path:
+    """Check the folder against --resume / --force, clear a replaced run's outputs, write config.yaml.
+
+    Called only after data and models were checked, so a bad input leaves no folder behind.
+    """
+    out = Path(cfg.output_dir)
+    latest = out / "checkpoints" / "latest"
+    if resume:
+        if not latest.is_file():
+            raise RunError(f"--resume: no checkpoint in '{out / 'checkpoints'}' to resume from")
+        _check_resume(cfg, out, is_main)
+    elif not force:
+        if (out / "final").exists():
+            raise RunError(f"output_dir '{out}' already holds a finished run (final/ exists): pass --force to "
+                           f"overwrite it, --resume to continue from its checkpoints, or choose another output_dir")
+        if latest.is_file():
+            raise RunError(f"output_dir '{out}' holds an unfinished run (checkpoint {latest.read_text().strip()}): "
+                           f"pass --resume to continue it, --force to start over, or choose another output_dir")
+    if is_main:
+        out.mkdir(parents=True, exist_ok=True)
+        if not resume:
+            clear_run_outputs(out)
+        dump_yaml(cfg, out / "config.yaml")
+    return out
+
+
+@contextlib.contextmanager
+def undone_if_bad_input_at_start(out: Path, fresh: bool, is_main: bool):
+    """Bad input that shows only once the run started (a PPO reward function that raises, or returns NaN, on its
+    first responses) leaves no half-written run behind: if such an error comes before the first training step
+    was logged, the outputs of a fresh run and its config.yaml are removed again (and its folder, when empty)."""
+    try:
+        yield
+    except USER_ERRORS:
+        if fresh and is_main and not _logged_a_step(out):
+            clear_run_outputs(out)
+            (out / "config.yaml").unlink(missing_ok=True)
+            with contextlib.suppress(OSError):
+                out.rmdir()  # only when nothing else is in it
+        raise
+
+
+def _logged_a_step(out: Path) -> bool:
+    path = out / "metrics.jsonl"
+    if not path.is_file():
+        return False
+    for line in path.read_text(encoding="utf-8").splitlines():
+        with contextlib.suppress(json.JSONDecodeError, AttributeError):
+            step = json.loads(line).get("step")
+            if isinstance(step, int) and step >= 1:
+                return True
+    return False
+
+
+def clear_run_outputs(out: Path) -> None:
+    """Remove what an earlier run wrote into `out` (only the names the stages write; other files stay)."""
+    for name in RUN_FILES:
+        (out / name).unlink(missing_ok=True)
+    for name in RUN_FOLDERS:
+        if (out / name).is_dir():
+            shutil.rmtree(out / name)
+
+
+def _flatten(tree, prefix: str = "") -> dict:
+    flat = {}
+    for key, value in tree.items():
+        if isinstance(value, dict) and key != "fields":
+            flat.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
+def _same(old, new) -> bool:
+    if old == new:
+        return True
+    if isinstance(old, str) and isinstance(new, str):
+        # the same folder or file, written another way (./data/x.jsonl, data/x.jsonl, an absolute path)
+        a, b = Path(old), Path(new)
+        return a.exists() and b.exists() and a.resolve() == b.resolve()
+    return False
+
+
+def changed_settings(old: dict, new: dict) -> list[tuple[str, object, object]]:
+    """(dotted key, old value, new value) for every setting that differs, housekeeping keys left out."""
+    old_flat, new_flat = _flatten(old), _flatten(new)
+    changes = []
+    for key in new_flat.keys() | old_flat.keys():
+        if any(key == q or (q.endswith(".") and key.startswith(q)) for q in QUIET):
+            continue
+        if not _same(old_flat.get(key), new_flat.get(key)):
+            changes.append((key, old_flat.get(key), new_flat.get(key)))
+    return sorted(changes)
+
+
+def _check_resume(cfg, out: Path, is_main: bool) -> None:
+    previous = out / "config.yaml"
+    if not previous.is_file():
+        return  # a folder from before config.yaml was written: nothing to compare
+    try:
+        old = yaml.safe_load(previous.read_text(encoding="utf-8")) or {}
+    except yaml.YAMLError:
+        return
+    changes = changed_settings(old, to_dict(cfg))
+    foreign = [c for c in changes if any(c[0] == k or c[0].startswith(k + ".") for k in IDENTITY)]
+    if foreign:
+        listed = "; ".join(f"{key}: {old!r} -> {new!r}" for key, old, new in foreign)
+        raise RunError(f"--resume: the checkpoints in '{out / 'checkpoints'}' belong to a run with another model "
+                       f"or data ({listed}); resume with the settings in '{previous}', or pass --force to start a "
+                       f"new run there")
+    if changes and is_main:
+        listed = "; ".join(f"{key}: {old!r} -> {new!r}" for key, old, new in changes)
+        print(f"resume: settings changed since the checkpointed run, the new ones are used: {listed}",
+              file=sys.stderr)
