@@ -33,7 +33,7 @@ from rlhfkit.errors import TemplateRefused
 from rlhfkit.models.reward_fn import ModelReward
 from rlhfkit.rollout.generate import eos_token_ids, response_mask
 
-from conftest import write_jsonl
+from conftest import STORIES, needs_shared, write_jsonl
 
 SPECIALS = ["<unk>", "</s>", "<|im_start|>", "<|im_end|>", "<|begin_of_text|>", "<|start_header_id|>",
             "<|end_header_id|>", "<|eot_id|>", "<|eom_id|>", "<|end_of_text|>", "<s>"]
@@ -189,6 +189,44 @@ def test_encode_response_appends_eos_only_without_an_end_id():
     assert encode_response(tok, "apple<|eot_id|>") == [APPLE, EOT, END_OF_TEXT]  # default: EOS alone ends it
     assert encode_response(tok, "apple", [EOT]) == [APPLE, END_OF_TEXT]
     assert encode_response(tok, "apple", [EOT], finished=False) == [APPLE]
+
+
+@needs_shared
+@pytest.mark.parametrize("mode", ["plain", "chat"])
+def test_a_dummy_prefix_tokenizer_encodes_the_response_as_part_of_the_whole_text(mode):
+    """SentencePiece with a dummy prefix (Llama-2 style; the real stories260K): " Lily" encoded alone is
+    ['▁', '▁Lily'], after "Assistant:" it is ['▁Lily']. Training ids are those of the whole text, in SFT, in RM
+    pairs and in the reward model's re-tokenised PPO inputs."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(STORIES)
+    tpl = Template.for_tokenizer(tok, mode)
+    prompt_text = tpl.prompt(SAY_APPLE)
+    response_text = tpl.response(SAY_APPLE, "Lily went home.")
+    assert tok.convert_ids_to_tokens(tok(response_text, add_special_tokens=False)["input_ids"])[:2] == ["▁", "▁Lily"]
+    whole = encode_prompt(tok, prompt_text + response_text)  # BOS once, as the prompt gets it
+    whole += [] if whole[-1] == tok.eos_token_id else [tok.eos_token_id]
+    (row,), _ = tokenize_sft([sft(SAY_APPLE, "Lily went home.")], tok, tpl, 64)
+    assert row["input_ids"] == whole
+    n_prompt = len(encode_prompt(tok, prompt_text))
+    assert tok.convert_ids_to_tokens(row["input_ids"][n_prompt:n_prompt + 1]) == ["▁Lily"]
+    assert row["labels"] == [-100] * n_prompt + whole[n_prompt:]
+    pair = PreferenceExample(SAY_APPLE, "Lily went home.", "Tom ran.", "mem.jsonl", 1)
+    (row_pair,), _ = tokenize_preferences([pair], tok, tpl, 64)
+    assert row_pair["chosen_ids"] == whole and row_pair["prompt_len"] == n_prompt
+    assert tok.convert_ids_to_tokens(row_pair["rejected_ids"][n_prompt:n_prompt + 2]) == ["▁T", "om"]
+    rm = SimpleNamespace(config=SimpleNamespace(rlhfkit_template=mode, rlhfkit_end_ids=list(tpl.end_ids)))
+    reward = ModelReward(rm, tok, Template.for_tokenizer(word_tokenizer("<s>")), mode, 4, torch.device("cpu"))
+    ids, _ = reward._rm_inputs(SimpleNamespace(messages=[SAY_APPLE], response_texts=["Lily went home."]), [True])
+    assert ids[0].tolist() == whole
+
+
+def test_a_token_across_the_boundary_falls_back_to_the_response_alone():
+    """Where the prompt's ids are not a prefix of the whole text's, the response is encoded by itself."""
+    tok, _ = FAMILIES["plain"]
+    prompt = encode_prompt(tok, "say")
+    assert encode_response(tok, "apple", [EOS_PLAIN], after=("say", prompt)) == [APPLE, EOS_PLAIN]
+    assert encode_response(tok, "apple", [EOS_PLAIN], after=("sa", [SAY])) == [APPLE, EOS_PLAIN]  # "saapple": unk
 
 
 # ---------------------------------------------------------------- non-alternating HH rows

@@ -31,7 +31,7 @@ from pathlib import Path
 import rlhfkit
 from rlhfkit.data.readers import hub_offline
 
-CACHE_FORMAT = 2  # 2: prompt rows carry their dataset fields
+CACHE_FORMAT = 3  # 2: prompt rows carry their dataset fields; 3: responses encoded after their prompt
 CACHE_DIR_ENV = "RLHFKIT_CACHE_DIR"
 # Entries kept per cache folder, the most recently used first: bounds the folder without any bookkeeping file.
 KEEP_ENTRIES = 32

@@ -159,11 +159,25 @@ def encode_prompt(tokenizer, text: str) -> list[int]:
     return list(tokenizer(text, add_special_tokens=add_special)["input_ids"])
 
 
-def encode_response(tokenizer, text: str, end_ids=None, finished: bool = True) -> list[int]:
+def encode_response(tokenizer, text: str, end_ids=None, finished: bool = True,
+                    after: tuple[str, list[int]] | None = None) -> list[int]:
     """Token ids of a rendered response. A finished one ends with one of `end_ids` (default: the tokenizer's
     EOS), EOS being appended only when the text does not already end with one, so the model learns to stop where
-    rollouts stop; an unfinished one (`Template.response(..., finished=False)`) is encoded as it is."""
-    ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    rollouts stop; an unfinished one (`Template.response(..., finished=False)`) is encoded as it is.
+
+    `after` = (the rendered prompt, its ids from `encode_prompt`): the response is encoded in context, as the ids
+    that follow the prompt's in the encoding of prompt + response, which is how the model reads the whole text.
+    Encoded alone, a SentencePiece tokenizer with a dummy prefix (Llama-2, Mistral) would start every response
+    with an extra '▁' token. Where a token spans the boundary (the prompt's ids are not a prefix of the whole's),
+    the response is encoded alone."""
+    ids = None
+    if after is not None:
+        prompt_text, prompt_ids = after
+        whole = encode_prompt(tokenizer, prompt_text + text)
+        if whole[:len(prompt_ids)] == prompt_ids:
+            ids = whole[len(prompt_ids):]
+    if ids is None:
+        ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
     ends = set(end_ids or ()) | {tokenizer.eos_token_id}
     if finished and (not ids or ids[-1] not in ends):
         ids.append(tokenizer.eos_token_id)

@@ -53,7 +53,7 @@ def tokenize_sft(examples, tokenizer, template: Template, max_length: int, loss_
         if texts is None:
             continue
         prompt = encode_prompt(tokenizer, texts[0])
-        response = encode_response(tokenizer, texts[1], template.end_ids)
+        response = encode_response(tokenizer, texts[1], template.end_ids, after=(texts[0], prompt))
         if len(prompt) >= max_length:
             dropped += 1
             continue
@@ -80,7 +80,7 @@ def tokenize_preferences(examples, tokenizer, template: Template, max_length: in
             continue
         sides = []
         for text in texts[1:]:
-            ids = prompt + encode_response(tokenizer, text, template.end_ids)
+            ids = prompt + encode_response(tokenizer, text, template.end_ids, after=(texts[0], prompt))
             if len(ids) > max_length:
                 truncated += 1
                 ids = ids[:max_length]
