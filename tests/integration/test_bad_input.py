@@ -214,6 +214,16 @@ def finished_run(tmp, w):
         f"--resume to continue from its checkpoints, or choose another output_dir")
 
 
+def unfinished_run(tmp, w):
+    path = write_jsonl(tmp / "train.jsonl", sft_rows())
+    (tmp / "out" / "checkpoints" / "step-00000002").mkdir(parents=True)
+    (tmp / "out" / "checkpoints" / "latest").write_text("step-00000002")
+    (tmp / "out" / "metrics.jsonl").write_text('{"step": 1, "stage": "sft", "loss": 1.0}\n')
+    return "sft", [f"data.train={path}"], (
+        f"output_dir '{tmp / 'out'}' holds an unfinished run (checkpoint step-00000002): pass --resume to continue "
+        f"it, --force to start over, or choose another output_dir")
+
+
 def resume_without_checkpoint(tmp, w):
     path = write_jsonl(tmp / "train.jsonl", sft_rows())
     return "sft", [f"data.train={path}", "--resume"], (
@@ -225,7 +235,7 @@ CASES = {fn.__name__: fn for fn in (
     every_prompt_too_long, text_rows_for_rm, sft_rows_for_rm, empty_file, non_utf8_file, preset_without_local_copy,
     split_index_out_of_range, model_folder_missing, folder_without_tokenizer, tokenizer_without_pad_or_eos,
     two_label_head_for_rm, two_label_head_as_ppo_reward, critic_with_another_vocabulary, yaml_unknown_key,
-    yaml_wrong_type, finished_run, resume_without_checkpoint)}
+    yaml_wrong_type, finished_run, unfinished_run, resume_without_checkpoint)}
 
 
 def command(tmp: Path, w: dict, case) -> tuple[str, list[str], str]:
@@ -265,6 +275,23 @@ def test_the_real_entry_point_agrees(tmp_path, world, name):
     res = run_cli(verb, *args)
     assert res.returncode == 2 and res.stderr.strip().splitlines()[-1] == f"rlhfkit {verb}: error: {expected}"
     assert tree(tmp_path / "out") == before
+
+
+@pytest.mark.parametrize("body,expected", [
+    ("    return {}['answer']", "raised KeyError: 'answer' (at {file}:2 in score)"),
+    ("    return [float('nan')] * len(responses)", "returned nan for response 0 ("),
+])
+def test_a_reward_that_fails_on_the_first_responses_leaves_no_run_behind(tmp_path, world, body, expected):
+    """Bad input that shows only when PPO first calls the reward: one clear line, exit 2, and no output folder."""
+    reward = tmp_path / "bad_reward.py"
+    reward.write_text(f"def score(prompts, responses):\n{body}\n")
+    verb, args, _ = command(tmp_path, world, lambda tmp, w: ("ppo", ppo_args(tmp, w, reward=f"{reward}:score"), ""))
+    res = run_cli(verb, *args, "data.eval_fraction=0", "gen.max_new_tokens=4", "log.tensorboard=true")
+    assert res.returncode == 2, res.stderr[-2000:]
+    last = res.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"rlhfkit ppo: error: reward '{reward}:score' ")
+    assert expected.format(file=reward) in last
+    assert not (tmp_path / "out").exists()
 
 
 # ---------------------------------------------------------------- what is NOT an error, documented in README

@@ -102,8 +102,10 @@ def test_unjudged_responses_and_weighted_parts():
     lengths = FunctionReward(lambda p, r: [float(len(x)) for x in r], "lengths")
     picky = FunctionReward(lambda p, r: [None if len(x) == 1 else 1.0 for x in r], "picky")
     assert math.isnan(picky(b)[0].item()) and picky(b)[1:].tolist() == [1.0, 1.0]
-    with pytest.raises(ModelError, match="reward 'nan' returned 3 values for 3 responses \\(all must be finite"):
-        FunctionReward(lambda p, r: [float("nan"), 1.0, 1.0], "nan")(b)
+    with pytest.raises(ModelError) as err:
+        FunctionReward(lambda p, r: [1.0, float("nan"), float("inf")], "nan")(b)
+    assert str(err.value) == ("reward 'nan' returned nan for response 1 ('bb') and 1 more non-finite values: return "
+                              "a finite number, or None for a response it cannot judge")
     both = CombinedReward([("lengths", lengths, 1.0), ("picky", picky, 0.5)])
     total = both(b)
     assert math.isnan(total[0].item()) and total[1:].tolist() == [2.5, 3.5]

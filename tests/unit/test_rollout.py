@@ -169,8 +169,10 @@ def test_reward_function_from_file_and_module(tmp_path, monkeypatch):
     assert load_reward_function("my_rewards:count_a") is not None
     with pytest.raises(ModelError, match="returned 1 values for 2"):
         FunctionReward(load_reward_function("my_rewards:broken"), "my_rewards:broken")(batch)
-    with pytest.raises(ModelError, match="reward 'my_rewards:raises' raised KeyError: 'answer'"):
+    with pytest.raises(ModelError) as err:  # where in the user's file it raised
         FunctionReward(load_reward_function("my_rewards:raises"), "my_rewards:raises")(batch)
+    assert str(err.value) == (f"reward 'my_rewards:raises' raised KeyError: 'answer' (at "
+                              f"{tmp_path / 'my_rewards.py'}:6 in raises)")
     with pytest.raises(ModelError, match="no function 'nope'"):
         load_reward_function("my_rewards:nope")
     with pytest.raises(ModelError, match="does not exist"):

@@ -96,16 +96,34 @@ class FunctionReward:
         try:
             scores = self.fn(list(batch.prompt_texts), list(batch.response_texts), **columns)
         except Exception as exc:  # the user's code: one clear error naming it, not a traceback from our loop
-            raise ModelError(f"reward '{self.spec}' raised {type(exc).__name__}: {exc}") from exc
+            raise ModelError(f"reward '{self.spec}' raised {type(exc).__name__}: {exc} "
+                             f"({raised_at(exc, self.fn)})") from exc
         try:  # None: a response the function cannot judge (NaN here; left out of the update, counted)
             values = [math.nan if s is None else float(s) for s in scores]
         except (TypeError, ValueError):
             raise ModelError(f"reward '{self.spec}' must return a list of numbers (or None), got {scores!r:.200}") \
                 from None
-        if len(values) != batch.size or not all(math.isfinite(v) or s is None for v, s in zip(values, scores)):
+        if len(values) != batch.size:
             raise ModelError(f"reward '{self.spec}' returned {len(values)} values for {batch.size} responses "
-                             f"(all must be finite numbers, or None for a response it cannot judge)")
+                             f"(one number, or None for a response it cannot judge, per response)")
+        bad = [i for i, (v, s) in enumerate(zip(values, scores)) if s is not None and not math.isfinite(v)]
+        if bad:
+            raise ModelError(f"reward '{self.spec}' returned {values[bad[0]]} for response {bad[0]} "
+                             f"({batch.response_texts[bad[0]]!r:.80}) and {len(bad) - 1} more non-finite values: "
+                             f"return a finite number, or None for a response it cannot judge")
         return torch.tensor(values, dtype=torch.float32)
+
+
+def raised_at(exc: BaseException, fn: Callable) -> str:
+    """'file.py:LINE in name' of the line of the user's reward that raised (the deepest frame in its file; the
+    deepest frame at all when the error came from elsewhere)."""
+    import traceback
+
+    frames = traceback.extract_tb(exc.__traceback__)
+    home = getattr(getattr(fn, "__code__", None), "co_filename", None)
+    own = [f for f in frames if f.filename == home]
+    frame = (own or frames)[-1] if frames else None
+    return f"at {frame.filename}:{frame.lineno} in {frame.name}" if frame else "no traceback"
 
 
 class CombinedReward:
@@ -163,10 +181,12 @@ class ModelReward:
         cut at the token limit is rendered without its end token, so it does not look finished to the RM."""
         seqs = []
         for messages, response, done in zip(batch.messages, batch.response_texts, finished):
-            ids = encode_prompt(self.tokenizer, self.template.prompt(messages))
+            prompt = self.template.prompt(messages)
+            ids = encode_prompt(self.tokenizer, prompt)
             text = self.template.response(messages, response, finished=done)
-            ids += encode_response(self.tokenizer, text, self.template.end_ids, finished=done)
-            seqs.append(ids)
+            response_ids = encode_response(self.tokenizer, text, self.template.end_ids, finished=done,
+                                           after=(prompt, ids))
+            seqs.append(ids + response_ids)
         ids = pad_sequences(seqs, self.tokenizer.pad_token_id)
         return ids, pad_sequences([[1] * len(s) for s in seqs], 0)
 

@@ -13,7 +13,8 @@ from rlhfkit.config.ppo_schema import PPOConfig
 from rlhfkit.data.loader import load_stage_data, skipped_rows
 from rlhfkit.engine import make_engine
 from rlhfkit.models import load_tokenizer
-from rlhfkit.stages.common import MetricsLogger, prepare_output_dir, set_seed
+from rlhfkit.stages.common import MetricsLogger, set_seed
+from rlhfkit.stages.run_dir import prepare_output_dir, undone_if_bad_input_at_start
 from rlhfkit.stages.loop import TrainLoop
 from rlhfkit.stages.ppo_setup import load_ppo_models
 from rlhfkit.stages.ppo_steps import PPOSteps, updates_per_iteration
@@ -45,7 +46,8 @@ def run_ppo(cfg: PPOConfig, resume: bool = False, force: bool = False) -> dict:
     start = rl.restore(out) if resume else 0
     evaluate = (lambda: rl.evaluate(data.eval)) if data.eval else None
 
-    with MetricsLogger(out, "ppo", iters, cfg.log, engine.is_main, initial=start) as log:
+    with undone_if_bad_input_at_start(out, not resume, engine.is_main), \
+            MetricsLogger(out, "ppo", iters, cfg.log, engine.is_main, initial=start) as log:
         log.write(describe(cfg, data.info, models.notes))
         first_eval = evaluate() if evaluate and start == 0 else {}
         if first_eval:  # the starting point, so the curves show what PPO changed

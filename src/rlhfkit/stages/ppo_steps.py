@@ -21,6 +21,7 @@ import torch
 from rlhfkit.algos import AdaptiveKLController, FixedKLController
 from rlhfkit.algos.group import group_filter_mask
 from rlhfkit.config.ppo_schema import PPOConfig
+from rlhfkit.data.templates import encode_prompt
 from rlhfkit.models.ema import EMA
 from rlhfkit.rollout.batch import RolloutBatch
 from rlhfkit.rollout.estimators import ESTIMATORS
@@ -203,13 +204,23 @@ class PPOSteps:
         if not log.enabled or n <= 0 or every <= 0 or not (iteration % every == 0 or iteration == 1):
             return
         rollout = scored.rollout
+        shown = [self.prompt_seen(rollout, i) for i in range(min(n, rollout.size))]
         with open(out / "samples.jsonl", "a", encoding="utf-8") as f:
-            for i in range(min(n, rollout.size)):
-                f.write(json.dumps({"step": iteration, "prompt": rollout.prompt_texts[i],
+            for i, (prompt, cut) in enumerate(shown):
+                f.write(json.dumps({"step": iteration, "prompt": prompt, **({"prompt_truncated": True} if cut else {}),
                                     "response": rollout.response_texts[i], "score": float(scored.raw[i])}) + "\n")
-        prompt = rollout.prompt_texts[0].replace("\n", " ")[-60:]
+        prompt = shown[0][0].replace("\n", " ")[-60:]
         log.write(f"[{iteration}] {prompt!r} -> {rollout.response_texts[0][:120]!r} "
                   f"(score {float(scored.raw[0]):.3g})")
+
+    def prompt_seen(self, rollout, i: int) -> tuple[str, bool]:
+        """(the prompt as the actor saw it, whether data.max_prompt_length cut it): a cut prompt kept its end, so
+        its rendered text is not what the response answers; it is shown decoded from the ids the actor read."""
+        ids = rollout.prompt_ids[i][rollout.prompt_mask[i].bool()].tolist()
+        text = rollout.prompt_texts[i]
+        if len(ids) < self.cfg.data.max_prompt_length or len(encode_prompt(self.tokenizer, text)) <= len(ids):
+            return text, False
+        return self.tokenizer.decode(ids), True
 
     def trainables(self) -> dict:
         return {"actor": self.actor, **({"critic": self.critic} if self.critic is not None else {})}
