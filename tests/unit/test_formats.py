@@ -283,8 +283,8 @@ def test_sft_formats():
     ]
     plain = to_sft_examples(rows_of("prompt_response.csv"))
     assert [(ex.prompt, ex.response, ex.line) for ex in plain] == [
-        ([user("What is the capital of Italy?")], "Rome.", 1),
-        ([user("List two colours.")], "Red,\nblue.", 2),
+        ([user("What is the capital of Italy?")], "Rome.", 2),  # file lines: line 1 is the header
+        ([user("List two colours.")], "Red,\nblue.", 3),
     ]
 
 
@@ -376,7 +376,7 @@ def test_forced_format_and_unknown_format_name():
     ):
         to_sft_examples(rows_of("rm_static.jsonl"), format="sharegpt")
     with pytest.raises(
-        DataError, match=r"alpaca\.json:1: field 'chosen': missing \(row has keys: instruction, input, output\)$"
+        DataError, match=r"alpaca\.json:2: field 'chosen': missing \(row has keys: instruction, input, output\)$"
     ):
         to_preference_examples(rows_of("alpaca.json"), format="hh_dialogue")
 

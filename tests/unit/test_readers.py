@@ -41,7 +41,7 @@ def test_fixture_jsonl_and_gzip_give_the_same_rows(tmp_path):
 
 def test_json_array_wrapper_and_json_lines_content(tmp_path):
     alpaca = read_rows(str(FIXTURES / "alpaca.json"))
-    assert [row.line for row in alpaca] == [1, 2]  # row index in the array
+    assert [row.line for row in alpaca] == [2, 7]  # the line each record starts on
     assert alpaca[1].data == {"instruction": "Translate to French.", "input": "Good morning", "output": "Bonjour"}
     wrapped = tmp_path / "wrapped.json"
     wrapped.write_text(json.dumps({"version": 2, "data": ROWS}))
@@ -55,12 +55,25 @@ def test_json_array_wrapper_and_json_lines_content(tmp_path):
     assert [row.data for row in read_rows(str(single))] == [{"messages": [{"role": "user", "content": "hi"}]}]
 
 
-def test_csv_rows_are_data_row_indices_with_multiline_cells():
+def test_csv_rows_are_file_lines_with_multiline_cells_and_blank_lines(tmp_path):
     rows = read_rows(str(FIXTURES / "prompt_response.csv"))
     assert [(row.data, row.line) for row in rows] == [
-        ({"prompt": "What is the capital of Italy?", "response": "Rome."}, 1),
-        ({"prompt": "List two colours.", "response": "Red,\nblue."}, 2),
+        ({"prompt": "What is the capital of Italy?", "response": "Rome."}, 2),  # line 1: the header
+        ({"prompt": "List two colours.", "response": "Red,\nblue."}, 3),
     ]
+    path = tmp_path / "more.csv"
+    path.write_text('a,b\n"x\ny\nz",1\n\n2,3,4\n')
+    with pytest.raises(DataError, match=f"^{re.escape(str(path))}:6: 1 more cells than header columns$"):
+        read_rows(str(path))
+
+
+def test_json_array_records_start_lines_whatever_the_layout(tmp_path):
+    path = tmp_path / "rows.json"
+    path.write_text('[\n  {"a": 1},\n\n  {"a": "x\\ny",\n   "b": [1,\n 2]}, {"a": 3}\n]\n')
+    assert [(row.data, row.line) for row in read_rows(str(path))] == [
+        ({"a": 1}, 2), ({"a": "x\ny", "b": [1, 2]}, 4), ({"a": 3}, 6)]
+    path.write_text(json.dumps({"data": [{"a": 1}, {"a": 2}]}, indent=2))
+    assert [row.line for row in read_rows(str(path))] == [1, 2]  # a wrapped array: record numbers
 
 
 def test_parquet_via_datasets(tmp_path):

@@ -3,8 +3,9 @@
 Sources: a local file (`.jsonl`, `.json`, `.parquet`, `.csv`, `.txt`, each optionally `.gz`), a folder written by
 `datasets.save_to_disk`, a folder of data files named after their split (`train.jsonl`, `data/train-0000.parquet`)
 or inside a folder named after it (a lone unsplit file is the train split), or a Hugging Face hub id (`owner/name`)
-when online (presets.py looks for a local copy of a hub id first). Every row keeps its file and 1-based line so that the format
-converters (formats.py) can name `path:line` and the field in their errors. Text files are parsed with the stdlib so
+when online (presets.py looks for a local copy of a hub id first). Every row keeps its file and the 1-based file line it
+starts on (JSON lines, a JSON array, CSV; a record number where a source has no lines: parquet, datasets, a wrapped
+JSON array) so that the format converters (formats.py) can name `path:line` and the field in their errors. Text files are parsed with the stdlib so
 a bad line is reported with its real line number; `datasets` is imported only when a source needs it (it is slow to
 import and not needed for plain files).
 """
@@ -26,7 +27,8 @@ from rlhfkit.errors import DataError, OfflineError, where
 
 @dataclass(frozen=True)
 class Row:
-    """One record of a data source: its fields, the source it came from, and its 1-based line or row index."""
+    """One record of a data source: its fields, the source it came from, and the 1-based file line it starts on
+    (a record number where the source has no lines)."""
 
     data: dict
     source: str
@@ -128,21 +130,48 @@ def _read_json(raw: bytes, source: str) -> list[Row]:
             return [Row(value, source, 1)]  # a single record
     if not isinstance(value, list):
         raise DataError(f"{source}: expected a list of JSON objects, got {type(value).__name__}")
-    # A JSON array has no useful line numbers; the 1-based row index is what a user can look up.
-    return [_as_object(item, source, index) for index, item in enumerate(value, start=1)]
+    # the line each record starts on, for a top-level array; a wrapped one ({"data": [...]}) gets record numbers
+    lines = _array_record_lines(text, len(value)) or range(1, len(value) + 1)
+    return [_as_object(item, source, line) for line, item in zip(lines, value)]
+
+
+def _array_record_lines(text: str, n: int) -> list[int] | None:
+    """The 1-based line on which each of the n records of a top-level JSON array starts (None: not one)."""
+    decoder, i, line, last = json.JSONDecoder(), 0, 1, 0
+    skip = re.compile(r"[\s,]*")
+    i = skip.match(text, i).end()
+    if not text.startswith("[", i):
+        return None
+    i += 1
+    lines = []
+    while len(lines) < n:
+        i = skip.match(text, i).end()
+        line += text.count("\n", last, i)
+        last = i
+        lines.append(line)
+        _, i = decoder.raw_decode(text, i)
+    return lines
 
 
 def _read_csv(raw: bytes, source: str) -> list[Row]:
     reader = csv.DictReader(io.StringIO(_decode(raw, source), newline=""))
     rows = []
     try:
-        for index, record in enumerate(reader, start=1):
+        for record in reader:
+            # the file line the record starts on: reader.line_num is the line it ends on, and a quoted cell may
+            # span lines
+            line = reader.line_num - _newlines(record)
             if None in record:  # more cells than header columns
-                raise DataError(f"{where(source, index)}: {len(record[None])} more cells than header columns")
-            rows.append(Row(dict(record), source, index))
+                raise DataError(f"{where(source, line)}: {len(record[None])} more cells than header columns")
+            rows.append(Row(dict(record), source, line))
     except csv.Error as exc:
         raise DataError(f"{where(source, reader.line_num)}: invalid CSV: {exc}") from None
     return rows
+
+
+def _newlines(record: dict) -> int:
+    """Line breaks inside a CSV record's quoted cells (each adds a file line to it)."""
+    return sum(v.count("\n") for v in record.values() if isinstance(v, str))
 
 
 def _read_parquet(raw: bytes, source: str) -> list[Row]:
