@@ -189,3 +189,15 @@ def test_default_folder_and_pruning(tmp_path, monkeypatch):
         os.utime(folder / f"sft-{i:02d}.json", (i, i))  # entry i used at time i
     kept = sorted(p.name for p in folder.iterdir())
     assert len(kept) == cache.KEEP_ENTRIES and "sft-00.json" not in kept and "sft-34.json" in kept
+
+
+def test_an_eval_share_that_rounds_to_no_rows_is_said_on_miss_and_hit(tmp_path, tok, capsys):
+    data = write_jsonl(tmp_path / "few.jsonl", sft_rows()[:8])
+    expected = ("data: no evaluation rows: data.eval_fraction 0.05 of 8 rows rounds to none, so the run logs no eval "
+                "metrics; pass data.eval (ppo: data.eval_prompts) or raise data.eval_fraction")
+    for _ in ("miss", "hit"):
+        assert load_stage_data("sft", config(tmp_path, data), tok, seed=0).eval == []
+        assert expected in capsys.readouterr().err.splitlines()
+    assert load_stage_data("sft", config(tmp_path, data, eval_fraction=0.25), tok, seed=0).info["eval_rows"] == 2
+    assert load_stage_data("sft", config(tmp_path, data, eval_fraction=0.0), tok, seed=0).eval == []
+    assert "no evaluation rows" not in capsys.readouterr().err  # asked for none, or got some: nothing to say

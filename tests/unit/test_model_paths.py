@@ -1,11 +1,16 @@
 """A mistyped local model path is reported as missing at once, not looked up on the hub (where, offline, it
 waited ~50 s on retries and then blamed the tokenizer)."""
 
+import os
+import subprocess
+import sys
 import time
 
 import pytest
 
 from rlhfkit.models import ModelError, load_causal_lm, load_tokenizer
+
+from conftest import ROOT, STORIES, needs_shared
 
 
 @pytest.mark.parametrize("name", ["runs/nope", "runs/sft/final", "out/ppo/final-critic", "./nope"])
@@ -25,3 +30,16 @@ def test_a_hub_id_shape_is_still_a_hub_id(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     with pytest.raises(ModelError, match="is neither a local folder nor reachable"):
         load_tokenizer("HuggingFaceTB/SmolLM2-135M-Instruct")
+
+
+@needs_shared
+def test_a_row_longer_than_the_tokenizers_maximum_is_encoded_without_a_misleading_warning():
+    """Rows are cut to data.max_length after encoding; transformers' 'indexing errors' warning does not apply.
+    (A subprocess: transformers' log handler writes to the stderr it found at import.)"""
+    script = (f"from rlhfkit.models import load_tokenizer\n"
+              f"tok = load_tokenizer({str(STORIES)!r})\n"
+              f"assert len(tok('Once upon a time ' * 400)['input_ids']) > tok.model_max_length == 512\n")
+    res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "Token indices sequence length" not in res.stderr

@@ -183,6 +183,11 @@ def test_config_errors_name_the_key_and_help_lists_fields(tmp_path):
         ppo_config(ptx={"coef": 0.1})
     with pytest.raises(ConfigError, match="'ppo.mini_batch_size'"):
         ppo_config(ppo={"mini_batch_size": 3})
+    # without ppo.mini_batch_size the error names the key the user set, not the one they never touched
+    with pytest.raises(ConfigError) as err:
+        ppo_config(train={"batch_size": 6, "micro_batch_size": 4})
+    assert str(err.value) == ("config key 'train.micro_batch_size': 4 must divide the iteration's 6 samples "
+                              "(train.batch_size x ppo.n_samples_per_prompt)")
     with pytest.raises(ConfigError, match="unknown config key 'ppo.kl_coeff'"):
         ppo_config(ppo={"kl_coeff": 0.1})
     with pytest.raises(ConfigError, match="'gen.temperature'"):

@@ -277,7 +277,12 @@ class PPOConfig:
             raise ConfigError(f"config key '{prefix}train.max_steps': set the number of PPO iterations (>= 1)")
         samples = self.train.batch_size * self.ppo.n_samples_per_prompt
         mini = self.ppo.mini_batch_size or samples
-        if samples % mini or mini % self.train.micro_batch_size:
+        if self.ppo.mini_batch_size and (samples % mini or mini % self.train.micro_batch_size):
             raise ConfigError(f"config key '{prefix}ppo.mini_batch_size': {mini} must divide the iteration's "
                               f"{samples} samples (train.batch_size x ppo.n_samples_per_prompt) and be a multiple "
-                              f"of micro_batch_size {self.train.micro_batch_size}")
+                              f"of train.micro_batch_size {self.train.micro_batch_size}")
+        if samples % self.train.micro_batch_size:
+            # ppo.mini_batch_size unset: one optimizer step takes all of the iteration's samples
+            raise ConfigError(f"config key '{prefix}train.micro_batch_size': {self.train.micro_batch_size} must "
+                              f"divide the iteration's {samples} samples (train.batch_size x "
+                              f"ppo.n_samples_per_prompt)")

@@ -273,11 +273,22 @@ def load_stage_data(stage: str, cfg: DataConfig, tokenizer, seed: int, train_spe
         cached = cache.load(path, key, warn=note)
         if cached is not None:
             note(f"cache hit: {len(cached['train'])} train / {len(cached['eval'])} eval rows from {path}")
-            return StageData(cached["train"], cached["eval"], {**cached["info"], "cache": "hit"})
+            data = StageData(cached["train"], cached["eval"], {**cached["info"], "cache": "hit"})
+            _note_no_eval(data, cfg, eval_source, note)
+            return data
     train_ex, eval_ex, stats = read_examples(stage, cfg, seed, sources, eval_source)
     data = _tokenize(stage, train_ex, eval_ex, stats, tokenizer, template, cfg, spec)
     if path is not None and main:  # one writer; other ranks computed the same
         if cache.save(path, key, data.train, data.eval, data.info, warn=note):
             note(f"tokenised rows cached at {path}")
     data.info["cache"] = "miss" if path is not None else key
+    _note_no_eval(data, cfg, eval_source, note)
     return data
+
+
+def _note_no_eval(data: StageData, cfg, eval_source, note) -> None:
+    """Say so when a held-out share was asked for but came out empty (few rows): the run logs no eval metrics."""
+    if not data.eval and eval_source is None and cfg.eval_fraction > 0 and cfg.eval_max_rows > 0:
+        note(f"no evaluation rows: data.eval_fraction {cfg.eval_fraction} of {data.info['train_rows']} rows rounds "
+             f"to none, so the run logs no eval metrics; pass data.eval (ppo: data.eval_prompts) or raise "
+             f"data.eval_fraction")

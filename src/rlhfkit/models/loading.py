@@ -82,6 +82,10 @@ def load_tokenizer(name: str, opts: LoadConfig | None = None, padding_side: str 
         else:
             tok.pad_token = tok.eos_token
     tok.padding_side = padding_side
+    # rlhfkit encodes whole rows and cuts them to data.max_length itself: transformers' "Token indices sequence
+    # length is longer than the specified maximum" (on the first long row) would warn of an error that never comes
+    if isinstance(getattr(tok, "deprecation_warnings", None), dict):
+        tok.deprecation_warnings["sequence-length-is-longer-than-the-specified-maximum"] = True
     return tok
 
 
