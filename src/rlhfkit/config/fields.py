@@ -224,4 +224,7 @@ def help_text(cls) -> str:
 
 
 def dump_yaml(cfg, path: Path) -> None:
-    path.write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False), encoding="utf-8")
+    """Write the config as YAML, atomically (other ranks of a resumed run read the file while it is replaced)."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False), encoding="utf-8")
+    tmp.replace(path)
