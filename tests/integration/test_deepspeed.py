@@ -268,3 +268,34 @@ def test_dpo_under_zero3_matches_the_local_engine(tmp_path, tiny_model_dir):
         assert ds[key] == pytest.approx(local[key], abs=5e-4, rel=5e-4), key
     assert ds["eval/accuracy"][0] == 0.0 and ds["eval/accuracy"][-1] >= 0.9
     assert_same_weights(tmp_path / "ds", tmp_path / "local", atol=5e-4)
+
+
+def test_bf16_reference_is_the_actor_before_any_update(tmp_path, ppo_world):
+    """Below ZeRO-3 DeepSpeed's bf16 engine holds the actor in bf16: the frozen reference is cast to it, so the
+    first rollout's KL is 0 (it was 0.16 with a float32 reference)."""
+    out = tmp_path / "ppo"
+    res = run_cli("ppo", f"actor={ppo_world / 'sft' / 'final'}", f"reward={ppo_world / 'rewards.py'}:four_words",
+                  f"data.prompts={ppo_world / 'prompts.jsonl'}", f"data.eval_prompts={ppo_world / 'eval.jsonl'}",
+                  f"output_dir={out}", "train.batch_size=8", "train.micro_batch_size=8", "gen.max_new_tokens=12",
+                  "train.eval_every=1", "train.max_steps=1", "engine.backend=deepspeed", "engine.zero_stage=2",
+                  "engine.precision=bf16")
+    assert res.returncode == 0, res.stderr[-3000:]
+    rows = read_metrics(out / "metrics.jsonl")
+    first = next(r for r in rows if "kl" in r)
+    assert first["kl"] == pytest.approx(0.0, abs=1e-6), first
+    assert [r["eval/kl"] for r in rows if "eval/kl" in r][0] == pytest.approx(0.0, abs=1e-6)
+
+
+def test_a_reward_model_under_zero3_normalises_with_its_stored_statistics(tmp_path, ppo_world, ds_reward_model):
+    """Under ZeRO-3 the frozen RM is DeepSpeed's engine (whose `.config` is its dict): its mean/std and template
+    are still read from the transformers config (ppo.normalize_reward failed with 'has no rlhfkit_reward_mean')."""
+    out = tmp_path / "ppo"
+    res = run_cli("ppo", f"actor={ppo_world / 'sft' / 'final'}", f"reward={ds_reward_model / 'final'}",
+                  f"data.prompts={ppo_world / 'prompts.jsonl'}", f"output_dir={out}", "train.batch_size=8",
+                  "train.micro_batch_size=8", "gen.max_new_tokens=12", "train.eval_every=0", "train.max_steps=1",
+                  "ppo.normalize_reward=true", "engine.backend=deepspeed", "engine.zero_stage=3")
+    assert res.returncode == 0, res.stderr[-3000:]
+    stored = json.loads((ds_reward_model / "final" / "config.json").read_text())
+    row = next(r for r in read_metrics(out / "metrics.jsonl") if "score/mean" in r)
+    want = (row["reward/mean"] - stored["rlhfkit_reward_mean"]) / stored["rlhfkit_reward_std"]
+    assert row["score/mean"] == pytest.approx(want, abs=1e-4), row

@@ -355,7 +355,15 @@ class DeepSpeedEngine:
         model.requires_grad_(False)
         model.eval()
         if stage != 3:
-            return model.to("cpu" if self.cfg.offload_reference_model else self.device)
+            model.to("cpu" if self.cfg.offload_reference_model else self.device)
+            # in the trained models' precision, as DeepSpeed's bf16 / fp16 engines hold theirs: the parameters
+            # cast, the buffers (rotary frequencies) kept. A float32 reference would differ from the actor it
+            # started as (KL > 0 before any update)
+            dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.cfg.precision)
+            if dtype is not None:
+                for param in model.parameters():
+                    param.data = param.data.to(dtype)
+            return model
         engine, *_ = deepspeed.initialize(model=model, config=self.eval_config(stage))
         engine.eval()
         return engine

@@ -21,6 +21,7 @@ from rlhfkit.data.templates import Template, encode_prompt, encode_response
 from rlhfkit.data.tokenize import pad_sequences
 from rlhfkit.models.cpu_linear import packed_weights
 from rlhfkit.models.forward import sequence_scores
+from rlhfkit.models.lora import base_model
 from rlhfkit.errors import ModelError
 
 
@@ -167,13 +168,15 @@ class ModelReward:
         self.micro = micro_batch_size
         # render as in the RM's training when `rlhfkit rm` recorded it (rlhfkit_template: chat|plain)
         # and with the end ids its training responses ended with (rlhfkit_end_ids; else the tokenizer's EOS)
-        self.template = Template.for_tokenizer(tokenizer, getattr(model.config, "rlhfkit_template", None)
-                                               or template_mode, getattr(model.config, "rlhfkit_end_ids", None))
+        # (the transformers config: under ZeRO-3 `model` is DeepSpeed's engine, whose own `.config` is its dict)
+        config = base_model(model).config
+        self.template = Template.for_tokenizer(tokenizer, getattr(config, "rlhfkit_template", None)
+                                               or template_mode, getattr(config, "rlhfkit_end_ids", None))
         self.retokenize = not (same_tokenization(tokenizer, actor_template.tokenizer)
                                and self.template.name == actor_template.name
                                and self.template.end_ids == actor_template.end_ids)
-        mean = getattr(model.config, "rlhfkit_reward_mean", None)
-        std = getattr(model.config, "rlhfkit_reward_std", None)
+        mean = getattr(config, "rlhfkit_reward_mean", None)
+        std = getattr(config, "rlhfkit_reward_std", None)
         self.stats = {"mean": float(mean), "std": float(std)} if mean is not None and std is not None else None
 
     def _rm_inputs(self, batch, finished: list[bool]) -> tuple[torch.Tensor, torch.Tensor]:
