@@ -9,6 +9,7 @@ import json
 import shutil
 
 import pytest
+import yaml
 
 from conftest import read_metrics, sft_rows, write_jsonl
 from test_deepspeed import launch
@@ -83,6 +84,7 @@ def test_another_zero_stage_is_still_refused(tmp_path, sft_args):
     assert "it was written by the deepspeed engine on 1 rank(s), ZeRO stage 2 and this run is the deepspeed " \
            "engine on 2 rank(s), ZeRO stage 3: resume with the same engine.backend and engine.zero_stage" \
            in res.stderr
+    assert yaml.safe_load((out / "config.yaml").read_text())["engine"]["zero_stage"] == 2  # the run's own kept
 
 
 def ppo_args(world, out, stage, *extra):

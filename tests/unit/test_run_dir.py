@@ -8,7 +8,7 @@ import yaml
 from rlhfkit.config import SFTConfig, load_config
 from rlhfkit.config.fields import to_dict
 from rlhfkit.errors import RunError
-from rlhfkit.stages.run_dir import changed_settings, prepare_output_dir
+from rlhfkit.stages.run_dir import changed_settings, prepare_output_dir, resumed_from
 
 
 def config(out: Path, *extra: str):
@@ -80,6 +80,9 @@ def test_resume_lists_other_changed_settings_and_uses_them(tmp_path, capsys):
     err = capsys.readouterr().err
     assert err.strip() == ("resume: settings changed since the checkpointed run, the new ones are used: "
                            "train.lr: 1e-05 -> 3e-05")  # max_steps and log.* are routine, not listed
+    # config.yaml changes only once the checkpoint loaded: a resume that fails there leaves the run's own
+    assert yaml.safe_load((out / "config.yaml").read_text())["train"]["lr"] == 1e-5
+    assert resumed_from(cfg, out, 20, is_main=True) == 20
     assert yaml.safe_load((out / "config.yaml").read_text())["train"]["lr"] == 3e-5
     assert (out / "metrics.jsonl").read_text() == "old"  # resume keeps what the run wrote
 

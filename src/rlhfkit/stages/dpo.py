@@ -51,7 +51,7 @@ from rlhfkit.stages.common import (MetricsLogger, choose_head_logprobs, epoch_or
 from rlhfkit.stages.guard import resume_state
 from rlhfkit.stages.loop import TrainLoop
 from rlhfkit.stages.reward import pair_means
-from rlhfkit.stages.run_dir import prepare_output_dir
+from rlhfkit.stages.run_dir import prepare_output_dir, resumed_from
 
 REF_KEY = "ref"  # a row's reference log-probs [chosen, rejected], attached when precomputed
 
@@ -406,7 +406,8 @@ def run_dpo(cfg: DPOConfig, resume: bool = False, force: bool = False) -> dict:
     policy = engine.prepare(model, cfg.train, total, role="policy")
     chunked = choose_head_logprobs(policy.module, cfg.dpo.chunked_logprobs, cfg.engine.precision, engine)
     reference = setup_reference(cfg, data, policy, engine, tokenizer, fresh=not resume, say=engine.say)
-    start = resume_state(engine, out, {"model": policy})["step"] if resume else 0
+    start = (resumed_from(cfg, out, resume_state(engine, out, {"model": policy})["step"], engine.is_main)
+             if resume else 0)
     pad_id, device, micro_size = tokenizer.pad_token_id, engine.device, cfg.train.micro_batch_size
     loss_fn = LossFn(cfg.dpo)
     evaluate = (lambda: evaluate_dpo(policy.module, data.eval, pad_id, micro_size, device, engine, loss_fn,

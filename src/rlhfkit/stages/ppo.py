@@ -14,7 +14,7 @@ from rlhfkit.data.loader import load_stage_data, skipped_rows
 from rlhfkit.engine import make_engine
 from rlhfkit.models import load_tokenizer
 from rlhfkit.stages.common import MetricsLogger, set_seed
-from rlhfkit.stages.run_dir import prepare_output_dir, undone_if_bad_input_at_start
+from rlhfkit.stages.run_dir import prepare_output_dir, resumed_from, undone_if_bad_input_at_start
 from rlhfkit.stages.loop import TrainLoop
 from rlhfkit.stages.ppo_setup import load_ppo_models
 from rlhfkit.stages.ppo_steps import PPOSteps, updates_per_iteration
@@ -43,7 +43,7 @@ def run_ppo(cfg: PPOConfig, resume: bool = False, force: bool = False) -> dict:
     models = load_ppo_models(cfg, tokenizer, engine, iters * updates_per_iteration(cfg))
     rl = PPOSteps(cfg, models, tokenizer, engine, ptx)
     out = prepare_output_dir(cfg, resume, force, engine.is_main)
-    start = rl.restore(out) if resume else 0
+    start = resumed_from(cfg, out, rl.restore(out), engine.is_main) if resume else 0
     evaluate = (lambda: rl.evaluate(data.eval)) if data.eval else None
 
     with undone_if_bad_input_at_start(out, not resume, engine.is_main), \

@@ -26,7 +26,7 @@ from rlhfkit.models.segments import packed_row_tokens
 from rlhfkit.models.loading import load_generation_config
 from rlhfkit.models.lora import apply_lora, base_model
 from rlhfkit.stages.common import MetricsLogger, plan_steps, set_seed
-from rlhfkit.stages.run_dir import prepare_output_dir
+from rlhfkit.stages.run_dir import prepare_output_dir, resumed_from
 from rlhfkit.stages.guard import resume_state
 from rlhfkit.stages.loop import TrainLoop
 
@@ -152,7 +152,8 @@ def run_rm(cfg: RMConfig, resume: bool = False, force: bool = False) -> dict:
 
     # 2. the optimizer (and the state of a resumed run)
     rm = engine.prepare(model, cfg.train, total, role="reward_model", keep_grads=True)
-    start = resume_state(engine, out, {"model": rm})["step"] if resume else 0
+    start = (resumed_from(cfg, out, resume_state(engine, out, {"model": rm})["step"], engine.is_main)
+             if resume else 0)
     pad_id, device, micro_size = tokenizer.pad_token_id, engine.device, cfg.train.micro_batch_size
     margin = cfg.rm.margin or None
     packed = cfg.packing or (cfg.packing is None and engine.reduce_sum(float(packing_is_exact(

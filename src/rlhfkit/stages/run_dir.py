@@ -34,7 +34,8 @@ QUIET = ("output_dir", "train.max_steps", "train.epochs", "train.log_every", "tr
 
 
 def prepare_output_dir(cfg, resume: bool, force: bool, is_main: bool = True) -> Path:
-    """Check the folder against --resume / --force, clear a replaced run's outputs, write config.yaml.
+    """Check the folder against --resume / --force, clear a replaced run's outputs, write a fresh run's
+    config.yaml (a resumed run's is written by `resumed_from`, once its checkpoint loaded).
 
     Called only after data and models were checked, so a bad input leaves no folder behind.
     """
@@ -55,8 +56,16 @@ def prepare_output_dir(cfg, resume: bool, force: bool, is_main: bool = True) -> 
         out.mkdir(parents=True, exist_ok=True)
         if not resume:
             clear_run_outputs(out)
-        dump_yaml(cfg, out / "config.yaml")
+            dump_yaml(cfg, out / "config.yaml")
     return out
+
+
+def resumed_from(cfg, out: Path, step: int, is_main: bool) -> int:
+    """After a resumed run's checkpoint loaded: config.yaml takes its settings (a resume that failed to load,
+    say on another engine, leaves the checkpointed run's config.yaml as it was). Returns `step`."""
+    if is_main:
+        dump_yaml(cfg, out / "config.yaml")
+    return step
 
 
 @contextlib.contextmanager

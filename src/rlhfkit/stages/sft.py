@@ -20,7 +20,7 @@ from rlhfkit.models.segments import packed_attention, packed_row_tokens
 from rlhfkit.models.loading import load_generation_config
 from rlhfkit.models.lora import apply_lora
 from rlhfkit.stages.common import MetricsLogger, plan_steps, set_seed
-from rlhfkit.stages.run_dir import prepare_output_dir
+from rlhfkit.stages.run_dir import prepare_output_dir, resumed_from
 from rlhfkit.stages.guard import resume_state
 from rlhfkit.stages.loop import TrainLoop
 
@@ -142,7 +142,8 @@ def run_sft(cfg: SFTConfig, resume: bool = False, force: bool = False) -> dict:
 
     # 2. the optimizer (and the state of a resumed run)
     actor = engine.prepare(model, cfg.train, total, keep_grads=True)
-    start = resume_state(engine, out, {"model": actor})["step"] if resume else 0
+    start = (resumed_from(cfg, out, resume_state(engine, out, {"model": actor})["step"], engine.is_main)
+             if resume else 0)
     pad_id, device, micro = tokenizer.pad_token_id, engine.device, cfg.train.micro_batch_size
     rtol, probe = (1e-4 if cfg.engine.precision == "fp32" else 2e-2), probe_rows(data.train)
 
