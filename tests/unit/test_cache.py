@@ -201,3 +201,14 @@ def test_an_eval_share_that_rounds_to_no_rows_is_said_on_miss_and_hit(tmp_path, 
     assert load_stage_data("sft", config(tmp_path, data, eval_fraction=0.25), tok, seed=0).info["eval_rows"] == 2
     assert load_stage_data("sft", config(tmp_path, data, eval_fraction=0.0), tok, seed=0).eval == []
     assert "no evaluation rows" not in capsys.readouterr().err  # asked for none, or got some: nothing to say
+
+
+def test_eval_rows_all_too_long_are_said_as_such(tmp_path, tok, capsys):
+    rows = sft_rows()[:40]
+    data = write_jsonl(tmp_path / "rows.jsonl", rows)
+    long = write_jsonl(tmp_path / "long.jsonl", [{**row, "prompt": row["prompt"] + " word" * 200} for row in rows[:3]])
+    got = load_stage_data("sft", config(tmp_path, data, eval=str(long), on_long_prompt="drop"), tok,
+                          seed=0)
+    assert got.eval == [] and got.train
+    assert ("data: no evaluation rows: all 3 were skipped or dropped (too long for data.max_length=64, or empty), "
+            "so the run logs no eval metrics") in capsys.readouterr().err.splitlines()

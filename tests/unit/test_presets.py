@@ -235,6 +235,23 @@ def test_held_out_rows_are_taken_per_source_before_repeating(tmp_path):
     assert len(train) == 18 * 3 + 18
 
 
+def test_max_rows_of_a_mix_samples_every_source_and_of_one_source_keeps_its_first(tmp_path):
+    a, b = _pairs(tmp_path, "a", 30), _pairs(tmp_path, "b", 30)
+    train, evals, _ = read("rm", train=[a, b], eval_fraction=0.2, max_rows=20, eval_max_rows=6, seed=3)
+    names = [ex.prompt[0]["content"] for ex in train]
+    assert len(names) == 20 and len(evals) == 6
+    assert 5 <= sum(n.startswith("a ") for n in names) <= 15  # both sources (the first 20 were all of a's)
+    assert {ex.prompt[0]["content"][0] for ex in evals} == {"a", "b"}
+    order = [(n[0], int(n.split()[-1])) for n in names]
+    assert order == sorted(order)  # in the mix's order: a's rows, then b's
+    again, _, _ = read("rm", train=[a, b], eval_fraction=0.2, max_rows=20, eval_max_rows=6, seed=3)
+    assert [ex.prompt for ex in again] == [ex.prompt for ex in train]
+    one, _, _ = read("rm", train=a, eval_fraction=0.0, max_rows=4)
+    assert [ex.prompt[0]["content"] for ex in one] == [f"a question {i}" for i in range(4)]
+    _, none, _ = read("rm", train=[a, b], eval_fraction=0.2, eval_max_rows=0)
+    assert none == []
+
+
 def test_a_bad_weight_names_its_key(tmp_path):
     with pytest.raises(DataError, match=r"config key 'data.train\[1\].weight': must be a positive number, got -1"):
         read("rm", train=[_pairs(tmp_path, "a", 4), {"path": "x.jsonl", "weight": -1}])

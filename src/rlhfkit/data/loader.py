@@ -171,9 +171,20 @@ def read_examples(stage: str, cfg: DataConfig, seed: int, sources: list[Source],
         own = eval_source.preset.eval_split if eval_source.preset else None
         split = own if own and has_split(eval_source.location, own) else cfg.split
         evals = _convert(stage, _read_share(eval_source, split, cfg), eval_source, cfg, stats["eval"])
-    if cfg.max_rows > 0:
-        train = train[:cfg.max_rows]
-    return train, evals[:cfg.eval_max_rows], stats
+    mixed = len(sources) > 1
+    train = at_most(train, cfg.max_rows, mixed, seed)
+    evals = at_most(evals, cfg.eval_max_rows, mixed and eval_source is None, seed + 1) if cfg.eval_max_rows > 0 else []
+    return train, evals, stats
+
+
+def at_most(rows: list, n: int, mixed: bool, seed: int) -> list:
+    """At most n rows (n <= 0: all): a single source's first n, a mix's seeded sample of n in their order, so
+    every source keeps its share (the first n of a mix would all be the first source's)."""
+    if n <= 0 or len(rows) <= n:
+        return rows
+    if not mixed:
+        return rows[:n]
+    return [rows[i] for i in sorted(random.Random(seed).sample(range(len(rows)), n))]
 
 
 # stage -> (canonical examples, tokenizer, template, cfg, skip counts) -> (tokenised rows, {"truncated", "dropped"})
@@ -234,7 +245,7 @@ def _tokenize(stage: str, train_ex: list, eval_ex: list, stats: dict, tokenizer,
         raise _nothing_left(stage, spec, stats["train"], train_tok["dropped"], cfg)
     counts = {key: stats["train"].get(key, 0) + stats["eval"].get(key, 0)
               for key in {*stats["train"], *stats["eval"]}}
-    info = {"template": template.name, "train_rows": len(train), "eval_rows": len(evals),
+    info = {"template": template.name, "train_rows": len(train), "eval_rows": len(evals), "eval_read": len(eval_ex),
             "truncated": train_tok["truncated"] + eval_tok["truncated"],
             "dropped": train_tok["dropped"] + eval_tok["dropped"], **counts}
     return StageData(train, evals, info)
@@ -287,8 +298,14 @@ def load_stage_data(stage: str, cfg: DataConfig, tokenizer, seed: int, train_spe
 
 
 def _note_no_eval(data: StageData, cfg, eval_source, note) -> None:
-    """Say so when a held-out share was asked for but came out empty (few rows): the run logs no eval metrics."""
-    if not data.eval and eval_source is None and cfg.eval_fraction > 0 and cfg.eval_max_rows > 0:
+    """Say so when evaluation rows were asked for but none are left (a held-out share of few rows rounds to none,
+    or every eval row was too long): the run logs no eval metrics."""
+    if data.eval or cfg.eval_max_rows <= 0:
+        return
+    if data.info.get("eval_read"):  # there were some: tokenisation skipped or dropped every one
+        note(f"no evaluation rows: all {data.info['eval_read']} were skipped or dropped (too long for "
+             f"data.max_length={cfg.max_length}, or empty), so the run logs no eval metrics")
+    elif eval_source is None and cfg.eval_fraction > 0:
         note(f"no evaluation rows: data.eval_fraction {cfg.eval_fraction} of {data.info['train_rows']} rows rounds "
              f"to none, so the run logs no eval metrics; pass data.eval (ppo: data.eval_prompts) or raise "
              f"data.eval_fraction")
