@@ -255,6 +255,9 @@ def test_max_rows_of_a_mix_samples_every_source_and_of_one_source_keeps_its_firs
 def test_a_bad_weight_names_its_key(tmp_path):
     with pytest.raises(DataError, match=r"config key 'data.train\[1\].weight': must be a positive number, got -1"):
         read("rm", train=[_pairs(tmp_path, "a", 4), {"path": "x.jsonl", "weight": -1}])
+    with pytest.raises(DataError, match=r"^config key 'data.train\[1\].wieght': unknown \(a mix entry takes path "
+                                         r"and weight\)$"):
+        read("rm", train=[_pairs(tmp_path, "a", 4), {"path": "x.jsonl", "wieght": 2}])
 
 
 # ---------------------------------------------------------------- one dataset split across the steps

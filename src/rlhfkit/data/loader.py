@@ -52,6 +52,10 @@ def _sources(spec) -> list[tuple[str, float]]:
             if isinstance(item, str):
                 out.append((item, 1.0))
             elif isinstance(item, dict) and isinstance(item.get("path"), str):
+                unknown = sorted(set(item) - {"path", "weight"})
+                if unknown:
+                    raise DataError(f"config key 'data.train[{i}].{unknown[0]}': unknown (a mix entry takes path and "
+                                    f"weight)")
                 weight = item.get("weight", 1.0)
                 if not isinstance(weight, (int, float)) or weight <= 0:
                     raise DataError(f"config key 'data.train[{i}].weight': must be a positive number, got {weight!r}")
