@@ -48,6 +48,10 @@ def world(tiny_model_dir, tmp_path_factory) -> dict:
     save_model_folder(two, tok, root / "two-label-rm")
     other = build_tokenizer([f"Human: tell {n}\nBot: {n}" for n in NAMES] * 3, vocab_size=300)
     save_model_folder(build_tiny_llama(len(other)), other, root / "other-vocab")
+    damaged = root / "damaged-weights"  # a copy cut short (a disk that filled up, an interrupted transfer)
+    shutil.copytree(tiny_model_dir, damaged)
+    weights = (damaged / "model.safetensors").read_bytes()
+    (damaged / "model.safetensors").write_bytes(weights[:len(weights) // 2])
     reward = root / "reward.py"
     reward.write_text("def score(prompts, responses):\n    return [0.0] * len(prompts)\n")
     return {"model": tiny_model_dir, "root": root, "reward": f"{reward}:score"}
@@ -161,6 +165,13 @@ def tokenizer_without_pad_or_eos(tmp, w):
         f"its tokenizer_config.json")
 
 
+def damaged_weights(tmp, w):
+    path, folder = write_jsonl(tmp / "train.jsonl", sft_rows()), w["root"] / "damaged-weights"
+    return "sft", [f"data.train={path}", f"model={folder}"], (
+        f"cannot load a causal LM from '{folder}': its safetensors weights are damaged or incomplete (Error while "
+        f"deserializing header: incomplete metadata, file not fully covered); copy or save the folder again")
+
+
 def two_label_head_for_rm(tmp, w):
     path, folder = write_jsonl(tmp / "pairs.jsonl", pairs()), w["root"] / "two-label-rm"
     return "rm", [f"data.train={path}", f"model={folder}"], (
@@ -233,7 +244,7 @@ def resume_without_checkpoint(tmp, w):
 CASES = {fn.__name__: fn for fn in (
     malformed_json, missing_field, whitespace_response, all_pairs_identical, long_prompt_error,
     every_prompt_too_long, text_rows_for_rm, sft_rows_for_rm, empty_file, non_utf8_file, preset_without_local_copy,
-    split_index_out_of_range, model_folder_missing, folder_without_tokenizer, tokenizer_without_pad_or_eos,
+    split_index_out_of_range, model_folder_missing, folder_without_tokenizer, damaged_weights, tokenizer_without_pad_or_eos,
     two_label_head_for_rm, two_label_head_as_ppo_reward, critic_with_another_vocabulary, yaml_unknown_key,
     yaml_wrong_type, finished_run, unfinished_run, resume_without_checkpoint)}
 

@@ -12,6 +12,7 @@ import os
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer,
                           GenerationConfig)
 
@@ -20,6 +21,9 @@ from rlhfkit.errors import ModelError
 from rlhfkit.models import kernels
 from rlhfkit.models.lean import use_lean_activations
 from rlhfkit.models.rotary import use_fused_rotary
+
+# what a folder that cannot be loaded raises: missing or unreadable files, bad configs, damaged weights
+LOAD_ERRORS = (OSError, ValueError, SafetensorError)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "auto": "auto"}
 # A folder holding none of these has no tokenizer (fast, sentencepiece, BPE vocab, or a config naming one).
@@ -127,8 +131,8 @@ def load_causal_lm(name: str, opts: LoadConfig | None = None, tokenizer=None):
     kwargs = _source_kwargs(name, opts)
     try:
         model = AutoModelForCausalLM.from_pretrained(name, dtype=DTYPES[opts.dtype], **kwargs)
-    except (OSError, ValueError) as exc:
-        raise ModelError(f"cannot load a causal LM from '{name}': {str(exc).splitlines()[0]}") from None
+    except LOAD_ERRORS as exc:
+        raise ModelError(f"cannot load a causal LM from '{name}': {_why(exc)}") from None
     return _prepare(model, opts, tokenizer)
 
 
@@ -158,9 +162,16 @@ def load_scalar_model(name: str, opts: LoadConfig | None = None, tokenizer=None)
         with _transformers_quiet(fresh_head):
             model = AutoModelForSequenceClassification.from_pretrained(name, config=config,
                                                                        dtype=DTYPES[opts.dtype], **kwargs)
-    except (OSError, ValueError) as exc:
-        raise ModelError(f"cannot load a scalar-head model from '{name}': {str(exc).splitlines()[0]}") from None
+    except LOAD_ERRORS as exc:
+        raise ModelError(f"cannot load a scalar-head model from '{name}': {_why(exc)}") from None
     return _prepare(model, opts, tokenizer)
+
+
+def _why(exc: Exception) -> str:
+    first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    if isinstance(exc, SafetensorError):
+        return f"its safetensors weights are damaged or incomplete ({first}); copy or save the folder again"
+    return first
 
 
 @contextlib.contextmanager
