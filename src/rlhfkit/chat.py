@@ -40,16 +40,18 @@ def add_chat_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--greedy", action="store_true", help="greedy decoding (deterministic) instead of sampling")
     p.add_argument("--seed", type=int, default=None, help="seed the sampler (reproducible answers)")
     p.add_argument("--template", choices=("auto", "chat", "plain"), default="auto",
-                   help="prompt rendering, as data.template in training (default auto)")
+                   help="prompt rendering, as data.template in training (default auto: the tokenizer's chat "
+                        "template, or plain when rlhfkit trained the folder plain)")
     return p
 
 
 class ChatModel:
     """A causal LM, its tokenizer and template; `reply(messages)` answers the last user message."""
 
-    def __init__(self, name: str, template_mode: str = "auto"):
+    def __init__(self, name: str, mode: str = "auto"):
         from rlhfkit.data.templates import Template
         from rlhfkit.models import ModelError, load_causal_lm, load_tokenizer
+        from rlhfkit.models.loading import template_mode
         from rlhfkit.rollout.generate import eos_token_ids
 
         self.name = name
@@ -57,7 +59,7 @@ class ChatModel:
         self._refuse_scalar_head(name, ModelError)
         self.model = load_causal_lm(name, None, self.tokenizer).eval()
         try:
-            self.template = Template.for_tokenizer(self.tokenizer, template_mode)
+            self.template = Template.for_tokenizer(self.tokenizer, template_mode(mode, name, None, self.tokenizer))
         except ValueError as exc:
             raise ModelError(f"--template: {exc}") from None
         self.eos_ids = eos_token_ids(self.tokenizer, self.model)

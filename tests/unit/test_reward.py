@@ -177,6 +177,39 @@ def test_rm_data_ends_where_the_actor_stops_and_the_rm_records_it(chat_model_dir
                        torch.device("cpu")).retokenize
 
 
+def test_a_folder_trained_plain_is_rendered_plain_downstream(chat_model_dir, tmp_path):
+    """SFT with data.template=plain on a chat tokenizer records it in final/config.json; the RM step, PPO and
+    `rlhfkit chat` then render plain by default (auto would give chat turns the model never saw)."""
+    from rlhfkit.chat import ChatModel
+    from rlhfkit.config import SFTConfig
+    from rlhfkit.config.ppo_schema import PPOConfig
+    from rlhfkit.stages.common import with_trained_template
+    from rlhfkit.stages.reward import TEMPLATE_KEY
+    from rlhfkit.stages.sft import run_sft
+
+    from conftest import sft_rows
+
+    sft = load_config(SFTConfig, None, [f"model={chat_model_dir}", f"output_dir={tmp_path / 'sft'}",
+                                        f"data.train={write_jsonl(tmp_path / 'sft.jsonl', sft_rows())}",
+                                        "data.template=plain", "data.eval_fraction=0", "train.max_steps=1",
+                                        "train.batch_size=4", "train.micro_batch_size=4", "log.tensorboard=false",
+                                        "log.progress=false"])
+    assert run_sft(sft)["template"] == "plain"
+    final = tmp_path / "sft" / "final"
+    assert json.loads((final / "config.json").read_text())[TEMPLATE_KEY] == "plain"
+    result = run_rm(rm_config(final, tmp_path, "rm", **{"train.batch_size": 4, "train.micro_batch_size": 4,
+                                                        "train.max_steps": 1}))
+    assert result["template"] == "plain"
+    ppo = load_config(PPOConfig, None, [f"actor={final}", f"reward={tmp_path / 'rm' / 'final'}",
+                                        "data.prompts=prompts.jsonl", "train.max_steps=1"])
+    tok = load_tokenizer(str(final))
+    assert with_trained_template(ppo, str(final), tok).data.template == "plain"
+    assert ChatModel(str(final)).template.name == "plain"
+    # an explicit setting still wins, and a folder rlhfkit did not train plain keeps auto's chat
+    assert ChatModel(str(final), "chat").template.name == "chat"
+    assert with_trained_template(ppo, str(chat_model_dir), tok).data.template == "auto"
+
+
 def test_packed_pairs_score_and_train_as_padded_ones(tiny_model_dir):
     """Chosen and rejected sequences packed without padding (positions restarting per sequence, each score
     read at its sequence's last token) give the padded batch's scores and the same gradients."""

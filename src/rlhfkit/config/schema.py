@@ -21,7 +21,8 @@ class SourceOptions:
                                      "from a mix, a seeded sample across its sources")
     format: str = option("auto", "row format: auto (detected) or a format name (see the README's data table)")
     fields: dict = option({}, "rename fields, canonical->yours, e.g. {prompt: question, response: answer}")
-    template: str = option("auto", "auto: the tokenizer's chat template if it has one, else plain; or chat|plain",
+    template: str = option("auto", "auto: the tokenizer's chat template if it has one, else plain (plain too when "
+                                   "the model folder was trained plain by rlhfkit); or chat|plain",
                            choices=("auto", "chat", "plain"))
     split: str = option("train", "split to read from a save_to_disk DatasetDict or a hub dataset")
     max_rows: int = option(-1, "use at most this many training rows (-1 or 0: all): a source's first rows, or "

@@ -24,6 +24,8 @@ from rlhfkit.models.rotary import use_fused_rotary
 
 # what a folder that cannot be loaded raises: missing or unreadable files, bad configs, damaged weights
 LOAD_ERRORS = (OSError, ValueError, SafetensorError)
+# config.json key: how the folder's training rendered its rows ("chat" or "plain"); sft, rm, dpo and ppo write it
+TEMPLATE_KEY = "rlhfkit_template"
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "auto": "auto"}
 # A folder holding none of these has no tokenizer (fast, sentencepiece, BPE vocab, or a config naming one).
@@ -102,6 +104,26 @@ def load_generation_config(name: str, opts: LoadConfig | None = None):
         return GenerationConfig.from_pretrained(name, local_files_only=kwargs.get("local_files_only", False))
     except (OSError, ValueError):
         return None
+
+
+def template_mode(mode: str, name: str, opts: LoadConfig | None, tokenizer) -> str:
+    """`data.template` for training or chatting with the model in `name`: `mode`, except that `auto` follows the
+    folder's recorded training when it was `plain` on a tokenizer that has a chat template (auto would render
+    chat turns the model never saw)."""
+    if mode != "auto" or not getattr(tokenizer, "chat_template", None):
+        return mode
+    try:
+        config = AutoConfig.from_pretrained(name, **_source_kwargs(name, opts or LoadConfig()))
+    except LOAD_ERRORS:
+        return mode  # loading the model says what is wrong
+    return "plain" if getattr(config, TEMPLATE_KEY, None) == "plain" else mode
+
+
+def record_template(model, name: str) -> None:
+    """Write how the rows were rendered into the model's config, exported into final/config.json."""
+    from rlhfkit.models.lora import base_model
+
+    setattr(base_model(model).config, TEMPLATE_KEY, name)
 
 
 def _prepare(model, opts: LoadConfig, tokenizer=None):

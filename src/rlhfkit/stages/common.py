@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -18,6 +19,16 @@ from rlhfkit.models.forward import (head_gives_logits, lm_head_weight, packing_g
                                     use_padding_free)
 from rlhfkit.models.prefix import common_prefix_gives_full_values, use_common_prefix
 from rlhfkit.models.group_pack import group_packing_gives_prefix_values, use_group_packing
+
+
+def with_trained_template(cfg, name: str, tokenizer):
+    """`cfg` whose data.template, when auto, follows how the model folder `name` was trained
+    (`models.loading.template_mode`)."""
+    from rlhfkit.models.loading import template_mode
+
+    mode = template_mode(cfg.data.template, name, cfg.load, tokenizer)
+    return cfg if mode == cfg.data.template else dataclasses.replace(cfg, data=dataclasses.replace(cfg.data,
+                                                                                                   template=mode))
 
 
 def set_seed(seed: int) -> None:

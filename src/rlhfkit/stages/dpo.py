@@ -44,10 +44,10 @@ from rlhfkit.models import load_causal_lm, load_tokenizer
 from rlhfkit.models.forward import (causal_logits, custom_mask_kind, final_hidden, head_logprobs_weight, head_matmul,
                                     masked_logits, position_ids)
 from rlhfkit.models.prefix import shared_prefix_logits
-from rlhfkit.models.loading import load_generation_config
+from rlhfkit.models.loading import load_generation_config, record_template
 from rlhfkit.models.lora import adapter_disabled, apply_lora, checkpointed, is_lora
 from rlhfkit.stages.common import (MetricsLogger, choose_head_logprobs, epoch_order, longest_first, plan_steps,
-                                   set_seed)
+                                   set_seed, with_trained_template)
 from rlhfkit.stages.guard import resume_state
 from rlhfkit.stages.loop import TrainLoop
 from rlhfkit.stages.reward import pair_means
@@ -396,6 +396,7 @@ def run_dpo(cfg: DPOConfig, resume: bool = False, force: bool = False) -> dict:
     # 1. tokenizer and pairs first (the RM step's data layer and its cache): bad input fails before anything is
     #    written
     tokenizer = load_tokenizer(cfg.model, cfg.load)
+    cfg = with_trained_template(cfg, cfg.model, tokenizer)
     end_ids = end_token_ids(tokenizer, load_generation_config(cfg.model, cfg.load))
     data = load_stage_data("rm", cfg.data, tokenizer, cfg.train.seed, end_ids=end_ids, main=engine.is_main)
     model = apply_lora(load_causal_lm(cfg.model, cfg.load, tokenizer), cfg.lora)
@@ -433,6 +434,7 @@ def run_dpo(cfg: DPOConfig, resume: bool = False, force: bool = False) -> dict:
             final_eval = evaluate()
 
     # 4. export a plain transformers folder (LoRA merged, ZeRO-3 gathered)
+    record_template(policy.module, data.info["template"])
     engine.export_hf(policy.module, tokenizer, out / "final")
     return {"output_dir": str(out), "steps": total, "loss_type": cfg.dpo.loss, "reference": reference.note,
             **final_eval, **data.info}

@@ -13,7 +13,8 @@ from rlhfkit.config.ppo_schema import PPOConfig
 from rlhfkit.data.loader import load_stage_data, skipped_rows
 from rlhfkit.engine import make_engine
 from rlhfkit.models import load_tokenizer
-from rlhfkit.stages.common import MetricsLogger, set_seed
+from rlhfkit.models.loading import record_template
+from rlhfkit.stages.common import MetricsLogger, set_seed, with_trained_template
 from rlhfkit.stages.run_dir import prepare_output_dir, resumed_from, undone_if_bad_input_at_start
 from rlhfkit.stages.loop import TrainLoop
 from rlhfkit.stages.ppo_setup import load_ppo_models
@@ -38,6 +39,7 @@ def run_ppo(cfg: PPOConfig, resume: bool = False, force: bool = False) -> dict:
 
     # 0. tokenizer and data first (bad input fails before the models load), then the four models
     tokenizer = load_tokenizer(cfg.actor, cfg.load, padding_side="left")
+    cfg = with_trained_template(cfg, cfg.actor, tokenizer)
     data = load_stage_data("prompts", cfg.data.as_prompt_data(), tokenizer, seed, main=engine.is_main)
     ptx = PtxText(cfg.data.ptx, tokenizer, cfg.ptx.max_length, seed) if cfg.ptx.coef > 0 else None
     models = load_ppo_models(cfg, tokenizer, engine, iters * updates_per_iteration(cfg))
@@ -67,6 +69,7 @@ def run_ppo(cfg: PPOConfig, resume: bool = False, force: bool = False) -> dict:
                                        **timer.metrics(), "time/iteration": time.perf_counter() - tick},
                               skipped=rl.skipped(train_metrics))
 
+    record_template(rl.actor.module, data.info["template"])
     rl.export(out)
     result = {"output_dir": str(out), "iterations": iters, **data.info}
     last_eval = loop.last_eval or first_eval

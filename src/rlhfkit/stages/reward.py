@@ -23,16 +23,16 @@ from rlhfkit.engine import make_engine
 from rlhfkit.models import load_scalar_model, load_tokenizer
 from rlhfkit.models.forward import packed_sequence_scores, sequence_scores
 from rlhfkit.models.segments import packed_row_tokens
-from rlhfkit.models.loading import load_generation_config
+from rlhfkit.models.loading import TEMPLATE_KEY, load_generation_config
 from rlhfkit.models.lora import apply_lora, base_model
-from rlhfkit.stages.common import MetricsLogger, plan_steps, set_seed
+from rlhfkit.stages.common import MetricsLogger, plan_steps, set_seed, with_trained_template
 from rlhfkit.stages.run_dir import prepare_output_dir, resumed_from
 from rlhfkit.stages.guard import resume_state
 from rlhfkit.stages.loop import TrainLoop
 
 # Keys written into final/config.json next to the weights; PPO and `rlhfkit score` read them back.
 MEAN_KEY, STD_KEY = "rlhfkit_reward_mean", "rlhfkit_reward_std"
-TEMPLATE_KEY, MAX_LENGTH_KEY = "rlhfkit_template", "rlhfkit_max_length"
+MAX_LENGTH_KEY = "rlhfkit_max_length"
 END_IDS_KEY = "rlhfkit_end_ids"  # the ids the training responses ended with (data/templates.py: end_token_ids)
 
 
@@ -141,6 +141,7 @@ def run_rm(cfg: RMConfig, resume: bool = False, force: bool = False) -> dict:
 
     # 1. tokenizer and data first: bad input fails here, before any folder is written
     tokenizer = load_tokenizer(cfg.model, cfg.load)
+    cfg = with_trained_template(cfg, cfg.model, tokenizer)
     # responses end where the actor's rollouts will stop: EOS or the folder's generation_config end-of-turn ids
     end_ids = end_token_ids(tokenizer, load_generation_config(cfg.model, cfg.load))
     data = load_stage_data("rm", cfg.data, tokenizer, cfg.train.seed, end_ids=end_ids, main=engine.is_main)

@@ -17,9 +17,9 @@ from rlhfkit.engine import make_engine
 from rlhfkit.models import load_causal_lm, load_tokenizer
 from rlhfkit.models.forward import causal_logits, final_hidden, lm_head_weight, packed_logits, position_ids
 from rlhfkit.models.segments import packed_attention, packed_row_tokens
-from rlhfkit.models.loading import load_generation_config
+from rlhfkit.models.loading import load_generation_config, record_template
 from rlhfkit.models.lora import apply_lora
-from rlhfkit.stages.common import MetricsLogger, plan_steps, set_seed
+from rlhfkit.stages.common import MetricsLogger, plan_steps, set_seed, with_trained_template
 from rlhfkit.stages.run_dir import prepare_output_dir, resumed_from
 from rlhfkit.stages.guard import resume_state
 from rlhfkit.stages.loop import TrainLoop
@@ -132,6 +132,7 @@ def run_sft(cfg: SFTConfig, resume: bool = False, force: bool = False) -> dict:
 
     # 1. tokenizer and data first: bad input fails here, before any folder is written
     tokenizer = load_tokenizer(cfg.model, cfg.load)
+    cfg = with_trained_template(cfg, cfg.model, tokenizer)
     # responses end where PPO rollouts will stop: EOS or the folder's generation_config end-of-turn ids
     end_ids = end_token_ids(tokenizer, load_generation_config(cfg.model, cfg.load))
     data = load_stage_data("sft", cfg.data, tokenizer, cfg.train.seed, end_ids=end_ids, main=engine.is_main)
@@ -176,5 +177,6 @@ def run_sft(cfg: SFTConfig, resume: bool = False, force: bool = False) -> dict:
                 loop.end_step(step + 1, {**metrics, "time/step": time.perf_counter() - tick, "epoch": epoch})
 
     # 4. export a plain transformers folder (LoRA merged, ZeRO-3 gathered)
+    record_template(actor.module, data.info["template"])  # PPO and `rlhfkit chat` render as trained
     engine.export_hf(actor.module, tokenizer, out / "final")
     return {"output_dir": str(out), "steps": total, **data.info}
