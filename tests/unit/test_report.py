@@ -136,6 +136,22 @@ def test_pipeline_layout_with_extras(tmp_path):
     assert "reward 0.9" in html
 
 
+def test_ppo_eval_metrics_are_drawn_beside_the_rollouts(tmp_path):
+    from rlhfkit.report.metrics import StageRun
+    from rlhfkit.report.plots import stage_figure
+
+    rows = _ppo_rows(30)
+    for row in rows[::10]:  # train.eval_every=10
+        row.update({"eval/reward": 0.2, "eval/kl": 0.05, "eval/response_length": 7.0})
+    fig = stage_figure(StageRun("ppo", "ppo", tmp_path / "metrics.jsonl", rows))
+    drawn = {ax.get_title(): [line.get_label() for line in ax.get_lines() if not line.get_label().startswith("_")]
+             for ax in fig.axes}
+    assert "eval/reward" in drawn["Reward (mean ± std)"] and "eval/kl" in drawn["KL to reference"]
+    assert "eval/response_length" in drawn["Response length (tokens)"]
+    eval_line = next(line for line in fig.axes[0].get_lines() if line.get_label() == "eval/reward")
+    assert list(eval_line.get_xdata()) == [0, 10, 20]  # its own sparse steps, unsmoothed
+
+
 def test_title_argument_and_unknown_stage(tmp_path):
     rows = [{"step": s, "stage": "dpo", "loss": 1.0 / (s + 1), "eval/loss": 1.2 / (s + 1)} for s in range(20)]
     _write_metrics(tmp_path / "metrics.jsonl", rows)

@@ -48,9 +48,10 @@ PANELS: dict[str, list[Panel]] = {
         Panel("Eval rewards", ("eval/chosen", "eval/rejected", "eval/margin")),
     ],
     "ppo": [
-        Panel("Reward (mean ± std)", ("reward/mean",), band=("reward/mean", "reward/std")),
-        Panel("KL to reference", ("kl",), twin_keys=("kl_coef",)),
-        Panel("Response length (tokens)", ("response_length",)),
+        # eval/*: the held-out prompts' (train.eval_every), drawn with the rollouts' own
+        Panel("Reward (mean ± std)", ("reward/mean", "eval/reward"), band=("reward/mean", "reward/std")),
+        Panel("KL to reference", ("kl", "eval/kl"), twin_keys=("kl_coef",)),
+        Panel("Response length (tokens)", ("response_length", "eval/response_length")),
         Panel("Policy loss", ("policy_loss",)),
         Panel("Value loss", ("value_loss",)),
         Panel("Entropy", ("entropy",)),
@@ -123,11 +124,21 @@ def _draw_panel(ax, rows: list[dict], panel: Panel) -> None:
 
 def plot_stage(run: StageRun, out_path: Path) -> bool:
     """Write the stage's curve grid to `out_path`; False (and no file) when it has nothing to plot."""
+    fig = stage_figure(run)
+    if fig is None:
+        return False
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out_path)
+    return True
+
+
+def stage_figure(run: StageRun) -> Figure | None:
+    """The stage's curve grid (None when it has nothing to plot)."""
     panels = PANELS.get(run.stage) or _generic_panels(run.rows)
     present = set(numeric_keys(run.rows))
     panels = [p for p in panels if present & set(p.keys + p.twin_keys)]
     if not panels:
-        return False
+        return None
     ncols = min(3, len(panels))
     nrows = math.ceil(len(panels) / ncols)
     fig = Figure(figsize=(4.6 * ncols, 3.3 * nrows), dpi=DPI, layout="constrained")
@@ -140,9 +151,7 @@ def plot_stage(run: StageRun, out_path: Path) -> bool:
     for ax in axes[len(panels):]:
         ax.set_visible(False)
     fig.suptitle(f"{run.stage.upper()} — {run.label}", fontsize=12, fontweight="bold")
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out_path)
-    return True
+    return fig
 
 
 def plot_gold(policies: dict[str, dict], best: float | None, out_path: Path) -> None:
