@@ -149,8 +149,10 @@ def test_listing_verifies_each_checkpoint_and_use_then_resume_continues_the_curv
 
     assert cli_main(["checkpoints", str(run), "--use", "step-00000004"]) == 2  # a damaged one is not chosen
     assert "rlhfkit checkpoints: error: checkpoint" in capsys.readouterr().err
-    assert cli_main(["checkpoints", str(run), "--use", "2"]) == 1  # still lists the damaged one
-    assert "latest -> step-00000002: --resume continues from step 2" in capsys.readouterr().out
+    # the switch succeeded, so exit 0 (`... --use 2 && rlhfkit sft --resume ...` goes on); still lists the damaged
+    assert cli_main(["checkpoints", str(run), "--use", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "latest -> step-00000002: --resume continues from step 2" in out and "DAMAGED" in out
     assert (folder / "latest").read_text() == "step-00000002"
 
     resume(run, tiny_model_dir, finished)

@@ -278,7 +278,8 @@ def use_checkpoint(folder: Path, name: str) -> str:
 
 def main(args) -> int:
     """`rlhfkit checkpoints RUN_DIR [--quick] [--use CHECKPOINT]`: a table of the run's checkpoints with their
-    step, ranks, ZeRO stage, size and status; exit 1 when one is damaged or `latest` names none."""
+    step, ranks, ZeRO stage, size and status; exit 1 when one is damaged or `latest` names none (with --use:
+    when the checkpoint it switched to is)."""
     folder = _checkpoint_dir(Path(args.run_dir))
     if not folder.is_dir():
         print(f"rlhfkit checkpoints: error: no checkpoints folder in '{args.run_dir}'", file=sys.stderr)
@@ -303,4 +304,6 @@ def main(args) -> int:
     missing = latest is not None and not (folder / latest).is_dir()
     print(f"* latest: {latest}{' (MISSING)' if missing else ''}" if latest else "no 'latest' pointer: "
           "--resume has nothing to load")
+    if args.use:  # the switch succeeded: the exit says whether what --resume loads now is sound
+        return 1 if missing or not all(row["ok"] for row in rows if row["name"] == latest) else 0
     return 1 if missing or not all(row["ok"] for row in rows) else 0
