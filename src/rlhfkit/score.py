@@ -38,7 +38,8 @@ def add_score_parser(sub) -> argparse.ArgumentParser:
     p = sub.add_parser("score", help=DESCRIPTION, description=DESCRIPTION, epilog=EPILOG,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("rm_dir", metavar="RM_DIR", help="a reward-model folder (an `rlhfkit rm` run's final/)")
-    p.add_argument("--data", required=True, help="a .jsonl/.json/.parquet/.csv file, save_to_disk folder or hub name")
+    p.add_argument("--data", required=True, help="a .jsonl/.json/.parquet/.csv file, save_to_disk folder, hub or "
+                                                 "seed-dataset name (read from its local copy when there is one)")
     p.add_argument("--output", help="JSONL of per-row scores (required for prompt/response data)")
     p.add_argument("--batch-size", type=int, default=16, help="rows per forward pass (default 16)")
     p.add_argument("--max-length", type=int, help="tokens per sequence; default: the RM's training data.max_length")
@@ -47,7 +48,10 @@ def add_score_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--format", default="auto", help="row format name (default: auto-detected)")
     p.add_argument("--field", action="append", default=[], metavar="CANONICAL=COLUMN",
                    help="rename a column, e.g. --field prompt=question (repeatable)")
-    p.add_argument("--split", default="train", help="split of a save_to_disk folder or hub dataset")
+    p.add_argument("--split", help="split to score; default: the dataset's own eval split (a seed dataset's, or a "
+                                   "test / validation split) when it has one, else train")
+    p.add_argument("--local-dir", help="where local copies of hub datasets are (as data.local_dir; default "
+                                       "$RLHFKIT_DATA_DIR)")
     return p
 
 
@@ -146,7 +150,8 @@ def run_score(args) -> dict:
     from rlhfkit.config.schema import LoadConfig
     from rlhfkit.errors import DataError
     from rlhfkit.data.formats import to_preference_examples, to_sft_examples
-    from rlhfkit.data.readers import read_rows
+    from rlhfkit.data.loader import eval_split_of
+    from rlhfkit.data.presets import read_source, resolve_source
     from rlhfkit.data.templates import Template
     from rlhfkit.models import ModelError, load_scalar_model, load_tokenizer
     from rlhfkit.stages.reward import END_IDS_KEY, MAX_LENGTH_KEY, TEMPLATE_KEY
@@ -155,8 +160,12 @@ def run_score(args) -> dict:
         raise DataError(f"--batch-size must be >= 1, got {args.batch_size}")
     # 1. the data first (cheap), so a wrong file fails before a model is loaded
     fields = _fields(args.field)
-    rows = read_rows(args.data, split=args.split)
-    task = _task(rows, fields, args.format)
+    source = resolve_source(args.data, 1.0, None, args.local_dir)
+    split = args.split or eval_split_of(source, "train") or "train"
+    rows = read_source(source, split)
+    fmt = source.preset.format if args.format == "auto" and source.preset else args.format
+    fields = {**(source.preset.fields if source.preset else {}), **fields}
+    task = _task(rows, fields, fmt)
     if task == "sft" and not args.output:
         raise DataError(f"{args.data}: prompt/response rows get one score each: pass --output FILE for them")
 
@@ -179,19 +188,19 @@ def run_score(args) -> dict:
 
     # 3. score: accuracy for pairs, one score per row for prompt/response data
     if task == "preference":
-        examples = to_preference_examples(rows, fields or None, args.format)
+        examples = to_preference_examples(rows, fields or None, fmt)
         scores, summary = score_pairs(model, tokenizer, template, examples, max_length, args.batch_size, device)
         if args.output:
             _write_jsonl(args.output, [{"source": ex.source, "line": ex.line, "chosen_score": s and s[0],
                                         "rejected_score": s and s[1]} for ex, s in zip(examples, scores)])
-        return {**summary, "template": template.name, "max_length": max_length,
+        return {**summary, "split": split, "template": template.name, "max_length": max_length,
                 **({"output": args.output} if args.output else {})}
-    examples = to_sft_examples(rows, fields or None, args.format)
+    examples = to_sft_examples(rows, fields or None, fmt)
     scores = score_responses(model, tokenizer, template, examples, max_length, args.batch_size, device)
     _write_jsonl(args.output, [{"source": ex.source, "line": ex.line, "prompt": ex.prompt, "response": ex.response,
                                 "score": s} for ex, s in zip(examples, scores)])
     valid = torch.tensor([s for s in scores if s is not None], dtype=torch.float64)
-    return {"rows": len(examples), "scored": len(valid), "mean": valid.mean().item() if len(valid) else None,
+    return {"rows": len(examples), "split": split, "scored": len(valid), "mean": valid.mean().item() if len(valid) else None,
             "std": valid.std().item() if len(valid) > 1 else None, "template": template.name,
             "max_length": max_length, "output": args.output}
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import random
 
 import pytest
@@ -130,6 +131,18 @@ def test_score_agrees_with_training_eval(rule_run, rule_data, tmp_path, capsys):
     for key in ("chosen", "rejected", "margin"):
         assert summary[key] == pytest.approx(result[f"eval/{key}"], abs=1e-4)
     pairs = [json.loads(line) for line in (tmp_path / "pairs.jsonl").read_text().splitlines()]
+
+    # a seed dataset by name is read from its local copy, at its own test split (here the same 64 eval pairs)
+    copy = tmp_path / "datasets" / "Dahoas" / "rm-static"
+    copy.mkdir(parents=True)
+    shutil.copy(rule_data[0], copy / "train.jsonl")
+    shutil.copy(rule_data[1], copy / "test.jsonl")
+    code, named, err = score_in_process(capsys, str(out / "final"), "--data", "Dahoas/rm-static", "--local-dir",
+                                        str(tmp_path / "datasets"))
+    assert code == 0, err
+    assert named["split"] == "test" and named["pairs"] == 64 and named["accuracy"] == summary["accuracy"]
+    code, named, err = score_in_process(capsys, str(out / "final"), "--data", str(copy), "--split", "train")
+    assert code == 0 and named["split"] == "train" and named["pairs"] == 256, err
 
     # the mean reward PPO will normalise with is the mean over the training responses (all 512 of them here)
     code, _, err = score_in_process(capsys, str(out / "final"), "--data", str(rule_data[0]),

@@ -158,6 +158,28 @@ def test_an_explicit_eval_wins_over_the_preset_split(local_dir, tmp_path):
     assert [e.chosen[:4] for e in evals] == ["Sure", "Avoc"]
 
 
+def test_a_folder_or_dataset_dict_with_its_own_test_split_evaluates_on_it_without_a_preset(tmp_path):
+    import datasets
+
+    folder = tmp_path / "mine"
+    folder.mkdir()
+    _pairs(folder, "train", 12), _pairs(folder, "test", 3)  # mine/train.jsonl, mine/test.jsonl
+    train, evals, stats = read("rm", train=str(folder), eval_fraction=0.5)
+    assert len(train) == 12 and not stats["train"].get("held_out")  # nothing held out of train
+    assert [e.prompt[0]["content"] for e in evals] == [f"test question {i}" for i in range(3)]
+    rows = lambda name, n: [{"prompt": f"{name} {i}", "chosen": "yes", "rejected": "no"} for i in range(n)]  # noqa
+    saved = tmp_path / "dict"
+    datasets.DatasetDict({"train": datasets.Dataset.from_list(rows("t", 8)),
+                          "validation": datasets.Dataset.from_list(rows("v", 2))}).save_to_disk(str(saved))
+    train, evals, _ = read("rm", train=str(saved))
+    assert len(train) == 8 and [e.prompt[0]["content"] for e in evals] == ["v 0", "v 1"]
+    # an explicit eval folder is read at its own test split too; a plain file still holds out a fraction
+    _, evals, _ = read("rm", train=_pairs(tmp_path, "plain", 10), eval=str(folder))
+    assert len(evals) == 3
+    train, evals, _ = read("rm", train=_pairs(tmp_path, "plain", 10), eval_fraction=0.2)
+    assert len(train) == 8 and len(evals) == 2
+
+
 def test_a_local_path_takes_a_preset_which_fixes_the_format(local_dir):
     copy = local_dir / "yitingxie/rlhf-reward-datasets"
     train, evals, _ = read("rm", train=str(copy), preset="yitingxie/rlhf-reward-datasets")

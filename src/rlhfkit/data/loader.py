@@ -118,12 +118,21 @@ def _convert(stage: str, rows: list, src: Source, cfg: DataConfig, stats: dict) 
     return CONVERTERS[stage](rows, fields or None, fmt, stats, strict=cfg.strict_rows)
 
 
+# the eval splits a source without a preset may have, in the order looked for
+EVAL_SPLITS = ("test", "validation")
+
+
+def eval_split_of(src: Source, train_split: str) -> str | None:
+    """The source's own eval split: its preset's (when the copy has it), else a `test` or `validation` split of a
+    folder (test.jsonl, a DatasetDict, a hub snapshot's data/test-*.parquet) or hub dataset; never train's."""
+    candidates = (src.preset.eval_split,) if src.preset else EVAL_SPLITS
+    return next((split for split in candidates if split and split != train_split and has_split(src.location, split)),
+                None)
+
+
 def _own_eval_split(src: Source, cfg: DataConfig) -> str | None:
-    """The source's own eval split (its preset's test split, when the copy has one and train is not it)."""
-    split = src.preset.eval_split if src.preset else None
-    if cfg.eval or not split or split == cfg.split or not has_split(src.location, split):
-        return None
-    return split
+    """A training source's own eval split, unless data.eval names the eval rows."""
+    return None if cfg.eval else eval_split_of(src, cfg.split)
 
 
 def _hold_out(examples: list, fraction: float, seed: int) -> tuple[list, list]:
@@ -172,8 +181,7 @@ def read_examples(stage: str, cfg: DataConfig, seed: int, sources: list[Source],
             stats["train"]["held_out"] = stats["train"].get("held_out", 0) + len(held)
         train += weighted(examples, src.weight, rng)  # held-out rows are never repeated into train
     if eval_source is not None:
-        own = eval_source.preset.eval_split if eval_source.preset else None
-        split = own if own and has_split(eval_source.location, own) else cfg.split
+        split = eval_split_of(eval_source, cfg.split) or cfg.split
         evals = _convert(stage, _read_share(eval_source, split, cfg), eval_source, cfg, stats["eval"])
     mixed = len(sources) > 1
     train = at_most(train, cfg.max_rows, mixed, seed)
