@@ -67,8 +67,11 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="verb", required=True)
     for verb in TRAIN_VERBS:
         _train_parser(sub, verb)
-    rep = sub.add_parser("report", help="write report.html with plots for a run folder")
-    rep.add_argument("run_dir")
+    rep = sub.add_parser("report", help="write report.html with plots for a run folder",
+                         description="write RUN_DIR/report.html: the curves of each stage's metrics.jsonl (plots/ "
+                                     "PNGs beside it, a pipeline's steps in order), with no scripts or network "
+                                     "(a finished run writes it by itself; this redraws it, e.g. during a run)")
+    rep.add_argument("run_dir", metavar="RUN_DIR", help="a run's output_dir (one stage's, or a pipeline's)")
     ckpt = sub.add_parser("checkpoints", help="list a run's checkpoints and verify them against their manifests",
                           description="list a run's checkpoints (step, ranks, ZeRO stage, size) and verify each "
                                       "against its manifest.json (sizes and sha256); exit 1 when one is damaged")

@@ -82,6 +82,22 @@ def _task(rows, fields: dict, fmt: str) -> str:
         return "sft"
 
 
+def _with_field_flags(exc):
+    """A format error's `data.fields={...}` hint as this command's `--field` flags."""
+    import ast
+    import re
+
+    from rlhfkit.errors import DataError
+
+    text = str(exc).replace("config key 'data.fields': ", "--field: ").replace("e.g. {response: answer}",
+                                                                             "e.g. --field response=answer")
+    hint = re.search(r"map columns with data\.fields, e\.g\. data\.fields=(\{.*\})$", text)
+    if not hint:
+        return DataError(text)
+    flags = " ".join(f"--field {k}={v}" for k, v in ast.literal_eval(hint.group(1)).items())
+    return DataError(f"{text[:hint.start()]}map columns with --field, e.g. {flags}")
+
+
 def _bar(total: int, desc: str):
     from tqdm.auto import tqdm
 
@@ -168,6 +184,10 @@ def run_score(args) -> dict:
     task = _task(rows, fields, fmt)
     if task == "sft" and not args.output:
         raise DataError(f"{args.data}: prompt/response rows get one score each: pass --output FILE for them")
+    try:
+        examples = (to_preference_examples if task == "preference" else to_sft_examples)(rows, fields or None, fmt)
+    except DataError as exc:
+        raise _with_field_flags(exc) from None
 
     # 2. the reward model with its own tokenizer; refuse anything without a trained scalar head
     if not Path(args.rm_dir).is_dir():
@@ -188,21 +208,19 @@ def run_score(args) -> dict:
 
     # 3. score: accuracy for pairs, one score per row for prompt/response data
     if task == "preference":
-        examples = to_preference_examples(rows, fields or None, fmt)
         scores, summary = score_pairs(model, tokenizer, template, examples, max_length, args.batch_size, device)
         if args.output:
             _write_jsonl(args.output, [{"source": ex.source, "line": ex.line, "chosen_score": s and s[0],
                                         "rejected_score": s and s[1]} for ex, s in zip(examples, scores)])
         return {**summary, "split": split, "template": template.name, "max_length": max_length,
                 **({"output": args.output} if args.output else {})}
-    examples = to_sft_examples(rows, fields or None, fmt)
     scores = score_responses(model, tokenizer, template, examples, max_length, args.batch_size, device)
     _write_jsonl(args.output, [{"source": ex.source, "line": ex.line, "prompt": ex.prompt, "response": ex.response,
                                 "score": s} for ex, s in zip(examples, scores)])
     valid = torch.tensor([s for s in scores if s is not None], dtype=torch.float64)
-    return {"rows": len(examples), "split": split, "scored": len(valid), "mean": valid.mean().item() if len(valid) else None,
-            "std": valid.std().item() if len(valid) > 1 else None, "template": template.name,
-            "max_length": max_length, "output": args.output}
+    return {"rows": len(examples), "split": split, "scored": len(valid),
+            "mean": valid.mean().item() if len(valid) else None, "std": valid.std().item() if len(valid) > 1 else None,
+            "template": template.name, "max_length": max_length, "output": args.output}
 
 
 def main(args) -> int:

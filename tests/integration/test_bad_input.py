@@ -108,15 +108,16 @@ def text_rows_for_rm(tmp, w):
     return "rm", [f"data.train={path}"], (
         f"{path}:1: cannot detect a preference format from keys (text); known formats: webgpt, shp, chat_pairs, "
         f"prompt_chosen_rejected, hh_dialogue; plain {{text}} rows are pretraining text, not prompt/response data; "
-        f"map columns with fields, e.g. fields={{'prompt': 'question', 'chosen': 'better', 'rejected': 'worse'}}")
+        f"map columns with data.fields, e.g. data.fields={{'prompt': 'question', 'chosen': 'better', "
+        f"'rejected': 'worse'}}")
 
 
 def sft_rows_for_rm(tmp, w):
     path = write_jsonl(tmp / "sft.jsonl", sft_rows())
     return "rm", [f"data.train={path}"], (
         f"{path}:1: cannot detect a preference format from keys (prompt, response); known formats: webgpt, shp, "
-        f"chat_pairs, prompt_chosen_rejected, hh_dialogue; map columns with fields, e.g. fields={{'prompt': "
-        f"'question', 'chosen': 'better', 'rejected': 'worse'}}")
+        f"chat_pairs, prompt_chosen_rejected, hh_dialogue; map columns with data.fields, e.g. "
+        f"data.fields={{'prompt': 'question', 'chosen': 'better', 'rejected': 'worse'}}")
 
 
 def empty_file(tmp, w):
@@ -345,3 +346,16 @@ def test_unusable_rows_are_skipped_and_counted_unless_strict(tmp_path, world):
         load_stage_data("sft", dataclasses.replace(cfg, train=str(empty)), tok, seed=0)
     assert str(error.value) == (f"data '{empty}': no training rows left after filtering: 3 rows read; 3 skipped: "
                                 f"the response (or chosen reply) is empty")
+
+
+def test_score_names_its_own_flag_for_renaming_columns(tmp_path, world, capsys):
+    """The format error's hint is `--field` for `rlhfkit score` (its stages' `data.fields` is no flag of it), and
+    it comes before the reward model is loaded."""
+    rows = write_jsonl(tmp_path / "q.jsonl", [{"question": "q", "reply": "a"}])
+    assert cli_main(["score", str(world["root"] / "no-tokenizer"), "--data", str(rows), "--output",
+                     str(tmp_path / "o.jsonl")]) == 2
+    assert capsys.readouterr().err.strip() == (
+        f"rlhfkit score: error: {rows}:1: cannot detect a sft format from keys (question, reply); known formats: "
+        f"webgpt, shp, chat_pairs, prompt_chosen_rejected, hh_dialogue, messages, alpaca, prompt_response; map "
+        f"columns with --field, e.g. --field prompt=question --field response=answer")
+    assert not (tmp_path / "o.jsonl").exists()

@@ -364,7 +364,7 @@ def test_field_overrides_rename_columns_before_detection():
     assert str(info.value) == (
         "mem.jsonl:1: field 'query': missing (mapped to 'prompt' by fields; row has keys: question, answer, id)"
     )
-    with pytest.raises(DataError, match=r"^fields: unknown canonical field\(s\) respone \(known: .*response"):
+    with pytest.raises(DataError, match=r"^config key 'data.fields': unknown canonical field\(s\) respone \(known: .*response"):
         to_sft_examples(data, fields={"respone": "answer"})
 
 
@@ -390,10 +390,11 @@ def test_undetectable_rows_suggest_the_fields_option():
     assert str(info.value) == (
         "mem.jsonl:1: cannot detect a sft format from keys (text); known formats: webgpt, shp, chat_pairs, "
         "prompt_chosen_rejected, hh_dialogue, messages, alpaca, prompt_response; plain {text} rows are pretraining "
-        "text, not prompt/response data; map columns with fields, e.g. "
-        "fields={'prompt': 'question', 'response': 'answer'}"
+        "text, not prompt/response data; map columns with data.fields, e.g. "
+        "data.fields={'prompt': 'question', 'response': 'answer'}"
     )
-    with pytest.raises(DataError, match=re.escape("map columns with fields, e.g. fields={'response': 'completion'}")):
+    with pytest.raises(DataError, match=re.escape("map columns with data.fields, e.g. data.fields={'response': "
+                                                  "'completion'}")):
         to_sft_examples(rows({"prompt": "a", "completion": "b"}))
 
 
@@ -435,8 +436,8 @@ def test_missing_field_in_a_later_row():
             {"chosen": "Hello there", "rejected": "Hi"},
             "preference",
             "mem.jsonl:1: cannot detect a preference format from keys (chosen, rejected); known formats: webgpt, "
-            "shp, chat_pairs, prompt_chosen_rejected, hh_dialogue; map columns with fields, e.g. "
-            "fields={'prompt': 'question', 'chosen': 'better', 'rejected': 'worse'}",
+            "shp, chat_pairs, prompt_chosen_rejected, hh_dialogue; map columns with data.fields, e.g. "
+            "data.fields={'prompt': 'question', 'chosen': 'better', 'rejected': 'worse'}",
         ),
         (
             {"chosen": "\n\nHuman: hi\n\nAssistant: a", "rejected": "Hi"},

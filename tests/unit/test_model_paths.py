@@ -25,6 +25,27 @@ def test_a_missing_local_path_fails_at_once_naming_it(tmp_path, monkeypatch, nam
         assert time.monotonic() - start < 5  # no network retries
 
 
+def test_a_run_folder_given_for_a_model_points_at_its_final_folder(tmp_path, tiny_model_dir, capsys):
+    import shutil
+
+    from rlhfkit.cli import main as cli_main
+
+    run = tmp_path / "runs" / "sft"
+    shutil.copytree(tiny_model_dir, run / "final")
+    (run / "config.yaml").write_text("model: x\n")
+    expected = f"'{run}' is a run folder, not a model folder: pass '{run / 'final'}', the model the run exported"
+    with pytest.raises(ModelError) as err:
+        load_tokenizer(str(run))
+    assert str(err.value) == expected
+    assert cli_main(["chat", str(run), "--prompt", "hi"]) == 2
+    assert capsys.readouterr().err.strip().endswith(expected)
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text('{"prompt": "say a", "chosen": "a", "rejected": "b"}\n')
+    assert cli_main(["score", str(run), "--data", str(pairs)]) == 2
+    assert capsys.readouterr().err.strip().endswith(expected)
+    load_tokenizer(str(run / "final"))
+
+
 def test_a_hub_id_shape_is_still_a_hub_id(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # no "HuggingFaceTB/" folder here: the name is a hub id, refused offline
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")

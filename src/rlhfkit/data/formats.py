@@ -407,7 +407,7 @@ def detect_format(row: dict, task: str) -> str:
             return name
     alias = next((key for key in _RESPONSE_ALIASES if key in row), None)
     example = f"{{'response': {alias!r}}}" if task == "sft" and "prompt" in row and alias else _FIELDS_EXAMPLE[task]
-    hint = f"map columns with fields, e.g. fields={example}"
+    hint = f"map columns with data.fields, e.g. data.fields={example}"
     if "text" in row and task != "prompt":
         hint = "plain {text} rows are pretraining text, not prompt/response data; " + hint
     keys = ", ".join(map(str, row)) or "none"
@@ -435,7 +435,8 @@ def _parse_rows(rows: list[Row], fields, format: str, task: str, stats: dict, st
     unknown = sorted(set(fields or {}) - set(CANONICAL_FIELDS))
     if unknown:
         raise DataError(
-            f"fields: unknown canonical field(s) {', '.join(unknown)} (known: {', '.join(CANONICAL_FIELDS)})"
+            f"config key 'data.fields': unknown canonical field(s) {', '.join(unknown)} (known: "
+            f"{', '.join(CANONICAL_FIELDS)}; each maps a canonical field to your column, e.g. {{response: answer}})"
         )
     first = _apply_fields(rows[0], fields)
     if format == "auto":

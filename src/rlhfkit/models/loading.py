@@ -67,6 +67,10 @@ def load_tokenizer(name: str, opts: LoadConfig | None = None, padding_side: str 
     source = opts.tokenizer or name
     kwargs = _source_kwargs(source, opts)
     folder = Path(source).expanduser()
+    if kwargs.get("local_files_only") and not (folder / "config.json").is_file() \
+            and (folder / "final" / "config.json").is_file():
+        raise ModelError(f"'{source}' is a run folder, not a model folder: pass '{folder / 'final'}', the model the "
+                         f"run exported")
     if kwargs.get("local_files_only") and not any((folder / f).is_file() for f in TOKENIZER_FILES):
         # transformers' own error here is a confusing "Couldn't instantiate the backend tokenizer"
         raise ModelError(f"model folder '{source}' has no tokenizer (none of {', '.join(TOKENIZER_FILES)}): "
