@@ -193,7 +193,8 @@ def test_a_killed_rank_ends_the_other_with_a_clear_error_and_resume_continues(tm
         assert f"{saved}' is damaged: {shard.relative_to(shard.parents[1])}: sha256" in line
         assert f"the previous good checkpoint is {previous}: point `latest` at it with `rlhfkit checkpoints " \
                f"{out} --use {previous}`" in line
-    assert checkpoints_tool(out, "--use", previous)[0] == 1  # latest moved; the damaged one is still listed
+    code, listing = checkpoints_tool(out, "--use", previous)
+    assert code == 0 and "DAMAGED" in listing  # latest moved to a sound one; the damaged one is still listed
 
     # --resume on both nodes continues to the end, on the curve of an uninterrupted run
     run_nodes([*args, "--resume"], tmp_path, "resume")
