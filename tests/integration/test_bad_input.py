@@ -193,6 +193,20 @@ def two_label_head_as_ppo_reward(tmp, w):
         f"exactly 1: train one with `rlhfkit rm`")
 
 
+def reward_model_as_sft_model(tmp, w):
+    path, folder = write_jsonl(tmp / "train.jsonl", sft_rows()), w["root"] / "two-label-rm"
+    return "sft", [f"data.train={path}", f"model={folder}"], (
+        f"'{folder}' is a reward model or critic (a scalar head: LlamaForSequenceClassification), not a causal LM: "
+        f"train or chat from an sft / dpo / ppo final/ folder or a base model")
+
+
+def reward_model_as_ppo_actor(tmp, w):
+    folder = w["root"] / "two-label-rm"
+    return "ppo", ppo_args(tmp, w, actor=folder), (
+        f"'{folder}' is a reward model or critic (a scalar head: LlamaForSequenceClassification), not a causal LM: "
+        f"train or chat from an sft / dpo / ppo final/ folder or a base model")
+
+
 def critic_with_another_vocabulary(tmp, w):
     folder = w["root"] / "other-vocab"
     return "ppo", ppo_args(tmp, w, critic=folder), (
@@ -246,7 +260,8 @@ CASES = {fn.__name__: fn for fn in (
     malformed_json, missing_field, whitespace_response, all_pairs_identical, long_prompt_error,
     every_prompt_too_long, text_rows_for_rm, sft_rows_for_rm, empty_file, non_utf8_file, preset_without_local_copy,
     split_index_out_of_range, model_folder_missing, folder_without_tokenizer, damaged_weights, tokenizer_without_pad_or_eos,
-    two_label_head_for_rm, two_label_head_as_ppo_reward, critic_with_another_vocabulary, yaml_unknown_key,
+    two_label_head_for_rm, two_label_head_as_ppo_reward, reward_model_as_sft_model, reward_model_as_ppo_actor,
+    critic_with_another_vocabulary, yaml_unknown_key,
     yaml_wrong_type, finished_run, unfinished_run, resume_without_checkpoint)}
 
 

@@ -151,12 +151,27 @@ def _prepare(model, opts: LoadConfig, tokenizer=None):
     return model
 
 
+def causal_lm_config(name: str, opts: LoadConfig | None = None):
+    """The folder's config, refused when it is a reward model's or critic's: transformers would load one as a
+    causal LM, dropping its score head and drawing a fresh LM head where the embeddings are untied."""
+    try:
+        config = AutoConfig.from_pretrained(name, **_source_kwargs(name, opts or LoadConfig()))
+    except LOAD_ERRORS as exc:
+        raise ModelError(f"cannot load a causal LM from '{name}': {_why(exc)}") from None
+    scalar = [a for a in (getattr(config, "architectures", None) or []) if "SequenceClassification" in a]
+    if scalar:
+        raise ModelError(f"'{name}' is a reward model or critic (a scalar head: {scalar[0]}), not a causal LM: "
+                         f"train or chat from an sft / dpo / ppo final/ folder or a base model")
+    return config
+
+
 def load_causal_lm(name: str, opts: LoadConfig | None = None, tokenizer=None):
     """An `AutoModelForCausalLM` in `opts.dtype`, dropout disabled when asked."""
     opts = opts or LoadConfig()
     kwargs = _source_kwargs(name, opts)
+    config = causal_lm_config(name, opts)
     try:
-        model = AutoModelForCausalLM.from_pretrained(name, dtype=DTYPES[opts.dtype], **kwargs)
+        model = AutoModelForCausalLM.from_pretrained(name, config=config, dtype=DTYPES[opts.dtype], **kwargs)
     except LOAD_ERRORS as exc:
         raise ModelError(f"cannot load a causal LM from '{name}': {_why(exc)}") from None
     return _prepare(model, opts, tokenizer)

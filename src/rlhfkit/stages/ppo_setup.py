@@ -18,7 +18,7 @@ from rlhfkit.data.templates import Template, end_token_ids
 from rlhfkit.errors import ModelError, RunError
 from rlhfkit.models import load_causal_lm, load_scalar_model, load_tokenizer
 from rlhfkit.models.cpu_linear import use_fast_cpu_linear
-from rlhfkit.models.loading import load_generation_config
+from rlhfkit.models.loading import causal_lm_config, load_generation_config
 from rlhfkit.models.lora import apply_lora
 from rlhfkit.models.reward_fn import (CombinedReward, FunctionReward, ModelReward, is_function_spec,
                                      load_reward_function, same_tokenization)
@@ -89,6 +89,7 @@ def zero_value_head(model) -> None:
 
 
 def load_ppo_models(cfg: PPOConfig, tokenizer, engine, total_updates: int) -> PPOModels:
+    causal_lm_config(cfg.actor, cfg.load)  # a reward-model folder given as the actor: said first, as itself
     notes = []
     parts = cfg.reward_parts()
     if cfg.ppo.normalize_reward and is_function_spec(parts[0].spec):
