@@ -88,3 +88,20 @@ def test_quick_demo_learns_what_the_gold_reward_stands_for(tmp_path):
     assert rows["early stopping: PPO iteration kept (best validation gold)"]["value"] == rerun["best_step"]
     if rerun["best_step"] not in (0, 100):  # a checkpoint: exported as a plain model folder
         assert (out / "early-stop" / "config.json").is_file()
+
+
+def test_a_stopped_demo_says_one_line_and_that_rerunning_it_continues(tmp_path):
+    import signal
+
+    from test_reliability import start, wait_for_step
+
+    out = tmp_path / "demo"
+    proc = start(["demo", "--quick", "--output", str(out)])
+    wait_for_step(proc, out / "sft" / "metrics.jsonl", 2)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signal.SIGINT and "Traceback" not in err, err[-3000:]
+    line = err.strip().splitlines()[-1]
+    assert line.startswith("rlhfkit demo: sft: stopped by SIGINT after step ")
+    assert line.endswith(f"; checkpoint saved in '{out / 'sft' / 'checkpoints'}'. Resume with: rlhfkit demo "
+                         f"--quick --output {out} (the demo continues the stopped step)")

@@ -76,7 +76,9 @@ def test_complete_steps_are_skipped_and_force_reruns(tmp_path, tiny_model_dir):
     assert json.loads(again.stdout.strip().splitlines()[-1])["sft"] == "skipped (complete)"
     assert "sft: " in again.stderr and "exists, skipped" in again.stderr
     assert (out / "sft" / "final" / "model.safetensors").stat().st_mtime_ns == stamp
-    assert json.loads((out / "summary.json").read_text())["rows"][0]["name"] == "sft: skipped (complete)"
+    row = json.loads((out / "summary.json").read_text())["rows"][0]
+    assert row["name"] == "sft: skipped (complete)"  # with the seconds it took when it ran, not 0
+    assert row["value"] == json.loads((out / "sft" / "result.json").read_text())["seconds"] > 0
 
     # a step a killed run left unfinished (a checkpoint, no final/) is neither restarted nor resumed unasked
     (out / "rm" / "final").rename(out / "rm" / "final-old")
@@ -134,3 +136,25 @@ def test_pipeline_sft_then_dpo_chains_the_sft_output_and_reads_the_preference_sh
     assert {m["stage"] for m in read_metrics(out / "dpo" / "metrics.jsonl")} == {"dpo"}
     assert (out / "dpo" / "final" / "model.safetensors").is_file()
     assert "dpo eval/accuracy (first -> last)" in res.stdout
+
+
+def test_a_stopped_pipeline_says_its_own_command_to_resume_and_that_command_finishes(tmp_path, tiny_model_dir):
+    import signal
+
+    from test_reliability import start, wait_for_step
+
+    path, out = write_config(tmp_path, tiny_model_dir, steps=["sft", "rm"], sft={"train": {"max_steps": 150}})
+    proc = start(["pipeline", "--config", str(path)])
+    wait_for_step(proc, out / "sft" / "metrics.jsonl", 2)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signal.SIGINT, err[-2000:]
+    line = err.strip().splitlines()[-1]
+    assert line.startswith("rlhfkit pipeline: sft: stopped by SIGINT after step ") and "Traceback" not in err
+    assert line.endswith(f"; checkpoint saved in '{out / 'sft' / 'checkpoints'}'. Resume with: rlhfkit pipeline "
+                         f"--config {path} --resume")
+    again = run_cli(*line.split("Resume with: rlhfkit ")[1].split())
+    assert again.returncode == 0, again.stderr[-2000:]
+    result = json.loads(again.stdout.strip().splitlines()[-1])
+    assert result["sft"] == result["rm"] == "ran"  # sft resumed from its checkpoint, then rm
+    assert [m["step"] for m in read_metrics(out / "sft" / "metrics.jsonl") if "loss" in m][-1] == 150

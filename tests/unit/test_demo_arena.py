@@ -81,3 +81,16 @@ def test_the_report_shows_the_arena_table_and_its_plot(tmp_path):
     (tmp_path / "arena.json").write_text(json.dumps({"algos": {"ppo": {"kl": 1.0}}}))
     with pytest.raises(ValueError, match="arena.json: expected"):
         write_report(tmp_path)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--algo", "grpo"], "--algo chooses the --task demo's algorithm; the toy world compares algorithms with --algos"),
+    (["--task", "arithmetic", "--early-stop"], "--early-stop picks the toy world's PPO checkpoint of best gold "
+                                               "reward; the --task demo has no gold reward to pick by"),
+])
+def test_a_demo_flag_of_the_other_mode_is_an_error_not_ignored(tmp_path, capsys, argv, message):
+    from rlhfkit.cli import main as cli_main
+
+    assert cli_main(["demo", *argv, "--output", str(tmp_path / "demo")]) == 2
+    assert capsys.readouterr().err.strip() == f"rlhfkit demo: error: {message}"
+    assert not (tmp_path / "demo").exists()

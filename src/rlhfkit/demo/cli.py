@@ -41,11 +41,17 @@ def main(args) -> int:
     from rlhfkit.demo.arena import parse_algos
     from rlhfkit.demo.run import run_demo
     from rlhfkit.demo.task_run import run_task_demo
-    from rlhfkit.errors import USER_ERRORS, ConfigError
+    from rlhfkit.errors import USER_ERRORS, ConfigError, RunStopped
 
     try:
         if args.task and args.algos:
             raise ConfigError("--algos compares algorithms on the toy world; with --task choose one with --algo")
+        if args.task and args.early_stop:
+            raise ConfigError("--early-stop picks the toy world's PPO checkpoint of best gold reward; the --task "
+                              "demo has no gold reward to pick by")
+        if not args.task and args.algo != "ppo":
+            raise ConfigError("--algo chooses the --task demo's algorithm; the toy world compares algorithms with "
+                              "--algos")
         if args.task:
             suffix = "" if args.algo == "ppo" else f"-{args.algo}"
             output = f"runs/demo-{args.task}{suffix}" if args.output == "runs/demo" else args.output
@@ -55,3 +61,9 @@ def main(args) -> int:
     except USER_ERRORS as exc:
         print(f"rlhfkit demo: error: {exc}", file=sys.stderr)
         return 2
+    except RunStopped as exc:  # SIGTERM / SIGINT in a step: it saved a checkpoint, and a rerun continues it
+        print(f"rlhfkit demo: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        print("rlhfkit demo: interrupted (rerun the same command: complete steps are kept)", file=sys.stderr)
+        return 130

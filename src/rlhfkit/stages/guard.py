@@ -26,8 +26,12 @@ REPEAT_SECONDS = 2.0  # a second signal sooner than this after the first is the 
 
 
 def resume_command(stage: str) -> str:
+    """The command that continues the stopped run: this command with --resume (a pipeline's too: it skips the
+    complete steps and resumes this one); the demo's as it was, since it continues a stopped step itself."""
     args = [a for a in sys.argv[1:] if a not in ("--resume", "--force")]
-    if args and args[0] == stage:
+    if args and args[0] == "demo":
+        return f"rlhfkit {' '.join(args)} (the demo continues the stopped step)"
+    if args and args[0] in (stage, "pipeline"):
         return f"rlhfkit {' '.join(args)} --resume"
     return f"rlhfkit {stage} ... --resume (the same command with --resume)"
 

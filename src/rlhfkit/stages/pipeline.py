@@ -120,7 +120,8 @@ def run_pipeline(cfg: PipelineConfig, resume: bool = False, force: bool = False)
         if (folder / "final").exists() and not force:
             previous = folder / "result.json"
             result = json.loads(previous.read_text()) if previous.is_file() else {}
-            steps[step] = {"status": "skipped (complete)", "result": result}
+            # the seconds it took when it ran (result.json keeps them), not the 0 of this skip
+            steps[step] = {"status": "skipped (complete)", "result": result, "seconds": result.get("seconds", 0.0)}
             _say(f"pipeline: {step}: {folder / 'final'} exists, skipped (--force reruns it)")
             continue
         latest = folder / "checkpoints" / "latest"
