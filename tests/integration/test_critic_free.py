@@ -50,6 +50,10 @@ def test_each_critic_free_estimator_learns_without_a_critic(ppo_world, estimator
     assert len(rows) == 15 and "value_loss" not in rows[-1] and "critic_lr" not in rows[-1]
     if estimator != "reinforce_pp":
         assert 0.0 <= rows[0]["group/all_equal"] <= 1.0
+    # the reward's KL coefficient is logged where it applies; grpo and rloo have KL as a loss, and say so
+    assert ("kl_coef" in rows[0]) == (estimator not in ("grpo", "rloo"))
+    if estimator in ("grpo", "rloo"):
+        assert "KL to the reference: a k3 loss x 0.05" in proc.stderr
 
 
 def test_grpo_with_dr_grpo_dapo_and_gspo_loss_options_learns(ppo_world):

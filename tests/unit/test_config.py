@@ -85,3 +85,19 @@ def test_ppo_forward_batch_size_must_be_positive_or_null():
     PPOSection(forward_batch_size=64).validate("ppo.")
     with pytest.raises(ConfigError, match="ppo.forward_batch_size"):
         PPOSection(forward_batch_size=0).validate("ppo.")
+
+
+def test_a_reward_kl_setting_that_grpo_and_rloo_would_ignore_is_an_error():
+    from rlhfkit.config.ppo_schema import PPOSection
+
+    group = {"n_samples_per_prompt": 4}
+    with pytest.raises(ConfigError) as err:
+        PPOSection(advantage_estimator="grpo", kl_coef=0.05, **group).validate("ppo.")
+    assert str(err.value) == ("config key 'ppo.kl_coef': grpo puts the KL in the loss, not the reward, so "
+                              "kl_coef=0.05 would not apply: set ppo.kl_loss_coef (e.g. 0.05) and ppo.kl_coef=0")
+    with pytest.raises(ConfigError, match=r"^config key 'ppo.adaptive_kl': rloo puts the KL in the loss"):
+        PPOSection(advantage_estimator="rloo", kl_coef=0.0, adaptive_kl=True, **group).validate("ppo.")
+    # the default (untouched) and 0 pass; estimators that keep the KL in the reward take any coefficient
+    PPOSection(advantage_estimator="grpo", **group).validate("ppo.")
+    PPOSection(advantage_estimator="rloo", kl_coef=0.0, kl_loss_coef=0.05, **group).validate("ppo.")
+    PPOSection(advantage_estimator="reinforce_pp_baseline", kl_coef=0.05, adaptive_kl=True, **group).validate("ppo.")

@@ -57,9 +57,15 @@ class GenConfig:
             raise ConfigError(f"config key '{prefix}top_p': must be in (0, 1]")
 
 
+DEFAULT_KL_COEF = 0.1
+# estimators whose KL to the reference is a loss term (ppo.kl_loss_coef), not a penalty in the reward
+KL_IN_LOSS = ("grpo", "rloo")
+
+
 @dataclass
 class PPOSection:
-    kl_coef: float = option(0.1, "KL penalty coefficient beta in the reward (initial value when adaptive)")
+    kl_coef: float = option(DEFAULT_KL_COEF, "KL penalty coefficient beta in the reward (initial value when "
+                                             "adaptive; grpo and rloo put the KL in the loss: ppo.kl_loss_coef)")
     kl_estimator: str = option("k1", "per-token KL estimator in the reward", choices=("k1", "k2", "k3"))
     adaptive_kl: bool = option(False, "adapt kl_coef towards kl_target (Ziegler et al. 2019)")
     kl_target: float = option(6.0, "adaptive KL: target KL per sequence, in nats")
@@ -176,6 +182,13 @@ class PPOSection:
                               f"samples of one prompt, so it needs at least 2 (got {self.n_samples_per_prompt})")
         if self.filter_equal_groups and self.n_samples_per_prompt < 2:
             raise ConfigError(f"config key '{prefix}filter_equal_groups': needs groups (n_samples_per_prompt >= 2)")
+        if self.advantage_estimator in KL_IN_LOSS and self.adaptive_kl:
+            raise ConfigError(f"config key '{prefix}adaptive_kl': {self.advantage_estimator} puts the KL in the loss "
+                              f"(ppo.kl_loss_coef), so there is no reward KL coefficient to adapt; unset it")
+        if self.advantage_estimator in KL_IN_LOSS and self.kl_coef not in (0.0, DEFAULT_KL_COEF):
+            raise ConfigError(f"config key '{prefix}kl_coef': {self.advantage_estimator} puts the KL in the loss, not "
+                              f"the reward, so kl_coef={self.kl_coef:g} would not apply: set ppo.kl_loss_coef (e.g. "
+                              f"0.05) and ppo.kl_coef=0")
         if self.advantage_estimator != "gae" and (self.critic_lr is not None or self.critic_warmup_iters):
             raise ConfigError(f"config key '{prefix}critic_warmup_iters': {self.advantage_estimator} trains no "
                               f"critic; unset ppo.critic_lr and ppo.critic_warmup_iters")

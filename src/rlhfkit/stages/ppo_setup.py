@@ -13,7 +13,7 @@ from typing import Optional
 
 import torch
 
-from rlhfkit.config.ppo_schema import PPOConfig
+from rlhfkit.config.ppo_schema import KL_IN_LOSS, PPOConfig
 from rlhfkit.data.templates import Template, end_token_ids
 from rlhfkit.errors import ModelError, RunError
 from rlhfkit.models import load_causal_lm, load_scalar_model, load_tokenizer
@@ -115,6 +115,10 @@ def load_ppo_models(cfg: PPOConfig, tokenizer, engine, total_updates: int) -> PP
         critic_name = rm_spec
     else:
         critic_name = cfg.actor
+    if cfg.ppo.advantage_estimator in KL_IN_LOSS:
+        notes.append(f"KL to the reference: a k3 loss x {cfg.ppo.kl_loss_coef:g}" if cfg.ppo.kl_loss_coef else
+                     f"no KL to the reference ({cfg.ppo.advantage_estimator} puts it in the loss and "
+                     f"ppo.kl_loss_coef is 0; e.g. ppo.kl_loss_coef=0.05)")
     critic = None
     if critic_name is not None:
         critic = load_scalar_model(critic_name, cfg.load, tokenizer)

@@ -20,7 +20,7 @@ import torch
 
 from rlhfkit.algos import AdaptiveKLController, FixedKLController
 from rlhfkit.algos.group import group_filter_mask
-from rlhfkit.config.ppo_schema import PPOConfig
+from rlhfkit.config.ppo_schema import KL_IN_LOSS, PPOConfig
 from rlhfkit.data.templates import encode_prompt
 from rlhfkit.models.ema import EMA
 from rlhfkit.rollout.batch import RolloutBatch
@@ -161,9 +161,11 @@ class PPOSteps:
         named = {f"reward/{name}": value for name, value in parts.items()} if len(parts) > 1 else {}
         judged = scored.judged
         raw = raw[judged] if judged.any() else raw.new_zeros(1)
+        # kl_coef: the reward's KL coefficient, none where the estimator keeps the KL in the loss
+        coef = {} if self.cfg.ppo.advantage_estimator in KL_IN_LOSS else {"kl_coef": self.kl_ctl.value}
         return {"reward/mean": raw.mean().item(), "reward/std": raw.std().item() if raw.numel() > 1 else 0.0,
                 **named, "reward/unjudged": float((~judged).sum()), **scored.dropped,
-                "score/mean": scored.scores.mean().item(), "kl_coef": self.kl_ctl.value,
+                "score/mean": scored.scores.mean().item(), **coef,
                 "response_length": rollout.response_lengths.mean().item(),
                 "response/finished": scored.finished.float().mean().item()}
 
