@@ -307,6 +307,7 @@ def test_the_real_entry_point_agrees(tmp_path, world, name):
 @pytest.mark.parametrize("body,expected", [
     ("    return {}['answer']", "raised KeyError: 'answer' (at {file}:2 in score)"),
     ("    return [float('nan')] * len(responses)", "returned nan for response 0 ("),
+    ("    return ['1'] * len(responses)", "returned a string ('1') for response 0: return a number, or None"),
 ])
 def test_a_reward_that_fails_on_the_first_responses_leaves_no_run_behind(tmp_path, world, body, expected):
     """Bad input that shows only when PPO first calls the reward: one clear line, exit 2, and no output folder."""

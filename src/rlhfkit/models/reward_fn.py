@@ -99,6 +99,11 @@ class FunctionReward:
         except Exception as exc:  # the user's code: one clear error naming it, not a traceback from our loop
             raise ModelError(f"reward '{self.spec}' raised {type(exc).__name__}: {exc} "
                              f"({raised_at(exc, self.fn)})") from exc
+        text = next(((i, s) for i, s in enumerate(scores) if isinstance(s, (str, bytes))), None) \
+            if isinstance(scores, (list, tuple)) else None
+        if text:  # float() would read "1" as 1.0: a label or a parsed answer passed on by mistake
+            raise ModelError(f"reward '{self.spec}' returned a string ({text[1]!r:.40}) for response {text[0]}: "
+                             f"return a number, or None for a response it cannot judge")
         try:  # None: a response the function cannot judge (NaN here; left out of the update, counted)
             values = [math.nan if s is None else float(s) for s in scores]
         except (TypeError, ValueError):
