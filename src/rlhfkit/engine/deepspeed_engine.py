@@ -96,8 +96,19 @@ def _destroy_process_group() -> None:
     can abort the process from one of its worker threads ("terminate called without an active exception",
     SIGABRT, after the run's work is done and saved; PyTorch issue 190489)."""
     if dist.is_initialized():
+        import gc
+
+        from deepspeed.utils import groups
+
+        gc.collect()  # engines and optimizers left in reference cycles hold process groups of their own
         with contextlib.suppress(Exception):
             dist.destroy_process_group()
+        # DeepSpeed's module-level handles would keep the groups' C++ objects (and their gloo threads) alive
+        # until the interpreter is finalized, the moment the abort happens: drop them while it is whole
+        for name in dir(groups):
+            if name.startswith("_") and name.endswith("_GROUP"):
+                setattr(groups, name, None)
+        gc.collect()
 
 
 def init_process_group(timeout_s: float = 300.0) -> None:
