@@ -117,10 +117,13 @@ def pins_file() -> Path:
     """The pins of this kind of CPU: its vendor and vector instruction set
     (`torch.backends.cpu.get_cpu_capability()`). AVX-512's and AVX2's kernels round differently, and so do the
     GEMMs an AMD CPU runs (oneDNN's, `models.cpu_linear`) and an Intel one (MKL's); over tens of steps the curves
-    part by more than the tolerance. `pinned_losses-<vendor>-<capability>.json`, e.g. `-AuthenticAMD-AVX512`."""
-    from rlhfkit.models.cpu_linear import cpu_vendor
+    part by more than the tolerance. `pinned_losses-<vendor>-<capability>.json`, e.g. `-AuthenticAMD-AVX512`,
+    with `-onednn-all` where every training GEMM goes to oneDNN (`models.cpu_linear.gemm_policy`: Zen 5)."""
+    from rlhfkit.models.cpu_linear import cpu_vendor, gemm_policy
 
-    return FIXTURES / f"pinned_losses-{cpu_vendor()}-{torch.backends.cpu.get_cpu_capability()}.json"
+    policy = gemm_policy()
+    return FIXTURES / (f"pinned_losses-{cpu_vendor()}-{torch.backends.cpu.get_cpu_capability()}"
+                       f"{'-' + policy if policy not in ('', 'onednn') else ''}.json")
 
 
 def check_pinned(name: str, values: dict, tol: float = 1e-4) -> None:

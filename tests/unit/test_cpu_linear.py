@@ -15,7 +15,12 @@ needs_onednn = pytest.mark.skipif(not hasattr(torch.ops.mkldnn, "_linear_pointwi
 @needs_onednn
 @pytest.mark.parametrize("bias", [True, False])
 @pytest.mark.parametrize("shape", [(3, 20, 96), (60, 96)])
-def test_onednn_linear_matches_nn_linear_forward_and_backward(bias, shape):
+@pytest.mark.parametrize("weight_grads", ["mkl", "onednn"])
+def test_onednn_linear_matches_nn_linear_forward_and_backward(bias, shape, weight_grads, monkeypatch):
+    """Both weight-gradient routes (`onednn_weight_grads`: oneDNN on Zen 5, MKL elsewhere), whatever this CPU."""
+    from rlhfkit.models import cpu_linear
+
+    monkeypatch.setattr(cpu_linear, "onednn_weight_grads", lambda: weight_grads == "onednn")
     torch.manual_seed(0)
     plain = torch.nn.Linear(96, 80, bias=bias)
     fast = copy.deepcopy(plain)
@@ -28,7 +33,10 @@ def test_onednn_linear_matches_nn_linear_forward_and_backward(bias, shape):
     yb.backward(grad)
     torch.testing.assert_close(yb, ya, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(xb.grad, xa.grad, atol=1e-5, rtol=1e-5)
-    assert torch.equal(fast.weight.grad, plain.weight.grad)  # the same MKL GEMM as nn.Linear's backward
+    if weight_grads == "mkl":
+        assert torch.equal(fast.weight.grad, plain.weight.grad)  # the same MKL GEMM as nn.Linear's backward
+    else:  # oneDNN's GEMM on the transposed views: the same values to float rounding
+        torch.testing.assert_close(fast.weight.grad, plain.weight.grad, atol=1e-5, rtol=1e-5)
     if bias:
         torch.testing.assert_close(fast.bias.grad, plain.bias.grad, atol=1e-5, rtol=1e-5)
     assert isinstance(fast, torch.nn.Linear) and fast.state_dict().keys() == plain.state_dict().keys()
@@ -168,3 +176,24 @@ def test_lora_base_layers_are_fused_and_the_adapter_still_applies():
             assert inner.q_proj.base_layer.fused is not None and inner.q_proj.base_layer.fused is inner.k_proj.fused
             fused = model(x)
     torch.testing.assert_close(fused, plain, atol=1e-5, rtol=1e-5)
+
+
+def test_the_gemm_policy_follows_the_cpu(monkeypatch):
+    """MKL everywhere off AMD; oneDNN's forward and input gradients on AMD; its weight gradients and the training
+    steps' linears too on Zen 5 (family 26) with AVX-512 only."""
+    from rlhfkit.models import cpu_linear
+
+    cases = [("GenuineIntel", 6, "AVX512", ""), ("AuthenticAMD", 25, "AVX512", "onednn"),
+             ("AuthenticAMD", 26, "AVX2", "onednn"), ("AuthenticAMD", 26, "AVX512", "onednn-all")]
+    for vendor, family, capability, want in cases:
+        cpu_linear.onednn_is_faster.cache_clear()
+        cpu_linear.onednn_weight_grads.cache_clear()
+        monkeypatch.setattr(cpu_linear, "cpu_vendor", lambda: vendor)
+        monkeypatch.setattr(cpu_linear, "cpu_family", lambda: family)
+        monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: capability)
+        assert cpu_linear.gemm_policy() == (want if hasattr(torch.ops.mkldnn, "_linear_pointwise") else "")
+        model = torch.nn.Sequential(torch.nn.Linear(64, 64))
+        switched = cpu_linear.use_fast_cpu_linear_for_training(model, torch.device("cpu"))
+        assert switched == (1 if cpu_linear.gemm_policy() == "onednn-all" else 0)
+    cpu_linear.onednn_is_faster.cache_clear()
+    cpu_linear.onednn_weight_grads.cache_clear()

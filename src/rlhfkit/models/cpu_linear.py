@@ -6,7 +6,10 @@ behind its bf16 and inductor CPU kernels) reaches ~235 with the same float32 ari
 ~70% of a PPO iteration on CPU, forward and backward.
 
 `use_fast_cpu_linear(model)` switches the model's linear layers to a subclass whose forward and input-gradient
-GEMMs call oneDNN (the weight gradient's stays on MKL, faster for its transposed operands), on AMD CPUs only (on Intel CPUs MKL is fast already, and nothing changes). Everything else
+GEMMs call oneDNN (the weight gradient's too on Zen 5, `onednn_weight_grads`; on Zen 4 MKL is faster for its
+transposed operands), on AMD CPUs only (on Intel CPUs MKL is fast already, and nothing changes). PPO switches
+all four models on every AMD CPU (its rollouts and frozen forwards gain); SFT, RM and DPO, which only train, on
+Zen 5 and later (`use_fast_cpu_linear_for_training`). Everything else
 falls back to `F.linear`: other dtypes and devices, ZeRO-3 partitioned weights (DeepSpeed owns those
 linears), and small matmuls (decode steps of a few rows, LoRA's rank-r factors), where oneDNN's per-call
 overhead loses.
@@ -50,10 +53,15 @@ class _OneDNNLinearFunction(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             grad_x = _onednn(grad, weight.t(), None)  # (..., in) = grad @ W
         if ctx.needs_input_grad[1]:
-            # (out, in) = grad^T @ x by torch.mm (MKL), as F.linear's backward does: both operands are transposed
-            # views here, which MKL reads as they are, where oneDNN would first rearrange them (SmolLM2's seven
-            # weight gradients of a layer over 1,000 tokens, 2 threads: 39.8 against 47.6 ms).
-            grad_weight = torch.mm(flat_grad.t(), x.reshape(-1, x.size(-1)))
+            # (out, in) = grad^T @ x. Both operands are transposed views here, which MKL reads as they are
+            # (torch.mm, as F.linear's backward does): faster on Zen 4 (SmolLM2's seven weight gradients of a layer
+            # over 1,000 tokens, 2 threads: 39.8 against oneDNN's 47.6 ms); on Zen 5 oneDNN's is ~1.8x MKL's
+            # (`onednn_weight_grads`)
+            x2d = x.reshape(-1, x.size(-1))
+            if onednn_weight_grads():
+                grad_weight = _onednn(flat_grad.t(), x2d.t(), None)
+            else:
+                grad_weight = torch.mm(flat_grad.t(), x2d)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_bias = flat_grad.sum(0)
         return grad_x, grad_weight, grad_bias
@@ -136,6 +144,44 @@ def onednn_is_faster() -> bool:
     except RuntimeError:
         return False
     return True
+
+
+def cpu_family() -> int | None:
+    """The CPU's family number from /proc/cpuinfo (AMD: 25 Zen 3/4, 26 Zen 5), None when unknown."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("cpu family"):
+                    return int(line.split(":", 1)[1])
+    except (OSError, ValueError):
+        pass
+    return None
+
+
+@functools.lru_cache(maxsize=None)
+def onednn_weight_grads() -> bool:
+    """Whether the weight gradients' GEMMs go to oneDNN too, and training steps (SFT, RM, DPO) use oneDNN linear
+    layers: on AMD CPUs of family 26 (Zen 5, full-width AVX-512) and later. Measured on a Zen 5 core (1 thread,
+    20M shapes over 830 tokens): oneDNN's weight-gradient GEMMs 173-204 against MKL's 99-104 GFLOP/s, and an SFT
+    step 4.69 -> 2.72 s with every GEMM in oneDNN. On Zen 4 (family 25) MKL's weight gradients were faster and
+    SFT / RM steps no faster with oneDNN's forward (RESULTS.md, sixth session), so they keep MKL there. Decided
+    by the CPU, not by timing, so the same machine always computes the same way."""
+    return (onednn_is_faster() and (cpu_family() or 0) >= 26
+            and torch.backends.cpu.get_cpu_capability() == "AVX512")
+
+
+def gemm_policy() -> str:
+    """Which float32 CPU GEMMs go to oneDNN here, as a name ('' for none: MKL everywhere): the pinned losses of
+    the tests are kept per policy, since each rounds differently."""
+    if not onednn_is_faster():
+        return ""
+    return "onednn-all" if onednn_weight_grads() else "onednn"
+
+
+def use_fast_cpu_linear_for_training(model: torch.nn.Module, device: torch.device) -> int:
+    """`use_fast_cpu_linear` for a step that only trains (SFT, RM, DPO), where oneDNN gains only with its weight
+    gradients too (`onednn_weight_grads`); 0 elsewhere."""
+    return use_fast_cpu_linear(model, device) if onednn_weight_grads() else 0
 
 
 def use_fast_cpu_linear(model: torch.nn.Module, device: torch.device) -> int:

@@ -41,6 +41,7 @@ from rlhfkit.data.tokenize import collate_preferences, collate_prompt_sharing_pa
 from rlhfkit.engine import make_engine
 from rlhfkit.errors import ModelError
 from rlhfkit.models import load_causal_lm, load_tokenizer
+from rlhfkit.models.cpu_linear import use_fast_cpu_linear_for_training
 from rlhfkit.models.forward import (causal_logits, custom_mask_kind, final_hidden, head_logprobs_weight, head_matmul,
                                     masked_logits, position_ids)
 from rlhfkit.models.prefix import shared_prefix_logits
@@ -271,6 +272,7 @@ def reference_model(cfg: DPOConfig, policy, engine, tokenizer, fresh: bool) -> R
             raise ModelError(f"reference '{name}' has a different tokenizer from the policy's; it reads the "
                              f"policy's token ids, so it must share its vocabulary")
     model = engine.prepare_frozen(load_causal_lm(name, cfg.load, tokenizer), role="reference")
+    use_fast_cpu_linear_for_training(model, engine.device)  # the policy's GEMMs: rewards 0 before any step
     choose_head_logprobs(model, cfg.dpo.chunked_logprobs, cfg.engine.precision, engine)
     return Reference(model, note=f"a frozen copy of {name}", on_device=engine.on_device)
 
@@ -405,6 +407,7 @@ def run_dpo(cfg: DPOConfig, resume: bool = False, force: bool = False) -> dict:
 
     # 2. the optimizer; the reference log-probs (before a checkpoint is loaded: the policy may compute them)
     policy = engine.prepare(model, cfg.train, total, role="policy")
+    onednn = use_fast_cpu_linear_for_training(policy.module, engine.device)  # before the reference is computed
     chunked = choose_head_logprobs(policy.module, cfg.dpo.chunked_logprobs, cfg.engine.precision, engine)
     reference = setup_reference(cfg, data, policy, engine, tokenizer, fresh=not resume, say=engine.say)
     start = (resumed_from(cfg, out, resume_state(engine, out, {"model": policy})["step"], engine.is_main)
@@ -415,7 +418,8 @@ def run_dpo(cfg: DPOConfig, resume: bool = False, force: bool = False) -> dict:
                                      reference)) if data.eval else None
 
     with MetricsLogger(out, "dpo", total, cfg.log, engine.is_main, initial=start) as log:
-        head = "; response log-probs: LM head in chunks" if chunked else ""
+        head = ("; response log-probs: LM head in chunks" if chunked else "") + \
+            ("; CPU linear layers: oneDNN" if onednn else "")
         log.write(f"{describe(data.info, cfg)}; reference log-probs: {reference.note}{head}; {total} steps of "
                   f"{cfg.train.batch_size} pairs (accumulation {accum})")
         if start == 0 and evaluate:  # the starting point (the policy is the reference: DPO's rewards are 0)

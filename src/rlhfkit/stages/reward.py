@@ -21,6 +21,7 @@ from rlhfkit.data.templates import end_token_ids
 from rlhfkit.data.tokenize import collate_packed_pairs, collate_preferences, micro_batches
 from rlhfkit.engine import make_engine
 from rlhfkit.models import load_scalar_model, load_tokenizer
+from rlhfkit.models.cpu_linear import use_fast_cpu_linear_for_training
 from rlhfkit.models.forward import packed_sequence_scores, sequence_scores
 from rlhfkit.models.segments import packed_row_tokens
 from rlhfkit.models.loading import TEMPLATE_KEY, load_generation_config
@@ -153,6 +154,7 @@ def run_rm(cfg: RMConfig, resume: bool = False, force: bool = False) -> dict:
 
     # 2. the optimizer (and the state of a resumed run)
     rm = engine.prepare(model, cfg.train, total, role="reward_model", keep_grads=True)
+    onednn = use_fast_cpu_linear_for_training(rm.module, engine.device)  # Zen 5: every GEMM faster in oneDNN
     start = (resumed_from(cfg, out, resume_state(engine, out, {"model": rm})["step"], engine.is_main)
              if resume else 0)
     pad_id, device, micro_size = tokenizer.pad_token_id, engine.device, cfg.train.micro_batch_size
@@ -165,7 +167,7 @@ def run_rm(cfg: RMConfig, resume: bool = False, force: bool = False) -> dict:
 
     with MetricsLogger(out, "rm", total, cfg.log, engine.is_main, initial=start) as log:
         log.write(f"{describe(data.info)}; {total} steps of {cfg.train.batch_size} pairs (accumulation {accum}); "
-                  f"{'packed' if packed else 'padded'} micro-batches")
+                  f"{'packed' if packed else 'padded'} micro-batches{'; CPU linear layers: oneDNN' if onednn else ''}")
         if start == 0 and evaluate:  # the untrained head's accuracy (~0.5): curves show what training changed
             log.log(0, evaluate())
 

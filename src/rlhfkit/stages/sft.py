@@ -15,6 +15,7 @@ from rlhfkit.data.templates import end_token_ids
 from rlhfkit.data.tokenize import collate_packed, collate_sft, micro_batches
 from rlhfkit.engine import make_engine
 from rlhfkit.models import load_causal_lm, load_tokenizer
+from rlhfkit.models.cpu_linear import use_fast_cpu_linear_for_training
 from rlhfkit.models.forward import causal_logits, final_hidden, lm_head_weight, packed_logits, position_ids
 from rlhfkit.models.segments import packed_attention, packed_row_tokens
 from rlhfkit.models.loading import load_generation_config, record_template
@@ -143,6 +144,7 @@ def run_sft(cfg: SFTConfig, resume: bool = False, force: bool = False) -> dict:
 
     # 2. the optimizer (and the state of a resumed run)
     actor = engine.prepare(model, cfg.train, total, keep_grads=True)
+    onednn = use_fast_cpu_linear_for_training(actor.module, engine.device)  # Zen 5: ~1.7x faster steps
     start = (resumed_from(cfg, out, resume_state(engine, out, {"model": actor})["step"], engine.is_main)
              if resume else 0)
     pad_id, device, micro = tokenizer.pad_token_id, engine.device, cfg.train.micro_batch_size
@@ -165,7 +167,7 @@ def run_sft(cfg: SFTConfig, resume: bool = False, force: bool = False) -> dict:
                   f"{data.info['template']}, {data.info['truncated']} truncated, {data.info['dropped']} dropped"
                   f"{'; skipped ' + skipped if skipped else ''}; {total} steps of {cfg.train.batch_size} "
                   f"(accumulation {accum}); {'packed' if packing else 'padded'} micro-batches"
-                  f"{', LM-head loss in chunks' if fused else ''}")
+                  f"{', LM-head loss in chunks' if fused else ''}{', CPU linear layers: oneDNN' if onednn else ''}")
         if start == 0 and evaluate:  # the starting point, so curves show what training changed
             log.log(0, evaluate())
         with TrainLoop(engine, out, "sft", total, cfg.train, log, {"model": actor}, evaluate=evaluate,
