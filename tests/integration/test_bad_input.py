@@ -193,18 +193,19 @@ def two_label_head_as_ppo_reward(tmp, w):
         f"exactly 1: train one with `rlhfkit rm`")
 
 
+def not_a_causal_lm(folder) -> str:
+    return (f"'{folder}' is a reward model or critic (a scalar head: LlamaForSequenceClassification), not a causal "
+            f"LM: train or chat from an sft / dpo / ppo final/ folder or a base model")
+
+
 def reward_model_as_sft_model(tmp, w):
     path, folder = write_jsonl(tmp / "train.jsonl", sft_rows()), w["root"] / "two-label-rm"
-    return "sft", [f"data.train={path}", f"model={folder}"], (
-        f"'{folder}' is a reward model or critic (a scalar head: LlamaForSequenceClassification), not a causal LM: "
-        f"train or chat from an sft / dpo / ppo final/ folder or a base model")
+    return "sft", [f"data.train={path}", f"model={folder}"], not_a_causal_lm(folder)
 
 
 def reward_model_as_ppo_actor(tmp, w):
     folder = w["root"] / "two-label-rm"
-    return "ppo", ppo_args(tmp, w, actor=folder), (
-        f"'{folder}' is a reward model or critic (a scalar head: LlamaForSequenceClassification), not a causal LM: "
-        f"train or chat from an sft / dpo / ppo final/ folder or a base model")
+    return "ppo", ppo_args(tmp, w, actor=folder), not_a_causal_lm(folder)
 
 
 def critic_with_another_vocabulary(tmp, w):
