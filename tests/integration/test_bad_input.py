@@ -208,6 +208,13 @@ def reward_model_as_ppo_actor(tmp, w):
     return "ppo", ppo_args(tmp, w, actor=folder), not_a_causal_lm(folder)
 
 
+def reward_function_without_its_column(tmp, w):
+    reward = tmp / "checks.py"
+    reward.write_text("def exact(prompts, responses, answer):\n    return [0.0] * len(prompts)\n")
+    return "ppo", ppo_args(tmp, w, reward=f"{reward}:exact"), (
+        f"reward '{reward}:exact' takes answer, which the prompt rows do not have (their fields: prompt)")
+
+
 def critic_with_another_vocabulary(tmp, w):
     folder = w["root"] / "other-vocab"
     return "ppo", ppo_args(tmp, w, critic=folder), (
@@ -262,7 +269,7 @@ CASES = {fn.__name__: fn for fn in (
     every_prompt_too_long, text_rows_for_rm, sft_rows_for_rm, empty_file, non_utf8_file, preset_without_local_copy,
     split_index_out_of_range, model_folder_missing, folder_without_tokenizer, damaged_weights, tokenizer_without_pad_or_eos,
     two_label_head_for_rm, two_label_head_as_ppo_reward, reward_model_as_sft_model, reward_model_as_ppo_actor,
-    critic_with_another_vocabulary, yaml_unknown_key,
+    reward_function_without_its_column, critic_with_another_vocabulary, yaml_unknown_key,
     yaml_wrong_type, finished_run, unfinished_run, resume_without_checkpoint)}
 
 

@@ -82,14 +82,19 @@ class FunctionReward:
         self.stats = None  # no stored mean/std to normalise with
         self.wanted, self.required, self.takes_all = field_parameters(fn)
 
-    def columns(self, batch) -> dict:
-        rows = batch.fields or [{} for _ in range(batch.size)]
-        names = sorted({k for row in rows for k in row}) if self.takes_all else self.wanted
+    def check_fields(self, rows: list[dict]) -> None:
+        """ModelError when the function takes a column (a parameter without default) that none of `rows` has:
+        said when the prompts are read, before any model loads, and again per batch."""
         missing = [name for name in self.required if not any(name in row for row in rows)]
         if missing:
             known = sorted({k for row in rows for k in row})
             raise ModelError(f"reward '{self.spec}' takes {', '.join(missing)}, which the prompt rows do not have "
                              f"(their fields: {', '.join(known) or 'none'})")
+
+    def columns(self, batch) -> dict:
+        rows = batch.fields or [{} for _ in range(batch.size)]
+        names = sorted({k for row in rows for k in row}) if self.takes_all else self.wanted
+        self.check_fields(rows)
         return {name: [row.get(name) for row in rows] for name in names if any(name in row for row in rows)}
 
     def __call__(self, batch, finished: torch.Tensor | None = None) -> torch.Tensor:

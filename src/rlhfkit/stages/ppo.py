@@ -42,7 +42,8 @@ def run_ppo(cfg: PPOConfig, resume: bool = False, force: bool = False) -> dict:
     cfg = with_trained_template(cfg, cfg.actor, tokenizer)
     data = load_stage_data("prompts", cfg.data.as_prompt_data(), tokenizer, seed, main=engine.is_main)
     ptx = PtxText(cfg.data.ptx, tokenizer, cfg.ptx.max_length, seed) if cfg.ptx.coef > 0 else None
-    models = load_ppo_models(cfg, tokenizer, engine, iters * updates_per_iteration(cfg))
+    models = load_ppo_models(cfg, tokenizer, engine, iters * updates_per_iteration(cfg),
+                             prompt_fields=[row.get("fields") or {} for row in data.train])
     rl = PPOSteps(cfg, models, tokenizer, engine, ptx)
     out = prepare_output_dir(cfg, resume, force, engine.is_main)
     start = resumed_from(cfg, out, rl.restore(out), engine.is_main) if resume else 0

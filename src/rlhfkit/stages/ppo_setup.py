@@ -46,11 +46,15 @@ def _check_vocab(name: str, role: str, actor_tok, opts) -> None:
                          f"actor's token ids, so it must share its vocabulary")
 
 
-def load_reward(cfg: PPOConfig, actor_tok, engine) -> tuple[CombinedReward, list]:
-    """-> (the weighted sum of every `reward` part, the tokenizer of each part: None for a Python function)."""
+def load_reward(cfg: PPOConfig, actor_tok, engine, prompt_fields: list[dict] | None = None
+                ) -> tuple[CombinedReward, list]:
+    """-> (the weighted sum of every `reward` part, the tokenizer of each part: None for a Python function).
+    `prompt_fields`: the prompt rows' dataset fields, checked against what each reward function takes."""
     parts, tokenizers = [], []
     for part in cfg.reward_parts():
         reward, tok = load_one_reward(part.spec, cfg, actor_tok, engine)
+        if prompt_fields is not None and isinstance(reward, FunctionReward):
+            reward.check_fields(prompt_fields)
         parts.append((part.name, reward, part.weight))
         tokenizers.append(tok)
     return CombinedReward(parts), tokenizers
@@ -88,14 +92,15 @@ def zero_value_head(model) -> None:
             head.bias.zero_()
 
 
-def load_ppo_models(cfg: PPOConfig, tokenizer, engine, total_updates: int) -> PPOModels:
+def load_ppo_models(cfg: PPOConfig, tokenizer, engine, total_updates: int,
+                    prompt_fields: list[dict] | None = None) -> PPOModels:
     causal_lm_config(cfg.actor, cfg.load)  # a reward-model folder given as the actor: said first, as itself
     notes = []
     parts = cfg.reward_parts()
     if cfg.ppo.normalize_reward and is_function_spec(parts[0].spec):
         raise RunError("ppo.normalize_reward needs a reward-model folder (its stored mean/std); the reward is a "
                        "Python function")
-    reward, reward_toks = load_reward(cfg, tokenizer, engine)
+    reward, reward_toks = load_reward(cfg, tokenizer, engine, prompt_fields)
     for part, (_, one, _) in zip(parts, reward.parts):
         notes.append(f"reward: {part.spec}" + (f" x {part.weight:g} as {part.name}" if len(parts) > 1 else "")
                      + (" (re-tokenised: its tokenizer differs)" if getattr(one, "retokenize", False) else ""))
