@@ -166,7 +166,7 @@ def run_score(args) -> dict:
     from rlhfkit.config.schema import LoadConfig
     from rlhfkit.errors import DataError
     from rlhfkit.data.formats import to_preference_examples, to_sft_examples
-    from rlhfkit.data.loader import eval_split_of
+    from rlhfkit.data.loader import eval_split_of, format_and_fields
     from rlhfkit.data.presets import read_source, resolve_source
     from rlhfkit.data.templates import Template
     from rlhfkit.models import ModelError, load_scalar_model, load_tokenizer
@@ -179,8 +179,7 @@ def run_score(args) -> dict:
     source = resolve_source(args.data, 1.0, None, args.local_dir)
     split = args.split or eval_split_of(source, "train") or "train"
     rows = read_source(source, split)
-    fmt = source.preset.format if args.format == "auto" and source.preset else args.format
-    fields = {**(source.preset.fields if source.preset else {}), **fields}
+    fmt, fields = format_and_fields(source, args.format, fields)
     task = _task(rows, fields, fmt)
     if task == "sft" and not args.output:
         raise DataError(f"{args.data}: prompt/response rows get one score each: pass --output FILE for them")

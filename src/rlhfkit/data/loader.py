@@ -109,11 +109,16 @@ def _read_share(src: Source, split: str, cfg: DataConfig) -> list:
 CONVERTERS = {"sft": to_sft_examples, "rm": to_preference_examples, "prompts": to_prompt_examples}
 
 
-def _convert(stage: str, rows: list, src: Source, cfg: DataConfig, stats: dict) -> list:
-    """A preset fixes the format (so detection cannot pick wrongly); an explicit data.format still wins."""
+def format_and_fields(src: Source, fmt: str, fields: dict | None) -> tuple[str, dict]:
+    """The row format and column renames to read `src` with: a preset fixes the format (so detection cannot pick
+    wrongly) and adds its renames; an explicit format and the user's renames still win."""
     preset = src.preset
-    fmt = cfg.format if cfg.format != "auto" else (preset.format if preset else "auto")
-    fields = {**(preset.fields if preset else {}), **(cfg.fields or {})}
+    return (fmt if fmt != "auto" else (preset.format if preset else "auto"),
+            {**(preset.fields if preset else {}), **(fields or {})})
+
+
+def _convert(stage: str, rows: list, src: Source, cfg: DataConfig, stats: dict) -> list:
+    fmt, fields = format_and_fields(src, cfg.format, cfg.fields)
     stats["rows_read"] = stats.get("rows_read", 0) + len(rows)
     return CONVERTERS[stage](rows, fields or None, fmt, stats, strict=cfg.strict_rows)
 
