@@ -41,7 +41,7 @@ def ppo_point(world: Path, size: str, length: int, args, tmp: Path) -> dict:
     import bench_ppo
 
     run = argparse.Namespace(warmup=args.warmup, iters=args.iters, threads=args.threads, bf16=False,
-                             micro=PPO_MICRO, gflops=args.gflops)
+                             micro=PPO_MICRO, gflops=args.gflops, gbps=args.gbps)
     row = bench_ppo.compare(world, args.trl_ppo, size, PPO_BATCH, length, run, tmp)
     return {"stage": "ppo", "size": size, "length": length, "work": f"{PPO_BATCH} prompts x {length} tokens",
             "rlhfkit": row["rlhfkit"], "trl": row["trl"], "time_ratio": row["time_ratio"],
@@ -153,6 +153,7 @@ def main() -> None:
     machine = harness.machine_line(args.threads)
     print(machine, flush=True)
     args.gflops = harness.peak_matmul_gflops(args.threads)
+    args.gbps = harness.peak_read_gbps(args.threads)
     for size in sizes:
         harness.tokenized_prompts(world, PPO_BATCH, size)
     rows = []
