@@ -8,6 +8,7 @@ for the whole table keeps it fast); three of them also run through a real `pytho
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import json
 import re
 import shutil
@@ -222,6 +223,30 @@ def critic_with_another_vocabulary(tmp, w):
         f"it must share its vocabulary")
 
 
+def finished_run_folder(tmp) -> None:
+    """An earlier finished run in output_dir, which a --force run that fails on bad input must leave as it was."""
+    (tmp / "out" / "final").mkdir(parents=True)
+    (tmp / "out" / "final" / "model.safetensors").write_bytes(b"weights of a finished run")
+    (tmp / "out" / "config.yaml").write_text("model: earlier\n")
+
+
+def dpo_reference_with_another_vocabulary_under_force(tmp, w):
+    finished_run_folder(tmp)
+    folder = w["root"] / "other-vocab"
+    data = write_jsonl(tmp / "pairs.jsonl", pairs())
+    return "dpo", [f"data.train={data}", f"reference={folder}", "--force"], (
+        f"reference '{folder}' has a different tokenizer from the policy's; it reads the policy's token ids, so it "
+        f"must share its vocabulary")
+
+
+def wandb_missing_under_force(tmp, w):
+    if importlib.util.find_spec("wandb") is not None:
+        pytest.skip("wandb is installed here")
+    finished_run_folder(tmp)
+    return "sft", [f"data.train={write_jsonl(tmp / 'train.jsonl', sft_rows())}", "log.wandb=true", "--force"], (
+        "config key 'log.wandb': true, but wandb is not installed (pip install wandb)")
+
+
 def yaml_unknown_key(tmp, w):
     path = tmp / "sft.yaml"
     path.write_text(f"model: {w['model']}\ndata: {{train: x.jsonl}}\ntrain: {{lr: 1.0e-4, lrr: 1}}\n")
@@ -269,7 +294,8 @@ CASES = {fn.__name__: fn for fn in (
     every_prompt_too_long, text_rows_for_rm, sft_rows_for_rm, empty_file, non_utf8_file, preset_without_local_copy,
     split_index_out_of_range, model_folder_missing, folder_without_tokenizer, damaged_weights, tokenizer_without_pad_or_eos,
     two_label_head_for_rm, two_label_head_as_ppo_reward, reward_model_as_sft_model, reward_model_as_ppo_actor,
-    reward_function_without_its_column, critic_with_another_vocabulary, yaml_unknown_key,
+    reward_function_without_its_column, critic_with_another_vocabulary,
+    dpo_reference_with_another_vocabulary_under_force, wandb_missing_under_force, yaml_unknown_key,
     yaml_wrong_type, finished_run, unfinished_run, resume_without_checkpoint)}
 
 

@@ -127,6 +127,24 @@ def test_resume_from_deepspeed_checkpoint_continues_the_curve(tmp_path, sft_args
     assert after == pytest.approx(before, abs=1e-5)
 
 
+def test_resume_uses_the_learning_rate_of_its_own_config(tmp_path, sft_args):
+    """DeepSpeed's load_checkpoint brings back the checkpointed optimizer's and schedule's rate; `--resume
+    train.lr=...` continues at the new one (and says so), from the schedule's position."""
+    out = tmp_path / "run"
+    args = [*sft_args, f"output_dir={out}", "engine.backend=deepspeed", "engine.zero_stage=2", "train.save_every=2",
+            "train.max_steps=4", "train.scheduler=constant", "train.warmup_steps=0", "train.eval_every=0"]
+    assert launch("sft", *args).returncode == 0
+    full = read_metrics(out / "metrics.jsonl")
+    rates = lambda rows: {m["step"]: m["lr"] for m in rows if "lr" in m}  # noqa: E731
+    assert rates(full) == pytest.approx({1: 1e-2, 2: 1e-2, 3: 1e-2, 4: 1e-2})
+    shutil.rmtree(out / "final")  # as if the run died after its step-2 checkpoint
+    (out / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in full if m["step"] <= 2))
+    res = launch("sft", *args, "train.lr=2e-3", "--resume")
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "train.lr: 0.01 -> 0.002" in res.stderr
+    assert rates(read_metrics(out / "metrics.jsonl")) == pytest.approx({1: 1e-2, 2: 1e-2, 3: 2e-3, 4: 2e-3})
+
+
 def test_optimizer_offload_trains(tmp_path, sft_args):
     out = tmp_path / "run"
     res = launch("sft", *sft_args, f"output_dir={out}", "engine.backend=deepspeed", "engine.zero_stage=2",

@@ -4,6 +4,7 @@ import errno
 import json
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -268,3 +269,36 @@ def test_sigint_and_sigterm_together_are_one_stop_request_a_later_second_signal_
             g._on_signal(signal.SIGINT, None)
     finally:
         g.close()
+
+
+def test_ppo_resume_applies_changed_kl_and_ema_settings_and_drops_later_samples(tmp_path, stage_args):
+    """A PPO run resumed with other settings uses them: a fixed KL coefficient that changed is the one in the
+    reward (it was the checkpoint's), an EMA switched on at the resume averages from the resumed weights (it began
+    at the initial actor's), and samples.jsonl holds each sampled step once."""
+    from safetensors.torch import load_file
+
+    base = [a for a in stage_args["ppo"] if not a.startswith(("train.max_steps", "ppo.adaptive_kl", "ema.enabled"))]
+    out = tmp_path / "run"
+    args = [*base, "train.max_steps=4", "ppo.kl_coef=0.05", "ppo.sample_every=1", "ppo.num_samples=2",
+            f"output_dir={out}"]
+    assert run_cli("ppo", *args).returncode == 0
+    full = read_metrics(out / "metrics.jsonl")
+    for name in ("final", "final-critic"):  # as if the run died after its step-2 checkpoint
+        shutil.rmtree(out / name)
+    (out / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in full if m["step"] <= 2))
+    checkpoint = load_file(str(out / "checkpoints" / "step-00000002" / "actor.safetensors"))
+    res = run_cli("ppo", *args, "ppo.kl_coef=0.2", "ema.enabled=true", "ema.beta=0.999999", "--resume")
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "ppo.kl_coef: 0.05 -> 0.2" in res.stderr
+    # the coefficient that add_rewards weighs the KL with
+    coefs = {r["step"]: r["kl_coef"] for r in read_metrics(out / "metrics.jsonl") if "kl_coef" in r}
+    assert coefs == {1: 0.05, 2: 0.05, 3: 0.2, 4: 0.2}
+    samples = [json.loads(line)["step"] for line in (out / "samples.jsonl").read_text().splitlines()]
+    assert samples == [1, 1, 2, 2, 3, 3, 4, 4]
+    ema = load_file(str(out / "final-ema" / "model.safetensors"))
+    initial = load_file(str(stage_args["ppo"][0].split("=", 1)[1] + "/model.safetensors"))
+    moved = max((checkpoint[k] - initial[k]).abs().max().item() for k in checkpoint if k in initial)
+    assert moved > 1e-4
+    for k in checkpoint:
+        if k in ema:
+            torch.testing.assert_close(ema[k], checkpoint[k], atol=moved * 1e-3, rtol=0)

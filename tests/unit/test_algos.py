@@ -172,20 +172,30 @@ def test_adaptive_kl_controller_one_update(current_kl, expected):
 
 
 def test_kl_controllers_fixed_and_state_round_trip():
+    """A resumed run keeps the adapted coefficient of an adaptive checkpoint and takes everything the config
+    sets from its config: a fixed coefficient, the target and the horizon (changed on a resume, they apply)."""
     fixed = FixedKLController(0.05)
     fixed.update(100.0, n_steps=1000)
     assert fixed.value == 0.05
     other = FixedKLController(1.0)
     other.load_state_dict(fixed.state_dict())
-    assert other.value == 0.05
+    assert other.value == 1.0
 
     ctl = AdaptiveKLController(0.1, target=6.0, horizon=10000)
     ctl.update(7.5, 256)
-    restored = AdaptiveKLController(0.5, target=1.0, horizon=1)
-    restored.load_state_dict(ctl.state_dict())
-    restored.update(7.5, 256)
+    same = AdaptiveKLController(0.1, target=6.0, horizon=10000)
+    same.load_state_dict(ctl.state_dict())
+    same.update(7.5, 256)
     ctl.update(7.5, 256)
-    assert restored.value == ctl.value
+    assert same.value == ctl.value
+    changed = AdaptiveKLController(0.5, target=3.0, horizon=1000)
+    changed.load_state_dict(ctl.state_dict())
+    assert changed.value == ctl.value and (changed.target, changed.horizon) == (3.0, 1000.0)
+    changed.update(6.0, 100)  # 6/3 - 1 = 1 -> clipped to 0.2, over the new horizon
+    close(changed.value, ctl.value * (1 + 0.2 * 100 / 1000), atol=1e-12)
+    started = AdaptiveKLController(0.5, target=3.0, horizon=1000)  # fixed until the resume: from ppo.kl_coef
+    started.load_state_dict(fixed.state_dict())
+    assert started.value == 0.5
 
 
 # ---------------------------------------------------------------- GAE

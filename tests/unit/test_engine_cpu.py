@@ -64,3 +64,47 @@ def test_fused_adamw_gives_the_foreach_update():
     assert fused_opt.defaults.get("fused") is True
     for a, b in zip(fused, reference):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
+
+
+def _trained(cfg, steps: int, folder=None, load=False):
+    from rlhfkit.engine.local import Trainable
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4))
+    trainable = Trainable(model, cfg, total_steps=10)
+    if load:
+        trainable.load(folder, "m")
+    for _ in range(steps):
+        trainable.module(torch.randn(3, 4)).square().sum().backward()
+        trainable.step()
+    if folder is not None and not load:
+        trainable.save(folder, "m")
+    return trainable
+
+
+def test_resume_takes_the_configured_rate_decay_and_betas_and_the_checkpoints_moments(tmp_path):
+    """torch's load_state_dict brings back the checkpointed run's lr, weight decay and betas; a resumed run with
+    other values in its config (`--resume train.lr=...`) uses its own, from the schedule's saved position."""
+    from rlhfkit.config.schema import TrainConfig
+    from rlhfkit.engine.local import lr_lambda
+
+    old = TrainConfig(lr=1e-2, weight_decay=0.1, betas=[0.9, 0.95], warmup_steps=2, scheduler="cosine")
+    saved = _trained(old, 3, tmp_path)
+    new = TrainConfig(lr=1e-3, weight_decay=0.0, betas=[0.8, 0.9], warmup_steps=2, scheduler="cosine")
+    resumed = _trained(new, 0, tmp_path, load=True)
+    factor = lr_lambda(new, 10)
+    groups = resumed.optimizer.param_groups
+    assert [g["weight_decay"] for g in groups] == [0.0, 0.0]
+    assert all(tuple(g["betas"]) == (0.8, 0.9) for g in groups)
+    assert [g["lr"] for g in groups] == pytest.approx([1e-3 * factor(3)] * 2)
+    assert resumed.scheduler.get_last_lr() == pytest.approx([1e-3 * factor(3)] * 2)
+    for p, q in zip(saved.module.parameters(), resumed.module.parameters()):  # the moments are the checkpoint's
+        assert torch.equal(saved.optimizer.state[p]["exp_avg"], resumed.optimizer.state[q]["exp_avg"])
+        assert int(resumed.optimizer.state[q]["step"]) == 3
+    resumed.module(torch.randn(3, 4)).square().sum().backward()
+    resumed.step()
+    assert resumed.lr == pytest.approx(1e-3 * factor(4))
+    # the same config again: exactly the checkpoint's values
+    again = _trained(old, 0, tmp_path, load=True)
+    assert [g["lr"] for g in again.optimizer.param_groups] == pytest.approx([g["lr"] for g in saved.optimizer.param_groups])
+    assert [g["weight_decay"] for g in again.optimizer.param_groups] == [0.1, 0.0]

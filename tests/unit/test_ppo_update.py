@@ -174,6 +174,13 @@ def test_ema_averages_and_swaps_back():
     with ema.swapped_in(layer):
         assert torch.allclose(layer.weight, torch.tensor(1.2))
     assert torch.allclose(layer.weight, torch.tensor(3.0))
+    resumed = EMA(layer, LocalEngine(), beta=0.5)  # a resume with another ema.beta: the shadow, the new beta
+    resumed.load_state_dict(ema.state_dict())
+    assert resumed.beta == 0.5
+    with torch.no_grad():
+        layer.weight.fill_(2.0)
+    resumed.update(layer)
+    torch.testing.assert_close(resumed.shadow["weight"], torch.full((1, 2), 1.6))  # 0.5 * 1.2 + 0.5 * 2
 
 
 def test_config_errors_name_the_key_and_help_lists_fields(tmp_path):

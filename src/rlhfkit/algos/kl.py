@@ -73,7 +73,8 @@ class FixedKLController:
         return {"value": self.value}
 
     def load_state_dict(self, state: dict) -> None:
-        self.value = float(state["value"])
+        """Nothing to restore: the coefficient is the configured one (a resumed run that changed ``ppo.kl_coef``
+        uses its new value, as it says)."""
 
 
 class AdaptiveKLController:
@@ -103,6 +104,8 @@ class AdaptiveKLController:
         return {"value": self.value, "target": self.target, "horizon": self.horizon}
 
     def load_state_dict(self, state: dict) -> None:
-        self.value = float(state["value"])
-        self.target = float(state.get("target", self.target))
-        self.horizon = float(state.get("horizon", self.horizon))
+        """The adapted coefficient from a checkpoint of an adaptive run; the target and horizon stay the configured
+        ones (a resumed run may change them). A run that kept a fixed coefficient until the resume starts adapting
+        from the configured ``ppo.kl_coef``."""
+        if "target" in state:
+            self.value = float(state["value"])

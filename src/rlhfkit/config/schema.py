@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -175,6 +176,12 @@ class LogConfig:
     progress: bool = option(True, "show a progress bar")
     wandb: bool = option(False, "also log to Weights & Biases (needs `wandb` installed)")
     wandb_project: str = option("rlhfkit", "Weights & Biases project")
+
+    def validate(self, prefix: str = "") -> None:
+        # with the config, not when the logger opens: by then the output folder was prepared (a --force run's
+        # earlier outputs cleared)
+        if self.wandb and importlib.util.find_spec("wandb") is None:
+            raise ConfigError(f"config key '{prefix}wandb': true, but wandb is not installed (pip install wandb)")
 
 
 @dataclass

@@ -54,7 +54,7 @@ from deepspeed.accelerator import get_accelerator
 
 from rlhfkit.config.schema import EngineConfig, TrainConfig
 from rlhfkit.engine import ds_config
-from rlhfkit.engine.local import lr_lambda, moved_to, param_groups
+from rlhfkit.engine.local import configured_hyperparameters, lr_lambda, moved_to, param_groups
 from rlhfkit.engine.manifest import seal, verified_latest
 from rlhfkit.engine.storage import (fsync_dir, publish_checkpoint, rank_state, rng_state, saved_world_size,
                                     write_hf_folder)
@@ -257,7 +257,8 @@ class DeepSpeedTrainable:
         before = config.load_universal_checkpoint
         config.load_universal_checkpoint = universal
         try:
-            path, _ = self.engine.load_checkpoint(str(folder), tag=name)
+            with configured_hyperparameters(self.engine.lr_scheduler):
+                path, _ = self.engine.load_checkpoint(str(folder), tag=name)
         finally:
             config.load_universal_checkpoint = before
         if path is None:

@@ -37,6 +37,31 @@ def lr_lambda(cfg: TrainConfig, total_steps: int):
     return factor
 
 
+# the optimizer settings a run's config gives (train.lr / ppo.critic_lr as `initial_lr`, the schedule's peak;
+# train.weight_decay, train.betas): what a resumed run takes from its own config, not from the checkpoint
+CONFIGURED = ("initial_lr", "weight_decay", "betas")
+
+
+@contextlib.contextmanager
+def configured_hyperparameters(scheduler: torch.optim.lr_scheduler.LambdaLR):
+    """Load a checkpoint's optimizer and schedule state inside this block and the configured learning rate, weight
+    decay and betas stay: torch's `load_state_dict` brings back the checkpointed run's (its param groups' values and
+    the schedule's `base_lrs`), so `--resume train.lr=...` would continue at the old rate while saying it uses the
+    new one. The moments, the step count and the schedule's position come from the checkpoint; this step's rate is
+    the configured peak times the schedule's factor at that position (the factor of the current config too: its
+    warmup and decay are a closure, not saved)."""
+    optimizer = scheduler.optimizer
+    configured = [{k: group[k] for k in CONFIGURED if k in group} for group in optimizer.param_groups]
+    yield
+    for group, values in zip(optimizer.param_groups, configured):
+        group.update(values)
+    scheduler.base_lrs = [group["initial_lr"] for group in optimizer.param_groups]
+    rates = [base * factor(scheduler.last_epoch) for base, factor in zip(scheduler.base_lrs, scheduler.lr_lambdas)]
+    for group, rate in zip(optimizer.param_groups, rates):
+        group["lr"] = rate
+    scheduler._last_lr = rates
+
+
 def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
     """Decay matrices only: biases and norm gains are not regularised (as in GPT-2/3 training)."""
     decay, no_decay = [], []
@@ -144,8 +169,9 @@ class Trainable:
     def load(self, folder: Path, name: str) -> None:
         load_model(self.module, str(folder / f"{name}.safetensors"))
         state = torch.load(folder / f"{name}.optim.pt", weights_only=True, map_location="cpu")
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.scheduler.load_state_dict(state["scheduler"])
+        with configured_hyperparameters(self.scheduler):
+            self.optimizer.load_state_dict(state["optimizer"])
+            self.scheduler.load_state_dict(state["scheduler"])
 
 
 class AutocastHooks:

@@ -48,5 +48,6 @@ class EMA:
         return {"beta": self.beta, "shadow": self.shadow}
 
     def load_state_dict(self, state: dict) -> None:
-        self.beta = float(state["beta"])
+        """The averaged parameters from the checkpoint; beta stays the configured one (`ema.beta` may change on a
+        resume)."""
         self.shadow = {k: v.float() for k, v in state["shadow"].items()}

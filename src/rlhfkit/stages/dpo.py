@@ -45,14 +45,14 @@ from rlhfkit.models.cpu_linear import use_fast_cpu_linear_for_training
 from rlhfkit.models.forward import (causal_logits, custom_mask_kind, final_hidden, head_logprobs_weight, head_matmul,
                                     masked_logits, position_ids)
 from rlhfkit.models.prefix import shared_prefix_logits
-from rlhfkit.models.loading import load_generation_config, record_template
+from rlhfkit.models.loading import causal_lm_config, load_generation_config, record_template
 from rlhfkit.models.lora import adapter_disabled, apply_lora, checkpointed, is_lora
 from rlhfkit.stages.common import (MetricsLogger, choose_head_logprobs, epoch_order, longest_first, plan_steps,
                                    set_seed, with_trained_template)
 from rlhfkit.stages.guard import resume_state
 from rlhfkit.stages.loop import TrainLoop
 from rlhfkit.stages.reward import pair_means
-from rlhfkit.stages.run_dir import prepare_output_dir, resumed_from
+from rlhfkit.stages.run_dir import prepare_output_dir, resumed_from, undone_if_bad_input_at_start
 
 REF_KEY = "ref"  # a row's reference log-probs [chosen, rejected], attached when precomputed
 
@@ -258,6 +258,17 @@ def with_reference(rows: list[dict], values: list) -> list[dict]:
     return [{**row, REF_KEY: value} for row, value in zip(rows, values)]
 
 
+def check_reference(cfg: DPOConfig, tokenizer) -> None:
+    """A separate `reference` folder, checked with the data, before the output folder is touched: a causal LM's
+    config (not a reward model's) and the policy's vocabulary (it reads the policy's token ids)."""
+    if not (cfg.reference and cfg.reference != cfg.model and cfg.dpo.uses_reference()):
+        return
+    causal_lm_config(cfg.reference, cfg.load)
+    if load_tokenizer(cfg.reference, cfg.load).get_vocab() != tokenizer.get_vocab():
+        raise ModelError(f"reference '{cfg.reference}' has a different tokenizer from the policy's; it reads the "
+                         f"policy's token ids, so it must share its vocabulary")
+
+
 def reference_model(cfg: DPOConfig, policy, engine, tokenizer, fresh: bool) -> Reference:
     """The model that computes the reference log-probs, holding no second copy where it can (module doc)."""
     same = cfg.reference in (None, cfg.model)
@@ -266,11 +277,6 @@ def reference_model(cfg: DPOConfig, policy, engine, tokenizer, fresh: bool) -> R
     if same and fresh and cfg.dpo.precompute_reference:
         return Reference(policy.module, note="the policy before its first step")
     name = cfg.reference or cfg.model
-    if cfg.reference:
-        ref_tok = load_tokenizer(name, cfg.load)
-        if ref_tok.get_vocab() != tokenizer.get_vocab():
-            raise ModelError(f"reference '{name}' has a different tokenizer from the policy's; it reads the "
-                             f"policy's token ids, so it must share its vocabulary")
     model = engine.prepare_frozen(load_causal_lm(name, cfg.load, tokenizer), role="reference")
     use_fast_cpu_linear_for_training(model, engine.device)  # the policy's GEMMs: rewards 0 before any step
     choose_head_logprobs(model, cfg.dpo.chunked_logprobs, cfg.engine.precision, engine)
@@ -402,14 +408,17 @@ def run_dpo(cfg: DPOConfig, resume: bool = False, force: bool = False) -> dict:
     end_ids = end_token_ids(tokenizer, load_generation_config(cfg.model, cfg.load))
     data = load_stage_data("rm", cfg.data, tokenizer, cfg.train.seed, end_ids=end_ids, main=engine.is_main)
     model = apply_lora(load_causal_lm(cfg.model, cfg.load, tokenizer), cfg.lora)
+    check_reference(cfg, tokenizer)
     _, accum, total = plan_steps(len(data.train), cfg.train, engine.world_size)
     out = prepare_output_dir(cfg, resume, force, engine.is_main)
 
-    # 2. the optimizer; the reference log-probs (before a checkpoint is loaded: the policy may compute them)
+    # 2. the optimizer; the reference log-probs (before a checkpoint is loaded: the policy may compute them); a
+    #    reference that fails to load (a damaged weights file) leaves no half-written fresh run
     policy = engine.prepare(model, cfg.train, total, role="policy")
     onednn = use_fast_cpu_linear_for_training(policy.module, engine.device)  # before the reference is computed
     chunked = choose_head_logprobs(policy.module, cfg.dpo.chunked_logprobs, cfg.engine.precision, engine)
-    reference = setup_reference(cfg, data, policy, engine, tokenizer, fresh=not resume, say=engine.say)
+    with undone_if_bad_input_at_start(out, not resume, engine.is_main):
+        reference = setup_reference(cfg, data, policy, engine, tokenizer, fresh=not resume, say=engine.say)
     start = (resumed_from(cfg, out, resume_state(engine, out, {"model": policy})["step"], engine.is_main)
              if resume else 0)
     pad_id, device, micro_size = tokenizer.pad_token_id, engine.device, cfg.train.micro_batch_size

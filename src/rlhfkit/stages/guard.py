@@ -103,16 +103,25 @@ class RunGuard:
 
 
 def resume_state(engine, out: Path, trainables: dict) -> dict:
-    """Load checkpoints/latest into `trainables` (and RNG states); drop metric rows logged after it."""
+    """Load checkpoints/latest into `trainables` (and RNG states); drop metric and sample rows logged after it."""
     state = engine.load_checkpoint(out / "checkpoints", trainables)
     if engine.is_main:
         truncate_metrics(out, state["step"])
     return state
 
 
+# the run files whose rows carry the step that logged them (samples.jsonl: PPO's `ppo.sample_every` triples)
+STEP_LOGS = ("metrics.jsonl", "samples.jsonl")
+
+
 def truncate_metrics(out: Path, step: int) -> None:
-    """On resume, drop metric rows logged after the checkpoint: the resumed run logs those steps again."""
-    path = out / "metrics.jsonl"
+    """On resume, drop the rows of `STEP_LOGS` logged after the checkpoint: the resumed run logs those steps again
+    (a killed run's samples of later steps would otherwise stay beside the resumed run's own)."""
+    for name in STEP_LOGS:
+        _truncate(out / name, step)
+
+
+def _truncate(path: Path, step: int) -> None:
     if not path.is_file():
         return
     kept = []

@@ -234,8 +234,11 @@ class PPOSteps:
         """Models, optimizers, schedules, RNG, KL coefficient and EMA from checkpoints/latest; returns the step."""
         state = resume_state(self.engine, out, self.trainables())
         self.kl_ctl.load_state_dict(state["kl_ctl"])
-        if self.ema is not None and state.get("ema") is not None:
-            self.ema.load_state_dict(state["ema"])
+        if self.ema is not None:
+            if state.get("ema") is not None:
+                self.ema.load_state_dict(state["ema"])
+            else:  # switched on at the resume: the average starts from the resumed weights, not the initial ones
+                self.ema = EMA(self.actor.module, self.engine, self.ema.beta)
         return state["step"]
 
     def export(self, out) -> None:
