@@ -305,6 +305,10 @@ def test_alpaca_system_and_history_become_turns():
     ]
     with pytest.raises(DataError, match=r"^mem\.jsonl:1: field 'history': expected \[query, answer\] string pairs"):
         to_sft_examples(rows({**row, "history": ["just one"]}))
+    with pytest.raises(DataError, match=r"^mem\.jsonl:1: field 'system': expected a string, got list$"):
+        to_sft_examples(rows({**row, "system": ["Be polite."]}))
+    (plain,) = to_sft_examples(rows({**row, "system": None, "history": None}))  # null: no system turn
+    assert plain.prompt == [user("And in French?")]
 
 
 def test_stats_add_up_over_sources():

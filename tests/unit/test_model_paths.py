@@ -64,3 +64,26 @@ def test_a_row_longer_than_the_tokenizers_maximum_is_encoded_without_a_misleadin
                          env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
     assert res.returncode == 0, res.stderr[-2000:]
     assert "Token indices sequence length" not in res.stderr
+
+
+def test_exported_folders_keep_the_dropout_and_cache_settings_they_were_loaded_with(tmp_path, tiny_model_dir):
+    """Dropout off and no KV cache are settings of the run (PPO's ratio needs deterministic forwards; gradient
+    checkpointing cannot cache): the model trains with them, final/config.json keeps the folder's own."""
+    import json
+    import shutil
+
+    from rlhfkit.config.schema import LoadConfig
+    from rlhfkit.engine.storage import write_hf_folder
+
+    folder = tmp_path / "with-dropout"
+    shutil.copytree(tiny_model_dir, folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "attention_dropout": 0.1, "use_cache": True}))
+    model = load_causal_lm(str(folder), LoadConfig(disable_dropout=True, gradient_checkpointing=True))
+    assert (model.config.attention_dropout, model.config.use_cache) == (0.0, False)
+    for name in ("final", "again"):  # an export leaves the run's settings in place for the next one
+        write_hf_folder(model, load_tokenizer(str(folder)), tmp_path / name)
+        saved = json.loads((tmp_path / name / "config.json").read_text())
+        assert (saved["attention_dropout"], saved["use_cache"]) == (0.1, True)
+        assert not any(key.startswith("_rlhfkit") for key in saved)
+        assert (model.config.attention_dropout, model.config.use_cache) == (0.0, False)

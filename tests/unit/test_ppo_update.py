@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import json
 from dataclasses import replace
 
 import pytest
@@ -12,6 +13,7 @@ from rlhfkit.config.fields import ConfigError, from_dict, help_text
 from rlhfkit.config.ppo_schema import PPOConfig
 from rlhfkit.data.templates import Template, encode_prompt
 from rlhfkit.engine import LocalEngine
+from rlhfkit.errors import DataError
 from rlhfkit.models import load_causal_lm, load_scalar_model, load_tokenizer
 from rlhfkit.models.ema import EMA
 from rlhfkit.rollout import add_advantages, add_model_outputs, generate_all
@@ -271,3 +273,19 @@ def test_a_zero_value_head_starts_every_value_at_zero_and_bf16_recomputes_old_lo
     forced = ppo_config(actor=str(tiny_model_dir), reward=f"{tmp_path / 'r.py'}:f", ppo={"old_logprobs": "sampling"},
                         engine={"precision": "bf16"})
     assert not PPOSteps(forced, models, tok, LocalEngine()).recompute_old
+
+
+@pytest.mark.parametrize("second,expected", [
+    ({"text": None}, ":2: field 'text': expected a string, got null"),
+    ({"text": 7}, ":2: field 'text': expected a string, got int"),
+    ({"body": "a b c"}, ":2: PPO-ptx text needs a `text` field (found ['body']); a .txt file works as it is"),
+])
+def test_ptx_rows_without_a_text_string_name_their_line(tmp_path, rollout, second, expected):
+    """Every PPO-ptx row is checked (a null text was trained on as the word "None", later rows without one were
+    dropped silently)."""
+    tok = rollout[0]
+    source = tmp_path / "ptx.jsonl"
+    source.write_text(json.dumps({"text": "say apple apple"}) + "\n" + json.dumps(second) + "\n")
+    with pytest.raises(DataError) as err:
+        PtxText(str(source), tok, 32, seed=0)
+    assert str(err.value) == f"{source}{expected}"

@@ -53,6 +53,10 @@ def test_json_array_wrapper_and_json_lines_content(tmp_path):
     single = tmp_path / "single.json"
     single.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}]}))
     assert [row.data for row in read_rows(str(single))] == [{"messages": [{"role": "user", "content": "hi"}]}]
+    # ... and so does one whose only list holds no objects (an Alpaca record with its history of turns)
+    record = {"instruction": "And in French?", "output": "Bonjour", "history": [["Say hello.", "Hello"]]}
+    single.write_text(json.dumps(record))
+    assert [row.data for row in read_rows(str(single))] == [record]
 
 
 def test_csv_rows_are_file_lines_with_multiline_cells_and_blank_lines(tmp_path):
@@ -65,6 +69,15 @@ def test_csv_rows_are_file_lines_with_multiline_cells_and_blank_lines(tmp_path):
     path.write_text('a,b\n"x\ny\nz",1\n\n2,3,4\n')
     with pytest.raises(DataError, match=f"^{re.escape(str(path))}:6: 1 more cells than header columns$"):
         read_rows(str(path))
+
+
+def test_csv_cells_longer_than_the_csv_modules_default_limit_are_read(tmp_path):
+    """A long document or response is valid data (the csv module refuses cells over 131,072 characters unless told)."""
+    long = "word " * 60_000  # 300,000 characters
+    path = tmp_path / "long.csv"
+    path.write_text(f'prompt,response\nsummarise,"{long}"\nshort,ok\n')
+    rows = read_rows(str(path))
+    assert [(len(row.data["response"]), row.line) for row in rows] == [(300_000, 2), (2, 3)]
 
 
 def test_json_array_records_start_lines_whatever_the_layout(tmp_path):
@@ -219,3 +232,20 @@ def test_real_files_read_completely():
     stories = read_rows(str(SHARED_DATA / "text" / "tinystories-2MiB.txt"))
     # 2,316 complete stories plus the cut-off tail of the 2 MiB sample.
     assert len(stories) == 2317 and stories[0].data["text"].startswith("One day, a little girl named Lily")
+
+
+def test_damaged_save_to_disk_folders_are_one_data_error(tmp_path):
+    import datasets
+
+    folder = tmp_path / "dd"
+    datasets.DatasetDict({"train": datasets.Dataset.from_list([{"text": "a b"}])}).save_to_disk(str(folder))
+    assert [row.data for row in read_rows(str(folder))] == [{"text": "a b"}]
+    (folder / "dataset_dict.json").write_text('{"splits": ["train"')  # cut short
+    with pytest.raises(DataError, match=f"^{re.escape(str(folder / 'dataset_dict.json'))}: not a readable "
+                                        r"dataset_dict.json \(JSONDecodeError: "):
+        read_rows(str(folder))
+    (folder / "dataset_dict.json").write_text('{"splits": ["train"]}')
+    for file in (folder / "train").glob("*.arrow"):
+        file.write_bytes(b"not arrow")
+    with pytest.raises(DataError, match=f"^{re.escape(str(folder / 'train'))}: not a readable save_to_disk dataset"):
+        read_rows(str(folder))

@@ -253,7 +253,8 @@ def _messages_prompt(f):
 def _alpaca_prompt(f):
     instruction = f.text("instruction", part="prompt")
     extra = f.text("input", f.data.get("input") or "", allow_empty=True)
-    messages = [{"role": "system", "content": f.text("system")}] if (f.data.get("system") or "").strip() else []
+    system = f.text("system", f.data.get("system") or "", allow_empty=True)
+    messages = [{"role": "system", "content": system}] if system else []
     # LLaMA-Factory's alpaca files may carry earlier turns as [[query, answer], ...].
     for turn in f.data.get("history") or []:
         if not (isinstance(turn, list) and len(turn) == 2 and all(isinstance(text, str) for text in turn)):

@@ -123,8 +123,11 @@ def _read_json(raw: bytes, source: str) -> list[Row]:
             return _parse_json_lines(text, source)
         raise DataError(f"{where(source, exc.lineno)}: invalid JSON: {exc.msg} (column {exc.colno})") from None
     if isinstance(value, dict):
+        # a wrapper holds its records as one list of objects; a record's own list fields hold other things
+        # (Alpaca's history of [query, answer] pairs, tags) or are named as row fields
         lists = [key for key, item in value.items() if isinstance(item, list)]
-        if len(lists) == 1 and lists[0] not in _ROW_LIST_FIELDS:
+        if (len(lists) == 1 and lists[0] not in _ROW_LIST_FIELDS
+                and all(isinstance(item, dict) for item in value[lists[0]])):
             value = value[lists[0]]
         else:
             return [Row(value, source, 1)]  # a single record
@@ -154,7 +157,11 @@ def _array_record_lines(text: str, n: int) -> list[int] | None:
 
 
 def _read_csv(raw: bytes, source: str) -> list[Row]:
-    reader = csv.DictReader(io.StringIO(_decode(raw, source), newline=""))
+    text = _decode(raw, source)
+    # the csv module refuses cells over 131,072 characters by default (a long document or response is valid data);
+    # no cell is longer than its file
+    csv.field_size_limit(max(csv.field_size_limit(), len(text)))
+    reader = csv.DictReader(io.StringIO(text, newline=""))
     rows = []
     try:
         for record in reader:
@@ -225,7 +232,7 @@ FILE_TYPES = tuple(sorted(_FILE_READERS))
 
 def _read_folder(path: Path, source: str, split: str) -> list[Row]:
     if (path / "dataset_dict.json").is_file():  # a DatasetDict from save_to_disk: one sub-folder per split
-        splits = json.loads((path / "dataset_dict.json").read_text()).get("splits", [])
+        splits = _dict_splits(path)
         if split not in splits:
             raise DataError(f"{source}: no split '{split}' (available: {', '.join(splits)})")
         return _from_dataset(_load_from_disk(path / split), os.path.join(source, split))
@@ -234,10 +241,26 @@ def _read_folder(path: Path, source: str, split: str) -> list[Row]:
     return _read_split_files(path, source, split)
 
 
+def _dict_splits(path: Path) -> list[str]:
+    """The split names a save_to_disk DatasetDict's dataset_dict.json lists."""
+    file = path / "dataset_dict.json"
+    try:
+        splits = json.loads(file.read_text(encoding="utf-8")).get("splits")
+    except (OSError, UnicodeDecodeError, ValueError, AttributeError) as exc:
+        raise DataError(f"{file}: not a readable dataset_dict.json ({type(exc).__name__}: {exc})") from None
+    if not (isinstance(splits, list) and all(isinstance(name, str) for name in splits)):
+        raise DataError(f"{file}: field 'splits': expected a list of split names, got {splits!r:.60}")
+    return splits
+
+
 def _load_from_disk(path: Path):
     import datasets
 
-    return datasets.load_from_disk(str(path))
+    try:
+        return datasets.load_from_disk(str(path))
+    except Exception as exc:  # noqa: BLE001 - a damaged folder raises whatever its missing or cut file causes
+        raise DataError(f"{path}: not a readable save_to_disk dataset ({type(exc).__name__}: "
+                        f"{str(exc).splitlines()[0] if str(exc) else ''})") from None
 
 
 def _split_files(path: Path, split: str) -> tuple[list[Path], list[Path]]:
@@ -273,7 +296,7 @@ def has_split(source: str, split: str) -> bool:
         return False
     if path.is_dir():
         if (path / "dataset_dict.json").is_file():
-            return split in json.loads((path / "dataset_dict.json").read_text()).get("splits", [])
+            return split in _dict_splits(path)
         if (path / "state.json").is_file():  # a single save_to_disk Dataset: one split only
             return False
         return bool(_split_files(path, split)[0])

@@ -116,11 +116,14 @@ def latest_checkpoint(folder: Path) -> Path:
 def write_hf_folder(model: torch.nn.Module, tokenizer, target: Path, in_place: bool = True) -> Path:
     """A plain transformers folder (safetensors, tokenizer, LoRA merged) that from_pretrained loads. LoRA is
     merged into `model` itself unless `in_place=False` (then into a copy)."""
+    from rlhfkit.models.loading import as_loaded  # loading's imports reach this module
+
     if is_lora(model) and not in_place:
         model = copy.deepcopy(model)
     plain = merged(model)
     with atomic_folder(target) as tmp:
-        base_model(plain).save_pretrained(tmp, safe_serialization=True)
+        with as_loaded(base_model(plain).config):
+            base_model(plain).save_pretrained(tmp, safe_serialization=True)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
     return target

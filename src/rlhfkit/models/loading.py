@@ -147,7 +147,7 @@ def _prepare(model, opts: LoadConfig, tokenizer=None):
             model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
         else:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        model.config.use_cache = False
+        set_for_training(model.config, "use_cache", False)
     return model
 
 
@@ -229,6 +229,36 @@ def _transformers_quiet(quiet: bool):
         hf_logging.set_verbosity(level)
 
 
+# the config values a run changes for training only (dropout off, no KV cache under gradient checkpointing), with
+# what the folder had: exported folders get the folder's values back (`as_loaded`)
+TRAINING_ONLY = "_rlhfkit_training_only"
+
+
+def set_for_training(config, key: str, value) -> None:
+    """`config.key = value` for this run, remembering the loaded value for the export."""
+    originals = config.__dict__.setdefault(TRAINING_ONLY, {})
+    originals.setdefault(key, getattr(config, key, None))
+    setattr(config, key, value)
+
+
+@contextlib.contextmanager
+def as_loaded(config):
+    """Within the block `config` holds the values it was loaded with where the run changed them for training
+    (`set_for_training`), and not their record: what `save_pretrained` writes to config.json. A fine-tuned folder
+    keeps the dropout and cache settings it came with (a model trained on later keeps its dropout)."""
+    originals = config.__dict__.pop(TRAINING_ONLY, None) or {}
+    current = {key: getattr(config, key, None) for key in originals}
+    for key, value in originals.items():
+        setattr(config, key, value)
+    try:
+        yield config
+    finally:
+        for key, value in current.items():
+            setattr(config, key, value)
+        if originals:
+            config.__dict__[TRAINING_ONLY] = originals
+
+
 def disable_dropout(model: torch.nn.Module) -> None:
     """Zero every dropout: PPO's ratio pi/pi_old is only meaningful if both forwards are deterministic."""
     for module in model.modules():
@@ -240,4 +270,4 @@ def disable_dropout(model: torch.nn.Module) -> None:
     for key in ("attention_dropout", "hidden_dropout", "dropout", "attn_pdrop", "resid_pdrop", "embd_pdrop",
                 "hidden_dropout_prob", "attention_probs_dropout_prob", "activation_dropout"):
         if isinstance(getattr(model.config, key, None), float):
-            setattr(model.config, key, 0.0)
+            set_for_training(model.config, key, 0.0)

@@ -17,7 +17,7 @@ from rlhfkit.algos import (entropy_from_logits, kl_penalty, lm_loss_sum, masked_
 from rlhfkit.config.ppo_schema import PPOConfig, PPOSection
 from rlhfkit.data.readers import read_rows
 from rlhfkit.data.tokenize import collate_sft
-from rlhfkit.errors import DataError
+from rlhfkit.errors import DataError, where
 from rlhfkit.models.forward import causal_logits
 from rlhfkit.rollout.batch import RolloutBatch
 from rlhfkit.rollout.estimators import ESTIMATORS, Estimator
@@ -128,16 +128,25 @@ def critic_update_with_values(batch: RolloutBatch, critic, cfg: PPOConfig, engin
     return batch, advantage_metrics, engine.reduce_mean(dict(stats))
 
 
+def ptx_text(row) -> str:
+    """A PPO-ptx row's document: its `text` field, a string (a .txt file's paragraphs are such rows)."""
+    if "text" not in row.data:
+        raise DataError(f"{where(row.source, row.line)}: PPO-ptx text needs a `text` field (found "
+                        f"{sorted(row.data)}); a .txt file works as it is")
+    text = row.data["text"]
+    if not isinstance(text, str):
+        kind = "null" if text is None else type(text).__name__
+        raise DataError(f"{where(row.source, row.line)}: field 'text': expected a string, got {kind}")
+    return text
+
+
 class PtxText:
     """Tokenised pretraining documents for PPO-ptx, drawn by a seeded generator keyed on the update index so
     a resumed run draws the same texts."""
 
     def __init__(self, source: str, tokenizer, max_length: int, seed: int):
-        rows = read_rows(source)
-        if "text" not in rows[0].data:
-            raise DataError(f"{source}: PPO-ptx text needs a `text` field (found {sorted(rows[0].data)}); "
-                            f"a .txt file works as it is")
-        encoded = tokenizer([str(row.data.get("text", "")) for row in rows])["input_ids"]
+        texts = [ptx_text(row) for row in read_rows(source)]
+        encoded = tokenizer(texts)["input_ids"]
         self.rows = [{"input_ids": ids[:max_length], "labels": ids[:max_length]} for ids in encoded if len(ids) >= 2]
         if not self.rows:
             raise DataError(f"{source}: no PPO-ptx text of at least 2 tokens")
