@@ -89,8 +89,11 @@ class ChatModel:
             ids = encode_prompt(self.tokenizer, self.template.prompt(system + turns))
             if len(ids) <= budget:
                 return ids
-            if len(turns) <= 1:
-                return ids[-budget:]  # one message longer than the context: keep its end (the question)
+            if len(turns) <= 1:  # one message longer than the context: keep its end (the question), and say so
+                print(f"rlhfkit chat: the message is {len(ids)} tokens, more than the {budget} that "
+                      f"'{self.name}''s context of {self.context} leaves beside --max-new-tokens {max_new_tokens}: "
+                      f"only its last {budget} are read", file=sys.stderr)
+                return ids[-budget:]
             turns = turns[2:]  # drop the oldest user/assistant exchange
 
     def reply(self, messages: list[dict], args) -> str:
@@ -172,7 +175,7 @@ def interact(conv: Conversation, args, read=input, out=sys.stdout) -> None:
 
 
 def main(args) -> int:
-    from rlhfkit.errors import USER_ERRORS
+    from rlhfkit.errors import USER_ERRORS, ModelError
 
     if args.max_new_tokens < 1 or args.temperature <= 0 or not 0 < args.top_p <= 1:
         print("rlhfkit chat: error: need --max-new-tokens >= 1, --temperature > 0, 0 < --top-p <= 1", file=sys.stderr)
@@ -184,6 +187,11 @@ def main(args) -> int:
             torch.manual_seed(args.seed)
         names = [args.model_dir] + ([args.compare] if args.compare else [])
         models = [ChatModel(str(Path(n)) if Path(n).exists() else n, args.template) for n in names]
+        for model in models:
+            if args.max_new_tokens >= model.context:
+                raise ModelError(f"--max-new-tokens {args.max_new_tokens} leaves no room for the conversation in "
+                                 f"'{model.name}''s context of {model.context} tokens: use fewer (at most "
+                                 f"{model.context // 2} leaves it half)")
         conv = Conversation(models, args.system)
         if args.prompt is not None:
             show(models, conv.ask(args.prompt, args), sys.stdout)

@@ -153,11 +153,31 @@ def score_responses(model, tokenizer, template, examples, max_length: int, batch
     return scores
 
 
+def _check_output(path: str | None) -> None:
+    """--output checked before the model loads: a file in a folder that exists or can be made, and writable."""
+    from rlhfkit.errors import RunError
+
+    if not path:
+        return
+    target = Path(path)
+    if target.is_dir():
+        raise RunError(f"--output '{path}' is a folder: name a file, e.g. {target / 'scores.jsonl'}")
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise RunError(f"--output '{path}': cannot create its folder: {exc.strerror or exc}") from None
+    if not os.access(target.parent, os.W_OK) or (target.exists() and not os.access(target, os.W_OK)):
+        raise RunError(f"--output '{path}': not writable")
+
+
 def _write_jsonl(path: str, records: list[dict]) -> None:
+    """Written whole or not at all (a temporary file beside it, renamed)."""
     target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
-    with open(target, "w", encoding="utf-8") as fh:
+    tmp = target.with_name(f".{target.name}.tmp")
+    with open(tmp, "w", encoding="utf-8") as fh:
         fh.writelines(json.dumps(r) + "\n" for r in records)
+    tmp.replace(target)
 
 
 def run_score(args) -> dict:
@@ -187,6 +207,7 @@ def run_score(args) -> dict:
         examples = (to_preference_examples if task == "preference" else to_sft_examples)(rows, fields or None, fmt)
     except DataError as exc:
         raise _with_field_flags(exc) from None
+    _check_output(args.output)
 
     # 2. the reward model with its own tokenizer; refuse anything without a trained scalar head
     if not Path(args.rm_dir).is_dir():
@@ -208,12 +229,19 @@ def run_score(args) -> dict:
     # 3. score: accuracy for pairs, one score per row for prompt/response data
     if task == "preference":
         scores, summary = score_pairs(model, tokenizer, template, examples, max_length, args.batch_size, device)
+        if not summary["pairs"]:
+            raise DataError(f"{args.data}: none of its {len(examples)} pairs could be scored within max_length "
+                            f"{max_length} tokens (each prompt at or over it, or chosen and rejected the same once "
+                            f"cut): pass a larger --max-length")
         if args.output:
             _write_jsonl(args.output, [{"source": ex.source, "line": ex.line, "chosen_score": s and s[0],
                                         "rejected_score": s and s[1]} for ex, s in zip(examples, scores)])
         return {**summary, "split": split, "template": template.name, "max_length": max_length,
                 **({"output": args.output} if args.output else {})}
     scores = score_responses(model, tokenizer, template, examples, max_length, args.batch_size, device)
+    if all(score is None for score in scores):
+        raise DataError(f"{args.data}: none of its {len(examples)} rows could be scored within max_length "
+                        f"{max_length} tokens (each prompt at or over it): pass a larger --max-length")
     _write_jsonl(args.output, [{"source": ex.source, "line": ex.line, "prompt": ex.prompt, "response": ex.response,
                                 "score": s} for ex, s in zip(examples, scores)])
     valid = torch.tensor([s for s in scores if s is not None], dtype=torch.float64)

@@ -167,6 +167,16 @@ def test_score_agrees_with_training_eval(rule_run, rule_data, tmp_path, capsys):
     for s, p in zip(scored, pairs):
         assert s["score"] == pytest.approx(p["chosen_score"], abs=1e-5)
 
+    # nothing scorable is an error, not an accuracy of 0 over 0 pairs; a folder as --output fails before the model
+    code, _, err = score_in_process(capsys, str(out / "final"), "--data", str(rule_data[1]), "--max-length", "2")
+    assert code == 2 and err.strip().splitlines()[-1] == (
+        f"rlhfkit score: error: {rule_data[1]}: none of its 64 pairs could be scored within max_length 2 tokens "
+        f"(each prompt at or over it, or chosen and rejected the same once cut): pass a larger --max-length")
+    code, _, err = score_in_process(capsys, str(out / "final"), "--data", str(rule_data[1]), "--output", str(tmp_path))
+    assert code == 2 and err.strip().splitlines()[-1] == (
+        f"rlhfkit score: error: --output '{tmp_path}' is a folder: name a file, e.g. {tmp_path / 'scores.jsonl'}")
+    assert "Loading weights" not in err  # refused before the model loaded
+
 
 def test_lora_rm_exports_a_merged_plain_folder(tiny_model_dir, rule_data, tmp_path):
     out = tmp_path / "lora"

@@ -57,6 +57,20 @@ def test_sampling_flags_and_bad_values(echo_model):
     assert res.returncode == 2 and "--temperature" in res.stderr
 
 
+def test_an_answer_as_long_as_the_context_is_refused_and_a_cut_question_is_said(echo_model, capsys):
+    """--max-new-tokens at the model's context left one token of the question, silently."""
+    res = run_cli("chat", str(echo_model), "--prompt", "say river", "--max-new-tokens", "256")
+    assert res.returncode == 2
+    assert res.stderr.strip().splitlines()[-1] == (f"rlhfkit chat: error: --max-new-tokens 256 leaves no room for the conversation in "
+                                  f"'{echo_model}''s context of 256 tokens: use fewer (at most 128 leaves it half)")
+    model = ChatModel(str(echo_model))
+    ids = model.prompt_ids([{"role": "user", "content": "say river " * 40}], max_new_tokens=250)
+    assert len(ids) == 6
+    assert capsys.readouterr().err.strip().endswith(
+        f"more than the 6 that '{echo_model}''s context of 256 leaves beside --max-new-tokens 250: only its last 6 "
+        f"are read")
+
+
 def test_a_reward_model_folder_is_refused_with_a_hint(tmp_path, tiny_model_dir):
     rm = AutoModelForSequenceClassification.from_pretrained(tiny_model_dir, num_labels=1)
     rm.save_pretrained(tmp_path / "rm")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 from dataclasses import replace
 
 import pytest
@@ -289,3 +290,21 @@ def test_ptx_rows_without_a_text_string_name_their_line(tmp_path, rollout, secon
     with pytest.raises(DataError) as err:
         PtxText(str(source), tok, 32, seed=0)
     assert str(err.value) == f"{source}{expected}"
+
+
+@pytest.mark.parametrize("sections,ranks,key", [
+    ({"train": {"batch_size": 10, "micro_batch_size": 2}}, 4, "train.batch_size"),  # 2 prompts would be dropped
+    ({"train": {"batch_size": 2, "micro_batch_size": 1}}, 4, "train.batch_size"),  # 2 ranks with no prompt
+    ({"train": {"batch_size": 12, "micro_batch_size": 2}, "ppo": {"mini_batch_size": 6}}, 4, "ppo.mini_batch_size"),
+    ({"train": {"batch_size": 8, "micro_batch_size": 4}}, 4, "train.batch_size"),  # 2 samples per rank < a micro
+    ({"train": {"batch_size": 8, "micro_batch_size": 2}, "ptx": {"coef": 0.1, "batch_size": 6},
+      "data": {"ptx": "t.txt"}}, 4, "ptx.batch_size"),
+])
+def test_ppo_batches_must_split_evenly_over_the_ranks(sections, ranks, key):
+    from rlhfkit.stages.ppo_steps import check_ranks
+
+    cfg = ppo_config(**sections)
+    check_ranks(cfg, 1)  # one rank: the config is valid
+    with pytest.raises(ConfigError, match=f"^config key '{re.escape(key)}': .* {ranks} ranks"):
+        check_ranks(cfg, ranks)
+    check_ranks(ppo_config(train={"batch_size": 8, "micro_batch_size": 2}, ppo={"mini_batch_size": 8}), 4)

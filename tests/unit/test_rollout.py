@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -177,6 +179,35 @@ def test_reward_function_from_file_and_module(tmp_path, monkeypatch):
         load_reward_function("my_rewards:nope")
     with pytest.raises(ModelError, match="does not exist"):
         load_reward_function(f"{tmp_path / 'missing.py'}:f")
+
+
+def test_reward_modules_that_fail_to_import_say_where_and_dataclasses_load(tmp_path, monkeypatch):
+    """An error while importing a reward module is one line naming its file and line, in both spec forms (the
+    module form let anything but an ImportError out as a traceback); a reward file with dataclasses under
+    `from __future__ import annotations` loads (it failed in dataclasses, its module missing from sys.modules)."""
+    checks = tmp_path / "checks.py"
+    checks.write_text("from __future__ import annotations\nimport dataclasses\n\n\n@dataclasses.dataclass\n"
+                      "class Rule:\n    word: str\n\n\ndef has_a(prompts, responses):\n"
+                      "    return [float(Rule('a').word in r) for r in responses]\n")
+    assert load_reward_function(f"{checks}:has_a")(["p"], ["banana"]) == [1.0]
+    broken = tmp_path / "broken_rewards.py"
+    broken.write_text("import math\n\nSCALE = math.sqrt(undefined_name)\n\n\ndef f(prompts, responses):\n"
+                      "    return [0.0] * len(prompts)\n")
+    with pytest.raises(ModelError) as err:
+        load_reward_function(f"{broken}:f")
+    assert str(err.value) == (f"reward '{broken}:f': importing '{broken}' failed: NameError: name 'undefined_name' "
+                              f"is not defined (at {broken}:3)")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(ModelError) as err:
+        load_reward_function("broken_rewards:f")
+    assert str(err.value) == ("reward 'broken_rewards:f': importing module 'broken_rewards' failed: NameError: name "
+                              f"'undefined_name' is not defined (at {broken}:3)")
+    (tmp_path / "syntax_rewards.py").write_text("def f(prompts, responses):\n    return [0.0 for]\n")
+    with pytest.raises(ModelError, match=rf"^reward 'syntax_rewards:f': importing module 'syntax_rewards' failed: "
+                                         rf"SyntaxError: .* \(at {re.escape(str(tmp_path / 'syntax_rewards.py'))}:2\)$"):
+        load_reward_function("syntax_rewards:f")
+    with pytest.raises(ModelError, match="^reward 'no_such_rewards:f': cannot import module 'no_such_rewards': "):
+        load_reward_function("no_such_rewards:f")
 
 
 def test_reward_model_with_another_tokenizer_gets_retokenised_text(tiny, tmp_path):

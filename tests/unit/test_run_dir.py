@@ -97,3 +97,27 @@ def test_the_same_file_written_another_way_is_the_same_data(tmp_path, monkeypatc
     assert changed_settings(old, new) == []
     new["data"]["train"] = "./data/other.jsonl"
     assert changed_settings(old, new) == [("data.train", "data/sft.jsonl", "./data/other.jsonl")]
+
+
+def test_resume_refuses_to_add_or_drop_the_critic(tmp_path, capsys):
+    """A critic-free run's checkpoints hold no critic (and a GAE run's one nothing would load): switching the
+    estimator between the two kinds is another run; between critic-free estimators it is a listed change."""
+    from rlhfkit.config.ppo_schema import PPOConfig
+
+    def ppo(estimator: str):
+        return load_config(PPOConfig, None, ["actor=some/model", "reward=r.py:f", "data.prompts=p.jsonl",
+                                             f"output_dir={out}", "ppo.n_samples_per_prompt=2",
+                                             f"ppo.advantage_estimator={estimator}", "ppo.kl_coef=0",
+                                             "train.max_steps=4"])
+
+    out = tmp_path / "run"
+    (out / "checkpoints").mkdir(parents=True)
+    (out / "checkpoints" / "latest").write_text("step-00000002")
+    (out / "config.yaml").write_text(yaml.safe_dump(to_dict(ppo("grpo"))))
+    with pytest.raises(RunError) as err:
+        prepare_output_dir(ppo("gae"), resume=True, force=False)
+    assert str(err.value) == (f"--resume: the checkpoints in '{out / 'checkpoints'}' belong to a run without a critic "
+                              f"(ppo.advantage_estimator: 'grpo' -> 'gae'); resume with 'grpo', or pass --force to "
+                              f"start a new run there")
+    prepare_output_dir(ppo("rloo"), resume=True, force=False)
+    assert "ppo.advantage_estimator: 'grpo' -> 'rloo'" in capsys.readouterr().err

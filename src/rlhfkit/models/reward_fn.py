@@ -34,29 +34,54 @@ def is_function_spec(spec: str) -> bool:
 
 
 def load_reward_function(spec: str) -> Callable:
-    """Import `module:function` (from the working directory or PYTHONPATH) or load `path/file.py:function`."""
+    """Import `module:function` (from the working directory or PYTHONPATH) or load `path/file.py:function`.
+    An error while importing is one line naming the file and line that raised."""
     target, name = spec.rsplit(":", 1)
     if target.endswith(".py"):
         path = Path(target).expanduser()
         if not path.is_file():
             raise ModelError(f"reward '{spec}': file '{target}' does not exist")
-        module_spec = importlib.util.spec_from_file_location(f"rlhfkit_reward_{path.stem}", path)
+        module_name = f"rlhfkit_reward_{path.stem}"
+        module_spec = importlib.util.spec_from_file_location(module_name, path)
         module = importlib.util.module_from_spec(module_spec)
+        # registered while it runs, as an import does: dataclasses and pickling look their module up there
+        sys.modules[module_name] = module
         try:
             module_spec.loader.exec_module(module)
         except Exception as exc:
-            raise ModelError(f"reward '{spec}': importing '{target}' failed: {type(exc).__name__}: {exc}") from None
+            sys.modules.pop(module_name, None)
+            raise ModelError(f"reward '{spec}': importing '{target}' failed: {type(exc).__name__}: {exc} "
+                             f"({import_failed_at(exc, path)})") from None
     else:
         if os.getcwd() not in sys.path:  # `python -m` adds it, console scripts do not
             sys.path.insert(0, os.getcwd())
         try:
             module = importlib.import_module(target)
-        except ImportError as exc:
-            raise ModelError(f"reward '{spec}': cannot import module '{target}': {exc}") from None
+        except ModuleNotFoundError as exc:
+            if exc.name and target.startswith(exc.name):  # the module itself (or its package) is not found
+                raise ModelError(f"reward '{spec}': cannot import module '{target}': {exc}") from None
+            raise ModelError(f"reward '{spec}': importing module '{target}' failed: {type(exc).__name__}: {exc} "
+                             f"({import_failed_at(exc)})") from None
+        except Exception as exc:
+            raise ModelError(f"reward '{spec}': importing module '{target}' failed: {type(exc).__name__}: {exc} "
+                             f"({import_failed_at(exc)})") from None
     fn = getattr(module, name, None)
     if not callable(fn):
         raise ModelError(f"reward '{spec}': '{target}' has no function '{name}'")
     return fn
+
+
+def import_failed_at(exc: BaseException, path: Path | None = None) -> str:
+    """'at file.py:LINE' where importing a reward module raised: a syntax error's own place, else the deepest frame
+    in `path` (the reward file), else the deepest frame outside the import machinery."""
+    import traceback
+
+    if isinstance(exc, SyntaxError) and exc.filename:
+        return f"at {exc.filename}:{exc.lineno}"
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if not f.filename.startswith("<frozen")]
+    own = [f for f in frames if path is not None and Path(f.filename).resolve() == path.resolve()]
+    frame = (own or frames)[-1] if frames else None
+    return f"at {frame.filename}:{frame.lineno}" if frame else "no traceback"
 
 
 def field_parameters(fn: Callable) -> tuple[list[str], list[str], bool]:

@@ -18,7 +18,7 @@ from rlhfkit.stages.common import MetricsLogger, set_seed, with_trained_template
 from rlhfkit.stages.run_dir import prepare_output_dir, resumed_from, undone_if_bad_input_at_start
 from rlhfkit.stages.loop import TrainLoop
 from rlhfkit.stages.ppo_setup import load_ppo_models
-from rlhfkit.stages.ppo_steps import PPOSteps, updates_per_iteration
+from rlhfkit.stages.ppo_steps import PPOSteps, check_ranks, updates_per_iteration
 from rlhfkit.stages.ppo_timing import PhaseTimer
 from rlhfkit.stages.ppo_update import PtxText
 
@@ -34,6 +34,7 @@ def describe(cfg: PPOConfig, info: dict, notes: list[str]) -> str:
 
 def run_ppo(cfg: PPOConfig, resume: bool = False, force: bool = False) -> dict:
     engine = make_engine(cfg.engine, cfg.train)
+    check_ranks(cfg, engine.world_size)
     set_seed(cfg.train.seed)
     seed, iters = cfg.train.seed, cfg.train.max_steps
 

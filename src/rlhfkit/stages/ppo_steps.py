@@ -21,6 +21,7 @@ import torch
 from rlhfkit.algos import AdaptiveKLController, FixedKLController
 from rlhfkit.algos.group import group_filter_mask
 from rlhfkit.config.ppo_schema import KL_IN_LOSS, PPOConfig
+from rlhfkit.errors import ConfigError
 from rlhfkit.data.templates import encode_prompt
 from rlhfkit.models.ema import EMA
 from rlhfkit.rollout.batch import RolloutBatch
@@ -39,6 +40,26 @@ def kl_controller(cfg: PPOConfig):
     if cfg.ppo.adaptive_kl:
         return AdaptiveKLController(cfg.ppo.kl_coef, cfg.ppo.kl_target, cfg.ppo.kl_horizon)
     return FixedKLController(cfg.ppo.kl_coef)
+
+
+def check_ranks(cfg: PPOConfig, world_size: int) -> None:
+    """Each rank takes an equal share of an iteration's prompts, of each optimizer step's samples and of the PPO-ptx
+    texts: checked before anything loads (an uneven split would drop the remainder every iteration, or leave a rank
+    with nothing to do)."""
+    if world_size <= 1:
+        return
+    batch, micro = cfg.train.batch_size, cfg.train.micro_batch_size
+    if batch % world_size:
+        raise ConfigError(f"config key 'train.batch_size': {batch} prompts do not split evenly over the "
+                          f"{world_size} ranks")
+    mini = mini_batch_size(cfg)
+    key = "ppo.mini_batch_size" if cfg.ppo.mini_batch_size else "train.batch_size"
+    if mini % world_size or (mini // world_size) % micro:
+        raise ConfigError(f"config key '{key}': each optimizer step's {mini} samples must split over the "
+                          f"{world_size} ranks into whole micro-batches of train.micro_batch_size {micro}")
+    if cfg.ptx.coef > 0 and cfg.ptx.batch_size % world_size:
+        raise ConfigError(f"config key 'ptx.batch_size': {cfg.ptx.batch_size} texts do not split evenly over the "
+                          f"{world_size} ranks")
 
 
 def updates_per_iteration(cfg: PPOConfig) -> int:

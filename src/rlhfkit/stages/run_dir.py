@@ -137,6 +137,12 @@ def changed_settings(old: dict, new: dict) -> list[tuple[str, object, object]]:
     return sorted(changes)
 
 
+def _uses_critic(estimator) -> bool:
+    from rlhfkit.rollout.estimators import ESTIMATORS
+
+    return estimator in ESTIMATORS and ESTIMATORS[estimator].critic
+
+
 def _check_resume(cfg, out: Path, is_main: bool) -> None:
     previous = out / "config.yaml"
     if not previous.is_file():
@@ -152,6 +158,12 @@ def _check_resume(cfg, out: Path, is_main: bool) -> None:
         raise RunError(f"--resume: the checkpoints in '{out / 'checkpoints'}' belong to a run with another model "
                        f"or data ({listed}); resume with the settings in '{previous}', or pass --force to start a "
                        f"new run there")
+    estimator = next((c for c in changes if c[0] == "ppo.advantage_estimator"), None)
+    if estimator is not None and _uses_critic(estimator[1]) != _uses_critic(estimator[2]):
+        _, before, after = estimator
+        raise RunError(f"--resume: the checkpoints in '{out / 'checkpoints'}' belong to a run "
+                       f"{'with' if _uses_critic(before) else 'without'} a critic (ppo.advantage_estimator: "
+                       f"{before!r} -> {after!r}); resume with {before!r}, or pass --force to start a new run there")
     if changes and is_main:
         listed = "; ".join(f"{key}: {old!r} -> {new!r}" for key, old, new in changes)
         print(f"resume: settings changed since the checkpointed run, the new ones are used: {listed}",
