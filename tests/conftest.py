@@ -14,6 +14,7 @@ import pytest
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("RLHFKIT_NO_BAR", "1")
+os.environ.setdefault("RLHFKIT_NO_REPORT", "1")  # the end-of-run report is tested where it is asserted on
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("MPLBACKEND", "Agg")

@@ -1,6 +1,7 @@
 """Reliability: kill -9 and --resume, SIGTERM, a kill during a save, non-finite steps, unwritable checkpoints."""
 
 import errno
+import html
 import json
 import os
 import random
@@ -287,14 +288,18 @@ def test_ppo_resume_applies_changed_kl_and_ema_settings_and_drops_later_samples(
         shutil.rmtree(out / name)
     (out / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in full if m["step"] <= 2))
     checkpoint = load_file(str(out / "checkpoints" / "step-00000002" / "actor.safetensors"))
-    res = run_cli("ppo", *args, "ppo.kl_coef=0.2", "ema.enabled=true", "ema.beta=0.999999", "--resume")
+    res = run_cli("ppo", *args, "ppo.kl_coef=0.2", "ema.enabled=true", "ema.beta=0.999999", "--resume",
+                  env={"RLHFKIT_NO_REPORT": "0"})  # as a user runs it: the report at the end
     assert res.returncode == 0, res.stderr[-3000:]
     assert "ppo.kl_coef: 0.05 -> 0.2" in res.stderr
     # the coefficient that add_rewards weighs the KL with
     coefs = {r["step"]: r["kl_coef"] for r in read_metrics(out / "metrics.jsonl") if "kl_coef" in r}
     assert coefs == {1: 0.05, 2: 0.05, 3: 0.2, 4: 0.2}
-    samples = [json.loads(line)["step"] for line in (out / "samples.jsonl").read_text().splitlines()]
-    assert samples == [1, 1, 2, 2, 3, 3, 4, 4]
+    samples = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
+    assert [s["step"] for s in samples] == [1, 1, 2, 2, 3, 3, 4, 4]
+    report = (out / "report.html").read_text()  # written by the run: its curves and the samples with their reward
+    assert (out / "plots").is_dir() and "Responses sampled during training" in report
+    assert html.escape(samples[-1]["response"]) in report
     ema = load_file(str(out / "final-ema" / "model.safetensors"))
     initial = load_file(str(stage_args["ppo"][0].split("=", 1)[1] + "/model.safetensors"))
     moved = max((checkpoint[k] - initial[k]).abs().max().item() for k in checkpoint if k in initial)

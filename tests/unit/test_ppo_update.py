@@ -308,3 +308,26 @@ def test_ppo_batches_must_split_evenly_over_the_ranks(sections, ranks, key):
     with pytest.raises(ConfigError, match=f"^config key '{re.escape(key)}': .* {ranks} ranks"):
         check_ranks(cfg, ranks)
     check_ranks(ppo_config(train={"batch_size": 8, "micro_batch_size": 2}, ppo={"mini_batch_size": 8}), 4)
+
+
+def test_rows_left_out_of_the_update_do_not_dilute_kl_or_lengths():
+    """A masked row (unjudged, filtered, truncated under ppo.mask_truncated) has an all-zero mask: its length is
+    still the one sampled, and the KL per sequence (what the adaptive controller follows) averages the kept rows."""
+    from types import SimpleNamespace
+
+    from rlhfkit.algos import FixedKLController
+    from rlhfkit.rollout.experience import kl_per_sequence
+    from rlhfkit.stages.ppo_steps import PPOSteps, Scored
+
+    mask = torch.tensor([[0.0, 0.0, 0.0, 0.0], [1.0, 1.0, 0.0, 0.0], [1.0, 1.0, 1.0, 0.0]])  # row 0: masked out
+    batch = SimpleNamespace(kl=torch.full((3, 4), 0.5), response_mask=mask)
+    kept = torch.tensor([False, True, True])
+    assert kl_per_sequence(batch, kept) == pytest.approx((1.0 + 1.5) / 2)  # not (0 + 1.0 + 1.5) / 3
+    assert kl_per_sequence(batch, torch.zeros(3, dtype=torch.bool)) == 0.0
+    scored = Scored(SimpleNamespace(response_mask=mask), raw=torch.tensor([1.0, 0.0, 1.0]),
+                    scores=torch.tensor([1.0, 0.0, 1.0]), finished=torch.tensor([False, True, True]),
+                    judged=torch.ones(3, dtype=torch.bool), dropped={"response/masked_truncated": 1.0}, kept=kept,
+                    lengths=torch.tensor([4, 2, 3]))
+    steps = SimpleNamespace(models=SimpleNamespace(reward=None), cfg=ppo_config(), kl_ctl=FixedKLController(0.05))
+    metrics = PPOSteps.rollout_metrics(steps, scored)
+    assert metrics["response_length"] == 3.0 and metrics["response/masked_truncated"] == 1.0

@@ -176,6 +176,8 @@ class LogConfig:
     progress: bool = option(True, "show a progress bar")
     wandb: bool = option(False, "also log to Weights & Biases (needs `wandb` installed)")
     wandb_project: str = option("rlhfkit", "Weights & Biases project")
+    report: bool = option(True, "write output_dir/report.html (plots of metrics.jsonl, samples) when the run "
+                                "finishes; `rlhfkit report OUTPUT_DIR` redraws it any time")
 
     def validate(self, prefix: str = "") -> None:
         # with the config, not when the logger opens: by then the output folder was prepared (a --force run's

@@ -192,7 +192,11 @@ def _text_cell(text, reward=None) -> str:
 
 
 def _samples_section(path: Path) -> str:
+    """The demo's before/after table (`before`, `after` and their rewards per prompt), or a training run's samples
+    (`ppo.sample_every`: step, prompt, response, score), the first and the last ones when there are many."""
     samples = [s for s in read_jsonl(path) if isinstance(s, dict)]
+    if samples and not any("before" in s or "after" in s for s in samples):
+        return _training_samples(samples)
     body = []
     for i, s in enumerate(samples[:MAX_SAMPLES]):
         body.append(
@@ -204,6 +208,20 @@ def _samples_section(path: Path) -> str:
     return (
         f"<h2>Samples{shown}</h2>\n<p class=\"meta\">Responses to the same prompts before and after training.</p>\n"
         "<table><tr><th>#</th><th>prompt</th><th>before</th><th>after</th></tr>\n" + "\n".join(body) + "\n</table>"
+    )
+
+
+def _training_samples(samples: list[dict]) -> str:
+    first = MAX_SAMPLES // 2
+    shown = samples if len(samples) <= MAX_SAMPLES else samples[:first] + samples[-(MAX_SAMPLES - first):]
+    note = (f" (the first {first} and the last {MAX_SAMPLES - first} of {len(samples)})"
+            if len(samples) > MAX_SAMPLES else "")
+    body = [f'<tr><td class="num">{escape(_fmt(s.get("step", "")))}</td>{_text_cell(s.get("prompt", ""))}'
+            f'{_text_cell(s.get("response", ""), s.get("score"))}</tr>' for s in shown]
+    return (
+        f"<h2>Samples{note}</h2>\n<p class=\"meta\">Responses sampled during training (<code>samples.jsonl</code>), "
+        "with their reward.</p>\n<table><tr><th>step</th><th>prompt</th><th>response</th></tr>\n"
+        + "\n".join(body) + "\n</table>"
     )
 
 
@@ -255,7 +273,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         path = write_report(args.output_dir, title=args.title)
-    except (FileNotFoundError, ValueError) as err:
+    except (OSError, ValueError) as err:  # no metrics.jsonl, a malformed file, a folder it cannot write to
         print(f"rlhfkit report: error: {err}", file=sys.stderr)
         return 2
     print(path)

@@ -209,10 +209,14 @@ def add_rewards(batch: RolloutBatch, scores: torch.Tensor, kl_coef: float, cfg: 
     return replace(batch, scores=scores, kl=kl, rewards=shape_rewards(scores, kl, mask, kl_coef, cfg.score_clip))
 
 
-def kl_per_sequence(batch: RolloutBatch) -> float:
+def kl_per_sequence(batch: RolloutBatch, kept: torch.Tensor | None = None) -> float:
     """This rank's mean over rows of the summed per-token KL (`add_rewards`): nats per sequence, what the
-    adaptive KL controller targets."""
-    return (batch.kl * batch.response_mask).sum(-1).mean().item()
+    adaptive KL controller targets. `kept` (B,) bool: only the rows the update keeps (the others' masks are
+    zero, and counting them would understate the KL); 0 when none is kept."""
+    per_row = (batch.kl * batch.response_mask).sum(-1)
+    if kept is not None:
+        per_row = per_row[kept.to(per_row.device)]
+    return per_row.mean().item() if per_row.numel() else 0.0
 
 
 def whiten_over_ranks(x: torch.Tensor, mask: torch.Tensor, engine, eps: float = 1e-8) -> torch.Tensor:

@@ -123,6 +123,20 @@ def epoch_order(n: int, seed: int, epoch: int) -> list[int]:
     return torch.randperm(n, generator=g).tolist()
 
 
+def write_run_report(out: Path, log_cfg, is_main: bool) -> None:
+    """report.html and its plots, once the run's outputs are complete (`log.report`; RLHFKIT_NO_REPORT=1 skips it,
+    for scripted sweeps). It is a view of files already written: a failure to draw is a note, not a failed run."""
+    if not (is_main and log_cfg.report) or os.environ.get("RLHFKIT_NO_REPORT") == "1":
+        return
+    try:
+        from rlhfkit.report import write_report
+
+        write_report(out)
+    except Exception as exc:  # noqa: BLE001 - any plotting failure; the run itself succeeded
+        print(f"note: report.html not written ({type(exc).__name__}: {exc}); `rlhfkit report {out}` retries",
+              file=sys.stderr)
+
+
 def plan_steps(n_rows: int, train, world_size: int) -> tuple[int, int, int]:
     """(examples per rank per step, micro-batches per step, total steps), checked before anything is written."""
     if train.batch_size % world_size:

@@ -48,7 +48,7 @@ from rlhfkit.models.prefix import shared_prefix_logits
 from rlhfkit.models.loading import causal_lm_config, load_generation_config, record_template
 from rlhfkit.models.lora import adapter_disabled, apply_lora, checkpointed, is_lora
 from rlhfkit.stages.common import (MetricsLogger, choose_head_logprobs, epoch_order, longest_first, plan_steps,
-                                   set_seed, with_trained_template)
+                                   set_seed, with_trained_template, write_run_report)
 from rlhfkit.stages.guard import resume_state
 from rlhfkit.stages.loop import TrainLoop
 from rlhfkit.stages.reward import pair_means
@@ -449,6 +449,7 @@ def run_dpo(cfg: DPOConfig, resume: bool = False, force: bool = False) -> dict:
     # 4. export a plain transformers folder (LoRA merged, ZeRO-3 gathered)
     record_template(policy.module, data.info["template"])
     engine.export_hf(policy.module, tokenizer, out / "final")
+    write_run_report(out, cfg.log, engine.is_main)
     return {"output_dir": str(out), "steps": total, "loss_type": cfg.dpo.loss, "reference": reference.note,
             **final_eval, **data.info}
 

@@ -19,6 +19,7 @@ from pathlib import Path
 from rlhfkit.config.pipeline_schema import PipelineConfig, step_config
 from rlhfkit.engine.launch import is_main_process
 from rlhfkit.errors import RunError
+from rlhfkit.stages.common import write_run_report
 from rlhfkit.stages.dpo import run_dpo
 from rlhfkit.stages.ppo import run_ppo
 from rlhfkit.stages.reward import run_rm
@@ -146,5 +147,6 @@ def run_pipeline(cfg: PipelineConfig, resume: bool = False, force: bool = False)
     if is_main_process():
         _write_atomic(out / "summary.json", json.dumps(summary, indent=2, default=str))
         print_table(summary["title"], rows)
+        write_run_report(out, cfg.log, True)  # every step's curves on one page
     return {"output_dir": str(out), **{step: info["status"] for step, info in steps.items()},
             "final": {step: str(out / step / "final") for step in steps}}

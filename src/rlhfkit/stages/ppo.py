@@ -14,7 +14,7 @@ from rlhfkit.data.loader import load_stage_data, skipped_rows
 from rlhfkit.engine import make_engine
 from rlhfkit.models import load_tokenizer
 from rlhfkit.models.loading import record_template
-from rlhfkit.stages.common import MetricsLogger, set_seed, with_trained_template
+from rlhfkit.stages.common import MetricsLogger, set_seed, with_trained_template, write_run_report
 from rlhfkit.stages.run_dir import prepare_output_dir, resumed_from, undone_if_bad_input_at_start
 from rlhfkit.stages.loop import TrainLoop
 from rlhfkit.stages.ppo_setup import load_ppo_models
@@ -73,6 +73,7 @@ def run_ppo(cfg: PPOConfig, resume: bool = False, force: bool = False) -> dict:
 
     record_template(rl.actor.module, data.info["template"])
     rl.export(out)
+    write_run_report(out, cfg.log, engine.is_main)
     result = {"output_dir": str(out), "iterations": iters, **data.info}
     last_eval = loop.last_eval or first_eval
     if first_eval:

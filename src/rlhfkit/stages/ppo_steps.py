@@ -92,6 +92,8 @@ class Scored:
     finished: torch.Tensor  # (B,) bool: the response ended with EOS
     judged: torch.Tensor  # (B,) bool: every reward judged it (unjudged ones are masked out of the update)
     dropped: dict  # counts of rows masked out by ppo.filter_equal_groups / ppo.mask_truncated
+    kept: torch.Tensor  # (B,) bool: the rows the update keeps (judged, not filtered, not masked as truncated)
+    lengths: torch.Tensor  # (B,) each response's length as sampled (a masked row's mask is all zeros)
 
 
 @dataclass
@@ -139,7 +141,7 @@ class PPOSteps:
         group = rollout.group.to(raw.device)
         if not judged.all():
             raw = fill_unjudged(raw, judged, group)
-        keep, dropped = judged.clone(), {}
+        keep, dropped, lengths = judged.clone(), {}, rollout.response_lengths
         if self.cfg.ppo.filter_equal_groups:  # DAPO: a group that scored all alike has no signal to learn from
             alike = equal_group_rows(raw, group, self.cfg.ppo.n_samples_per_prompt)
             keep &= ~alike
@@ -151,7 +153,7 @@ class PPOSteps:
             rollout = replace(rollout, response_mask=rollout.response_mask * keep[:, None].to(
                 rollout.response_mask.dtype))
         return Scored(rollout, raw, adjust_scores(raw, finished, self.cfg.ppo, reward.stats), finished, judged,
-                      dropped)
+                      dropped, keep, lengths)
 
     # -- 3. make experience --------------------------------------------------------------------------------
     def make_experience(self, scored: Scored, timer) -> Experience:
@@ -164,7 +166,7 @@ class PPOSteps:
                                       old_from_sampling=not self.recompute_old,
                                       timer=timer)
         batch = add_rewards(batch, scored.scores, self.kl_ctl.value, cfg.ppo)
-        metrics = {**self.rollout_metrics(scored), "kl": kl_per_sequence(batch)}
+        metrics = {**self.rollout_metrics(scored), "kl": kl_per_sequence(batch, scored.kept)}
         if not self.fused:
             batch, advantage_metrics = finish_advantages(batch, *self.estimator.advantages(batch, cfg.ppo), cfg.ppo,
                                                          self.estimator.whiten, engine)
@@ -177,7 +179,7 @@ class PPOSteps:
 
     def rollout_metrics(self, scored: Scored) -> dict:
         """What the rollout looked like: reward (as returned), score (after normalisation/penalty), lengths."""
-        rollout, raw = scored.rollout, scored.raw
+        raw = scored.raw
         parts = getattr(self.models.reward, "last", {})
         named = {f"reward/{name}": value for name, value in parts.items()} if len(parts) > 1 else {}
         judged = scored.judged
@@ -187,7 +189,7 @@ class PPOSteps:
         return {"reward/mean": raw.mean().item(), "reward/std": raw.std().item() if raw.numel() > 1 else 0.0,
                 **named, "reward/unjudged": float((~judged).sum()), **scored.dropped,
                 "score/mean": scored.scores.mean().item(), **coef,
-                "response_length": rollout.response_lengths.mean().item(),
+                "response_length": scored.lengths.float().mean().item(),
                 "response/finished": scored.finished.float().mean().item()}
 
     # -- 4. optimise ---------------------------------------------------------------------------------------

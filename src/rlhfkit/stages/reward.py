@@ -26,7 +26,7 @@ from rlhfkit.models.forward import packed_sequence_scores, sequence_scores
 from rlhfkit.models.segments import packed_row_tokens
 from rlhfkit.models.loading import TEMPLATE_KEY, load_generation_config
 from rlhfkit.models.lora import apply_lora, base_model
-from rlhfkit.stages.common import MetricsLogger, plan_steps, set_seed, with_trained_template
+from rlhfkit.stages.common import MetricsLogger, plan_steps, set_seed, with_trained_template, write_run_report
 from rlhfkit.stages.run_dir import prepare_output_dir, resumed_from
 from rlhfkit.stages.guard import resume_state
 from rlhfkit.stages.loop import TrainLoop
@@ -197,4 +197,5 @@ def run_rm(cfg: RMConfig, resume: bool = False, force: bool = False) -> dict:
 
     # 5. export a plain transformers folder (LoRA merged, score head included, ZeRO-3 gathered)
     engine.export_hf(rm.module, tokenizer, out / "final")
+    write_run_report(out, cfg.log, engine.is_main)
     return {"output_dir": str(out), "steps": total, **final_eval, **extra, **data.info}

@@ -20,7 +20,7 @@ from rlhfkit.models.forward import causal_logits, final_hidden, lm_head_weight, 
 from rlhfkit.models.segments import packed_attention, packed_row_tokens
 from rlhfkit.models.loading import load_generation_config, record_template
 from rlhfkit.models.lora import apply_lora
-from rlhfkit.stages.common import MetricsLogger, plan_steps, set_seed, with_trained_template
+from rlhfkit.stages.common import MetricsLogger, plan_steps, set_seed, with_trained_template, write_run_report
 from rlhfkit.stages.run_dir import prepare_output_dir, resumed_from
 from rlhfkit.stages.guard import resume_state
 from rlhfkit.stages.loop import TrainLoop
@@ -181,4 +181,5 @@ def run_sft(cfg: SFTConfig, resume: bool = False, force: bool = False) -> dict:
     # 4. export a plain transformers folder (LoRA merged, ZeRO-3 gathered)
     record_template(actor.module, data.info["template"])  # PPO and `rlhfkit chat` render as trained
     engine.export_hf(actor.module, tokenizer, out / "final")
+    write_run_report(out, cfg.log, engine.is_main)
     return {"output_dir": str(out), "steps": total, **data.info}
