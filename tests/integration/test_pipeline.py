@@ -80,6 +80,15 @@ def test_complete_steps_are_skipped_and_force_reruns(tmp_path, tiny_model_dir):
     assert row["name"] == "sft: skipped (complete)"  # with the seconds it took when it ran, not 0
     assert row["value"] == json.loads((out / "sft" / "result.json").read_text())["seconds"] > 0
 
+    # a finished step made with other settings is not skipped silently (nor are the steps built on it)
+    changed = run_cli("pipeline", "--config", str(path), "sft.train.lr=1e-3")
+    assert changed.returncode == 2
+    assert changed.stderr.strip().splitlines()[-1] == (
+        f"rlhfkit pipeline: error: pipeline: sft: '{out / 'sft'}' holds a finished run made with other settings "
+        f"(train.lr: 0.005 -> 0.001); pass --force to rerun every step with these, or put back the settings of "
+        f"'{out / 'sft' / 'config.yaml'}'")
+    assert (out / "sft" / "final" / "model.safetensors").stat().st_mtime_ns == stamp
+
     # a step a killed run left unfinished (a checkpoint, no final/) is neither restarted nor resumed unasked
     (out / "rm" / "final").rename(out / "rm" / "final-old")
     (out / "rm" / "checkpoints").mkdir()
@@ -104,6 +113,12 @@ def test_a_wrong_key_in_a_later_section_fails_before_anything_runs(tmp_path, tin
     assert not (out / "sft").exists()
     res = run_cli("pipeline", "--config", str(path), "data_split=[1, 1]")
     assert res.returncode == 2 and "data_split" in res.stderr
+    # ppo's reward chained from an rm step that steps leave out: said before SFT trains
+    res = run_cli("pipeline", "--config", str(path), "steps=[sft, ppo]")
+    assert res.returncode == 2 and res.stderr.strip().splitlines()[-1] == (
+        f"rlhfkit pipeline: error: config key 'ppo.reward': '{out / 'rm' / 'final'}' is the rm step's output, but "
+        f"steps ['sft', 'ppo'] run no rm before ppo and it does not exist: add rm to steps, or set ppo.reward")
+    assert not (out / "sft").exists()
 
 
 def test_pipeline_sft_then_grpo_with_a_python_reward_and_no_rm_step(tmp_path, tiny_model_dir):

@@ -70,8 +70,16 @@ class PipelineConfig:
         if unknown or not self.steps:
             raise ConfigError(f"config key '{prefix}steps': expected a non-empty list of {list(STEPS)}, "
                               f"got {self.steps!r}")
-        for step in self.steps:  # checked now, so a typo in `ppo` fails before SFT trains for an hour
-            step_config(self, step)
+        for index, step in enumerate(self.steps):  # checked now, so a typo in `ppo` fails before SFT trains an hour
+            step_cfg = step_config(self, step)
+            for key in ("model", "actor", "reward"):  # an input chained from a step that will not run before it
+                value = getattr(step_cfg, key, None)
+                for producer in ("sft", "rm"):
+                    made = str(Path(self.output_dir) / producer / "final")
+                    if value == made and producer not in self.steps[:index] and not Path(made).exists():
+                        raise ConfigError(f"config key '{prefix}{step}.{key}': '{made}' is the {producer} step's "
+                                          f"output, but steps {self.steps} run no {producer} before {step} and it "
+                                          f"does not exist: add {producer} to steps, or set {step}.{key}")
 
 
 def _section_sets(section: dict, dotted: str) -> bool:

@@ -16,6 +16,9 @@ import sys
 import time
 from pathlib import Path
 
+import yaml
+
+from rlhfkit.config.fields import to_dict
 from rlhfkit.config.pipeline_schema import PipelineConfig, step_config
 from rlhfkit.engine.launch import is_main_process
 from rlhfkit.errors import RunError
@@ -23,6 +26,7 @@ from rlhfkit.stages.common import write_run_report
 from rlhfkit.stages.dpo import run_dpo
 from rlhfkit.stages.ppo import run_ppo
 from rlhfkit.stages.reward import run_rm
+from rlhfkit.stages.run_dir import QUIET, changed_settings
 from rlhfkit.stages.sft import run_sft
 
 RUNNERS = {"sft": run_sft, "rm": run_rm, "ppo": run_ppo, "dpo": run_dpo}
@@ -109,10 +113,35 @@ def print_table(title: str, rows: list[dict], stream=None) -> None:
         print(f"  {r['name']:<{width}}  {value:>16}{target}  {mark}".rstrip(), file=stream)
 
 
+# a finished step's settings that do not change what it made (its steps and epochs do)
+FINISHED_QUIET = tuple(key for key in QUIET if key not in ("train.max_steps", "train.epochs"))
+
+
+def check_finished_steps(out: Path, configs: dict) -> None:
+    """A step whose final/ exists is skipped only when it was made with these settings (its config.yaml):
+    otherwise the pipeline would keep its old results, and the later steps built on them, silently."""
+    for step, step_cfg in configs.items():
+        folder = out / step
+        if not ((folder / "final").exists() and (folder / "config.yaml").is_file()):
+            continue
+        try:
+            old = yaml.safe_load((folder / "config.yaml").read_text(encoding="utf-8")) or {}
+        except yaml.YAMLError:
+            continue
+        changes = changed_settings(old, to_dict(step_cfg), FINISHED_QUIET)
+        if changes:
+            listed = "; ".join(f"{key}: {before!r} -> {after!r}" for key, before, after in changes)
+            raise RunError(f"pipeline: {step}: '{folder}' holds a finished run made with other settings ({listed}); "
+                           f"pass --force to rerun every step with these, or put back the settings of "
+                           f"'{folder / 'config.yaml'}'")
+
+
 def run_pipeline(cfg: PipelineConfig, resume: bool = False, force: bool = False) -> dict:
     out = Path(cfg.output_dir)
     # 1. every step's config first: a bad key fails before anything trains (each step checks its data itself)
     configs = {step: step_config(cfg, step) for step in cfg.steps}
+    if not force:
+        check_finished_steps(out, configs)
     steps: dict = {}
 
     # 2. the steps, in order; each is exactly `rlhfkit STEP --config <its config>`

@@ -125,12 +125,13 @@ def _same(old, new) -> bool:
     return False
 
 
-def changed_settings(old: dict, new: dict) -> list[tuple[str, object, object]]:
-    """(dotted key, old value, new value) for every setting that differs, housekeeping keys left out."""
+def changed_settings(old: dict, new: dict, quiet: tuple = QUIET) -> list[tuple[str, object, object]]:
+    """(dotted key, old value, new value) for every setting that differs, the `quiet` (housekeeping) keys left
+    out."""
     old_flat, new_flat = _flatten(old), _flatten(new)
     changes = []
     for key in new_flat.keys() | old_flat.keys():
-        if any(key == q or (q.endswith(".") and key.startswith(q)) for q in QUIET):
+        if any(key == q or (q.endswith(".") and key.startswith(q)) for q in quiet):
             continue
         if not _same(old_flat.get(key), new_flat.get(key)):
             changes.append((key, old_flat.get(key), new_flat.get(key)))
