@@ -292,7 +292,8 @@ def resume_without_checkpoint(tmp, w):
 CASES = {fn.__name__: fn for fn in (
     malformed_json, missing_field, whitespace_response, all_pairs_identical, long_prompt_error,
     every_prompt_too_long, text_rows_for_rm, sft_rows_for_rm, empty_file, non_utf8_file, preset_without_local_copy,
-    split_index_out_of_range, model_folder_missing, folder_without_tokenizer, damaged_weights, tokenizer_without_pad_or_eos,
+    split_index_out_of_range, model_folder_missing, folder_without_tokenizer, damaged_weights,
+    tokenizer_without_pad_or_eos,
     two_label_head_for_rm, two_label_head_as_ppo_reward, reward_model_as_sft_model, reward_model_as_ppo_actor,
     reward_function_without_its_column, critic_with_another_vocabulary,
     dpo_reference_with_another_vocabulary_under_force, wandb_missing_under_force, yaml_unknown_key,

@@ -61,8 +61,9 @@ def test_an_answer_as_long_as_the_context_is_refused_and_a_cut_question_is_said(
     """--max-new-tokens at the model's context left one token of the question, silently."""
     res = run_cli("chat", str(echo_model), "--prompt", "say river", "--max-new-tokens", "256")
     assert res.returncode == 2
-    assert res.stderr.strip().splitlines()[-1] == (f"rlhfkit chat: error: --max-new-tokens 256 leaves no room for the conversation in "
-                                  f"'{echo_model}''s context of 256 tokens: use fewer (at most 128 leaves it half)")
+    assert res.stderr.strip().splitlines()[-1] == (
+        f"rlhfkit chat: error: --max-new-tokens 256 leaves no room for the conversation in '{echo_model}''s context "
+        f"of 256 tokens: use fewer (at most 128 leaves it half)")
     model = ChatModel(str(echo_model))
     ids = model.prompt_ids([{"role": "user", "content": "say river " * 40}], max_new_tokens=250)
     assert len(ids) == 6

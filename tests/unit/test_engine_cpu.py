@@ -106,5 +106,6 @@ def test_resume_takes_the_configured_rate_decay_and_betas_and_the_checkpoints_mo
     assert resumed.lr == pytest.approx(1e-3 * factor(4))
     # the same config again: exactly the checkpoint's values
     again = _trained(old, 0, tmp_path, load=True)
-    assert [g["lr"] for g in again.optimizer.param_groups] == pytest.approx([g["lr"] for g in saved.optimizer.param_groups])
+    rates = [g["lr"] for g in saved.optimizer.param_groups]
+    assert [g["lr"] for g in again.optimizer.param_groups] == pytest.approx(rates)
     assert [g["weight_decay"] for g in again.optimizer.param_groups] == [0.1, 0.0]

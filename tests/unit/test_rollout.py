@@ -203,8 +203,9 @@ def test_reward_modules_that_fail_to_import_say_where_and_dataclasses_load(tmp_p
     assert str(err.value) == ("reward 'broken_rewards:f': importing module 'broken_rewards' failed: NameError: name "
                               f"'undefined_name' is not defined (at {broken}:3)")
     (tmp_path / "syntax_rewards.py").write_text("def f(prompts, responses):\n    return [0.0 for]\n")
+    where = re.escape(str(tmp_path / "syntax_rewards.py"))
     with pytest.raises(ModelError, match=rf"^reward 'syntax_rewards:f': importing module 'syntax_rewards' failed: "
-                                         rf"SyntaxError: .* \(at {re.escape(str(tmp_path / 'syntax_rewards.py'))}:2\)$"):
+                                         rf"SyntaxError: .* \(at {where}:2\)$"):
         load_reward_function("syntax_rewards:f")
     with pytest.raises(ModelError, match="^reward 'no_such_rewards:f': cannot import module 'no_such_rewards': "):
         load_reward_function("no_such_rewards:f")
