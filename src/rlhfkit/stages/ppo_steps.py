@@ -21,8 +21,8 @@ import torch
 from rlhfkit.algos import AdaptiveKLController, FixedKLController
 from rlhfkit.algos.group import group_filter_mask
 from rlhfkit.config.ppo_schema import KL_IN_LOSS, PPOConfig
-from rlhfkit.errors import ConfigError
 from rlhfkit.data.templates import encode_prompt
+from rlhfkit.errors import ConfigError
 from rlhfkit.models.ema import EMA
 from rlhfkit.rollout.batch import RolloutBatch
 from rlhfkit.rollout.estimators import ESTIMATORS
