@@ -296,7 +296,7 @@ def test_ptx_rows_without_a_text_string_name_their_line(tmp_path, rollout, secon
     ({"train": {"batch_size": 10, "micro_batch_size": 2}}, 4, "train.batch_size"),  # 2 prompts would be dropped
     ({"train": {"batch_size": 2, "micro_batch_size": 1}}, 4, "train.batch_size"),  # 2 ranks with no prompt
     ({"train": {"batch_size": 12, "micro_batch_size": 2}, "ppo": {"mini_batch_size": 6}}, 4, "ppo.mini_batch_size"),
-    ({"train": {"batch_size": 8, "micro_batch_size": 4}}, 4, "train.batch_size"),  # 2 samples per rank < a micro
+    ({"train": {"batch_size": 8, "micro_batch_size": 2}, "ppo": {"mini_batch_size": 2}}, 4, "ppo.mini_batch_size"),
     ({"train": {"batch_size": 8, "micro_batch_size": 2}, "ptx": {"coef": 0.1, "batch_size": 6},
       "data": {"ptx": "t.txt"}}, 4, "ptx.batch_size"),
 ])
@@ -308,6 +308,7 @@ def test_ppo_batches_must_split_evenly_over_the_ranks(sections, ranks, key):
     with pytest.raises(ConfigError, match=f"^config key '{re.escape(key)}': .* {ranks} ranks"):
         check_ranks(cfg, ranks)
     check_ranks(ppo_config(train={"batch_size": 8, "micro_batch_size": 2}, ppo={"mini_batch_size": 8}), 4)
+    check_ranks(ppo_config(train={"batch_size": 4, "micro_batch_size": 4}), 2)  # 2 samples a rank: a smaller micro
 
 
 def test_rows_left_out_of_the_update_do_not_dilute_kl_or_lengths():
