@@ -16,9 +16,6 @@ import sys
 import time
 from pathlib import Path
 
-import yaml
-
-from rlhfkit.config.fields import to_dict
 from rlhfkit.config.pipeline_schema import PipelineConfig, step_config
 from rlhfkit.engine.launch import is_main_process
 from rlhfkit.errors import RunError
@@ -26,7 +23,7 @@ from rlhfkit.stages.common import write_run_report
 from rlhfkit.stages.dpo import run_dpo
 from rlhfkit.stages.ppo import run_ppo
 from rlhfkit.stages.reward import run_rm
-from rlhfkit.stages.run_dir import QUIET, changed_settings
+from rlhfkit.stages.run_dir import QUIET, changes_since, listed
 from rlhfkit.stages.sft import run_sft
 
 RUNNERS = {"sft": run_sft, "rm": run_rm, "ppo": run_ppo, "dpo": run_dpo}
@@ -122,18 +119,11 @@ def check_finished_steps(out: Path, configs: dict) -> None:
     otherwise the pipeline would keep its old results, and the later steps built on them, silently."""
     for step, step_cfg in configs.items():
         folder = out / step
-        if not ((folder / "final").exists() and (folder / "config.yaml").is_file()):
-            continue
-        try:
-            old = yaml.safe_load((folder / "config.yaml").read_text(encoding="utf-8")) or {}
-        except yaml.YAMLError:
-            continue
-        changes = changed_settings(old, to_dict(step_cfg), FINISHED_QUIET)
+        changes = changes_since(folder, step_cfg, FINISHED_QUIET) if (folder / "final").exists() else []
         if changes:
-            listed = "; ".join(f"{key}: {before!r} -> {after!r}" for key, before, after in changes)
-            raise RunError(f"pipeline: {step}: '{folder}' holds a finished run made with other settings ({listed}); "
-                           f"pass --force to rerun every step with these, or put back the settings of "
-                           f"'{folder / 'config.yaml'}'")
+            raise RunError(f"pipeline: {step}: '{folder}' holds a finished run made with other settings "
+                           f"({listed(changes)}); pass --force to rerun every step with these, or put back the "
+                           f"settings of '{folder / 'config.yaml'}'")
 
 
 def run_pipeline(cfg: PipelineConfig, resume: bool = False, force: bool = False) -> dict:

@@ -144,20 +144,31 @@ def _uses_critic(estimator) -> bool:
     return estimator in ESTIMATORS and ESTIMATORS[estimator].critic
 
 
-def _check_resume(cfg, out: Path, is_main: bool) -> None:
+def changes_since(out: Path, cfg, quiet: tuple = QUIET) -> list[tuple[str, object, object]]:
+    """`changed_settings` between the run recorded in `out/config.yaml` and `cfg`; none when no readable
+    config.yaml is there (a folder from before it was written: nothing to compare)."""
     previous = out / "config.yaml"
     if not previous.is_file():
-        return  # a folder from before config.yaml was written: nothing to compare
+        return []
     try:
         old = yaml.safe_load(previous.read_text(encoding="utf-8")) or {}
     except yaml.YAMLError:
-        return
-    changes = changed_settings(old, to_dict(cfg))
+        return []
+    return changed_settings(old, to_dict(cfg), quiet)
+
+
+def listed(changes: list[tuple[str, object, object]]) -> str:
+    """The changes as one line: `key: old -> new; ...`."""
+    return "; ".join(f"{key}: {old!r} -> {new!r}" for key, old, new in changes)
+
+
+def _check_resume(cfg, out: Path, is_main: bool) -> None:
+    previous = out / "config.yaml"
+    changes = changes_since(out, cfg)
     foreign = [c for c in changes if any(c[0] == k or c[0].startswith(k + ".") for k in IDENTITY)]
     if foreign:
-        listed = "; ".join(f"{key}: {old!r} -> {new!r}" for key, old, new in foreign)
         raise RunError(f"--resume: the checkpoints in '{out / 'checkpoints'}' belong to a run with another model "
-                       f"or data ({listed}); resume with the settings in '{previous}', or pass --force to start a "
+                       f"or data ({listed(foreign)}); resume with the settings in '{previous}', or pass --force to start a "
                        f"new run there")
     estimator = next((c for c in changes if c[0] == "ppo.advantage_estimator"), None)
     if estimator is not None and _uses_critic(estimator[1]) != _uses_critic(estimator[2]):
@@ -166,6 +177,5 @@ def _check_resume(cfg, out: Path, is_main: bool) -> None:
                        f"{'with' if _uses_critic(before) else 'without'} a critic (ppo.advantage_estimator: "
                        f"{before!r} -> {after!r}); resume with {before!r}, or pass --force to start a new run there")
     if changes and is_main:
-        listed = "; ".join(f"{key}: {old!r} -> {new!r}" for key, old, new in changes)
-        print(f"resume: settings changed since the checkpointed run, the new ones are used: {listed}",
+        print(f"resume: settings changed since the checkpointed run, the new ones are used: {listed(changes)}",
               file=sys.stderr)
