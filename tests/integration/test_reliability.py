@@ -231,6 +231,42 @@ def test_non_finite_loss_is_skipped_and_counted_then_stops_the_run(tmp_path, sta
     assert not (tmp_path / "r2" / "final").exists()
 
 
+def test_a_resumed_run_goes_on_counting_the_non_finite_steps_in_a_row(tmp_path, stage_args, monkeypatch, capsys):
+    """Three bad steps before a checkpoint and two after a resume are five in a row: the resumed run stops (the
+    count was checkpointed, not restarted at 0)."""
+    from rlhfkit.stages import sft
+
+    real_forward = sft.lm_forward
+    calls = {"n": 0, "bad": {2, 3, 4}, "crash_at": 5}
+
+    class Killed(Exception):
+        pass
+
+    def poisoned(model, batch, device, *args, **kwargs):
+        nll, n = real_forward(model, batch, device, *args, **kwargs)
+        if not model.training:
+            return nll, n
+        calls["n"] += 1
+        if calls["n"] == calls["crash_at"]:
+            raise Killed  # the run dies during step 5, after step 4's checkpoint
+        return (nll * float("nan") if calls["n"] in calls["bad"] else nll), n
+
+    monkeypatch.setattr(sft, "lm_forward", poisoned)
+    extra = ("train.micro_batch_size=8", "train.eval_every=0", "train.save_every=4")
+    with pytest.raises(Killed):
+        sft.run_sft(_config(tmp_path, stage_args, *extra))
+    assert (tmp_path / "run" / "checkpoints" / "latest").read_text() == "step-00000004"
+
+    capsys.readouterr()
+    calls.update(n=0, bad={1, 2}, crash_at=0)  # steps 5 and 6 bad: the fourth and fifth in a row
+    with pytest.raises(RunError, match=r"5 consecutive steps with a non-finite loss or gradient \(last at step 6\)"):
+        sft.run_sft(load_config(SFTConfig, None, [*stage_args["sft"], f"output_dir={tmp_path / 'run'}",
+                                                  "log.progress=false", *extra]), resume=True)
+    rows = read_metrics(tmp_path / "run" / "metrics.jsonl")
+    assert [r["step"] for r in rows if r.get("skipped")] == [2, 3, 4, 5]  # the stopping step raises unlogged
+    assert "step 6: non-finite loss or gradient, update skipped (5 in a row, 5 in all)" in capsys.readouterr().err
+
+
 def test_skipped_step_leaves_weights_untouched(tiny_model_dir):
     from rlhfkit.config import TrainConfig
     from rlhfkit.engine import LocalEngine

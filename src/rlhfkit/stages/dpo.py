@@ -419,8 +419,8 @@ def run_dpo(cfg: DPOConfig, resume: bool = False, force: bool = False) -> dict:
     chunked = choose_head_logprobs(policy.module, cfg.dpo.chunked_logprobs, cfg.engine.precision, engine)
     with undone_if_bad_input_at_start(out, not resume, engine.is_main):
         reference = setup_reference(cfg, data, policy, engine, tokenizer, fresh=not resume, say=engine.say)
-    start = (resumed_from(cfg, out, resume_state(engine, out, {"model": policy})["step"], engine.is_main)
-             if resume else 0)
+    resumed = resume_state(engine, out, {"model": policy}) if resume else {}
+    start = resumed_from(cfg, out, resumed["step"], engine.is_main) if resume else 0
     pad_id, device, micro_size = tokenizer.pad_token_id, engine.device, cfg.train.micro_batch_size
     loss_fn = LossFn(cfg.dpo)
     evaluate = (lambda: evaluate_dpo(policy.module, data.eval, pad_id, micro_size, device, engine, loss_fn,
@@ -436,7 +436,7 @@ def run_dpo(cfg: DPOConfig, resume: bool = False, force: bool = False) -> dict:
 
         # 3. the loop: each step sees batch_size pairs over all ranks, in micro-batches
         with TrainLoop(engine, out, "dpo", total, cfg.train, log, {"model": policy}, evaluate=evaluate,
-                       show=("loss", "accuracy", "eval/accuracy")) as loop:
+                       resumed=resumed, show=("loss", "accuracy", "eval/accuracy")) as loop:
             for step, epoch, rows in loop.steps(data.train, start, length=pair_length):
                 tick = time.perf_counter()
                 metrics = train_step(policy, rows, accum, micro_size, cfg.train.batch_size, pad_id, engine, loss_fn,

@@ -66,6 +66,13 @@ class RunGuard:
         """True on every rank when any rank got a signal (ranks must save and stop together)."""
         return self.engine.reduce_sum(1.0 if self.signum else 0.0) > 0
 
+    def state_dict(self) -> dict:
+        """The counts a checkpoint keeps: a resumed run goes on counting the non-finite steps in a row."""
+        return {"bad_in_a_row": self.bad_in_a_row, "skipped": self.skipped}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.bad_in_a_row, self.skipped = int(state.get("bad_in_a_row", 0)), int(state.get("skipped", 0))
+
     def check_step(self, step: int, stats: dict, log) -> None:
         """Count skipped (non-finite) steps; raise after `max_bad` in a row."""
         if not stats.get("skipped"):

@@ -18,15 +18,18 @@ from rlhfkit.stages.guard import RunGuard
 
 
 class TrainLoop:
-    """`trainables` and `state()` are what a checkpoint holds; `evaluate()` (None: no eval data) returns the
-    eval metrics, run every `train.eval_every` steps and after the last; `show` are the metrics on the bar."""
+    """`trainables` and `state()` are what a checkpoint holds (with the guard's count of skipped steps);
+    `resumed` is the state a resumed run loaded; `evaluate()` (None: no eval data) returns the eval metrics, run
+    every `train.eval_every` steps and after the last; `show` are the metrics on the bar."""
 
     def __init__(self, engine, out: Path, stage: str, total: int, train: TrainConfig, log: MetricsLogger,
                  trainables: dict, state: Callable[[], dict] = dict, evaluate: Optional[Callable[[], dict]] = None,
-                 show: tuple[str, ...] = ()):
+                 show: tuple[str, ...] = (), resumed: Optional[dict] = None):
         self.engine, self.total, self.train, self.log = engine, total, train, log
-        self.trainables, self.state, self.evaluate, self.show = trainables, state, evaluate, show
+        self.trainables, self.evaluate, self.show = trainables, evaluate, show
         self.guard = RunGuard(engine, out, stage)
+        self.guard.load_state_dict((resumed or {}).get("guard") or {})
+        self.state = lambda: {**state(), "guard": self.guard.state_dict()}
         self.last_eval: dict = {}
 
     def __enter__(self) -> "TrainLoop":

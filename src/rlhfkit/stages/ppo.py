@@ -47,7 +47,8 @@ def run_ppo(cfg: PPOConfig, resume: bool = False, force: bool = False) -> dict:
                              prompt_fields=[row.get("fields") or {} for row in data.train])
     rl = PPOSteps(cfg, models, tokenizer, engine, ptx)
     out = prepare_output_dir(cfg, resume, force, engine.is_main)
-    start = resumed_from(cfg, out, rl.restore(out), engine.is_main) if resume else 0
+    resumed = rl.restore(out) if resume else {}
+    start = resumed_from(cfg, out, resumed["step"], engine.is_main) if resume else 0
     evaluate = (lambda: rl.evaluate(data.eval)) if data.eval else None
 
     with undone_if_bad_input_at_start(out, not resume, engine.is_main), \
@@ -57,7 +58,7 @@ def run_ppo(cfg: PPOConfig, resume: bool = False, force: bool = False) -> dict:
         if first_eval:  # the starting point, so the curves show what PPO changed
             log.log(0, first_eval, show=SHOW)
         with TrainLoop(engine, out, "ppo", iters, cfg.train, log, rl.trainables(), rl.checkpoint_state, evaluate,
-                       show=SHOW) as loop:
+                       show=SHOW, resumed=resumed) as loop:
             for it, epoch, rows in loop.steps(data.train, start):
                 tick, timer, lrs = time.perf_counter(), PhaseTimer(engine.device), rl.lrs()
                 rollout = rl.generate(rows, timer)  # 1. one response per prompt, with its log-probs

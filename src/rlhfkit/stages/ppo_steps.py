@@ -252,8 +252,9 @@ class PPOSteps:
     def checkpoint_state(self) -> dict:
         return {"kl_ctl": self.kl_ctl.state_dict(), "ema": self.ema.state_dict() if self.ema else None}
 
-    def restore(self, out) -> int:
-        """Models, optimizers, schedules, RNG, KL coefficient and EMA from checkpoints/latest; returns the step."""
+    def restore(self, out) -> dict:
+        """Models, optimizers, schedules, RNG, KL coefficient and EMA from checkpoints/latest; returns the loaded
+        state (its "step", the loop's "guard" counts)."""
         state = resume_state(self.engine, out, self.trainables())
         self.kl_ctl.load_state_dict(state["kl_ctl"])
         if self.ema is not None:
@@ -261,7 +262,7 @@ class PPOSteps:
                 self.ema.load_state_dict(state["ema"])
             else:  # switched on at the resume: the average starts from the resumed weights, not the initial ones
                 self.ema = EMA(self.actor.module, self.engine, self.ema.beta)
-        return state["step"]
+        return state
 
     def export(self, out) -> None:
         """Plain transformers folders (LoRA merged); final/ last, since its presence marks a finished run."""

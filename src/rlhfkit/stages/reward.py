@@ -155,8 +155,8 @@ def run_rm(cfg: RMConfig, resume: bool = False, force: bool = False) -> dict:
     # 2. the optimizer (and the state of a resumed run)
     rm = engine.prepare(model, cfg.train, total, role="reward_model", keep_grads=True)
     onednn = use_fast_cpu_linear_for_training(rm.module, engine.device)  # Zen 5: every GEMM faster in oneDNN
-    start = (resumed_from(cfg, out, resume_state(engine, out, {"model": rm})["step"], engine.is_main)
-             if resume else 0)
+    resumed = resume_state(engine, out, {"model": rm}) if resume else {}
+    start = resumed_from(cfg, out, resumed["step"], engine.is_main) if resume else 0
     pad_id, device, micro_size = tokenizer.pad_token_id, engine.device, cfg.train.micro_batch_size
     margin = cfg.rm.margin or None
     packed = cfg.packing or (cfg.packing is None and engine.reduce_sum(float(packing_is_exact(
@@ -173,7 +173,7 @@ def run_rm(cfg: RMConfig, resume: bool = False, force: bool = False) -> dict:
 
         # 3. the loop: each step sees batch_size pairs over all ranks, in micro-batches
         with TrainLoop(engine, out, "rm", total, cfg.train, log, {"model": rm}, evaluate=evaluate,
-                       show=("loss", "accuracy", "eval/accuracy")) as loop:
+                       resumed=resumed, show=("loss", "accuracy", "eval/accuracy")) as loop:
             for step, epoch, rows in loop.steps(data.train, start):
                 tick = time.perf_counter()
                 metrics = train_step(rm, rows, accum, micro_size, cfg.train.batch_size, pad_id, margin, engine, packed,
