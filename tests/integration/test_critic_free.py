@@ -33,7 +33,9 @@ def run(world, out, *overrides):
     ("grpo", []),
     ("rloo", []),
     ("reinforce_pp", ["ppo.n_samples_per_prompt=1", "train.batch_size=32", "ppo.kl_coef=0.01"]),
-    ("reinforce_pp_baseline", ["ppo.kl_coef=0.01"]),
+    # with an adaptive reward-KL coefficient: kl_horizon counts samples (8 prompts x 4 each per iteration)
+    ("reinforce_pp_baseline", ["ppo.kl_coef=0.01", "ppo.adaptive_kl=true", "ppo.kl_target=0.5",
+                               "ppo.kl_horizon=1000"]),
 ])
 def test_each_critic_free_estimator_learns_without_a_critic(ppo_world, estimator, extra):
     proc = run(ppo_world, f"cf_{estimator}", f"ppo.advantage_estimator={estimator}", "train.max_steps=15", *extra)
@@ -54,6 +56,10 @@ def test_each_critic_free_estimator_learns_without_a_critic(ppo_world, estimator
     assert ("kl_coef" in rows[0]) == (estimator not in ("grpo", "rloo"))
     if estimator in ("grpo", "rloo"):
         assert "KL to the reference: a k3 loss x 0.05" in proc.stderr
+    if estimator == "reinforce_pp_baseline":  # Ziegler et al.: beta *= 1 + clip(KL / target - 1, +-0.2) x n / H
+        for row, after in zip(rows, rows[1:]):
+            step = min(max(row["kl"] / 0.5 - 1, -0.2), 0.2) * 32 / 1000
+            assert after["kl_coef"] == pytest.approx(row["kl_coef"] * (1 + step), rel=1e-9)
 
 
 def test_grpo_with_dr_grpo_dapo_and_gspo_loss_options_learns(ppo_world):

@@ -245,18 +245,22 @@ def test_lora_ppo_with_reward_model_under_zero3(tmp_path, ppo_world, ds_reward_m
 
 def test_group_estimator_learns_on_two_ranks(tmp_path, ppo_world):
     """REINFORCE++ with the group baseline under ZeRO-2: each rank keeps its prompts' groups whole, and the
-    returns are whitened over both ranks' tokens."""
+    returns are whitened over both ranks' tokens; groups that scored alike are filtered, counted over both."""
     out = tmp_path / "grpo"
     res = launch("ppo", f"actor={ppo_world / 'sft' / 'final'}", f"reward={ppo_world / 'rewards.py'}:four_words",
                  f"data.prompts={ppo_world / 'prompts.jsonl'}", f"data.eval_prompts={ppo_world / 'eval.jsonl'}",
                  f"output_dir={out}", "train.batch_size=8", "ppo.n_samples_per_prompt=4", "train.micro_batch_size=8",
                  "train.lr=5e-4", "gen.max_new_tokens=12", "train.eval_every=0", "train.max_steps=15",
                  "ppo.advantage_estimator=reinforce_pp_baseline", "ppo.kl_coef=0.01", "engine.backend=deepspeed",
-                 "engine.zero_stage=2")
+                 "engine.zero_stage=2", "ppo.filter_equal_groups=true")
     assert res.returncode == 0, res.stderr[-3000:]
     summary = json.loads(res.stdout.strip().splitlines()[-1])
     assert summary["eval/reward_end"] > summary["eval/reward_start"] + 0.15, summary
     assert not (out / "final-critic").exists()
+    rows = [r for r in read_metrics(out / "metrics.jsonl") if "reward/mean" in r]
+    # the filtered groups of both ranks (a count) are the 8 prompts x the fraction of rows in all-alike groups
+    assert [r["group/filtered"] for r in rows] == pytest.approx([8 * r["group/all_equal"] for r in rows])
+    assert any(r["group/filtered"] > 0 for r in rows)
 
 
 def test_dpo_under_zero3_matches_the_local_engine(tmp_path, tiny_model_dir):

@@ -101,3 +101,26 @@ def test_a_reward_kl_setting_that_grpo_and_rloo_would_ignore_is_an_error():
     PPOSection(advantage_estimator="grpo", **group).validate("ppo.")
     PPOSection(advantage_estimator="rloo", kl_coef=0.0, kl_loss_coef=0.05, **group).validate("ppo.")
     PPOSection(advantage_estimator="reinforce_pp_baseline", kl_coef=0.05, adaptive_kl=True, **group).validate("ppo.")
+
+
+@pytest.mark.parametrize("override, message", [
+    ({"score_clip": 0.0}, r"^config key 'ppo.score_clip': must be > 0 \(or null = off\), got 0$"),
+    ({"score_clip": -5.0}, r"^config key 'ppo.score_clip': must be > 0"),
+    ({"value_clip": -0.2}, r"^config key 'ppo.value_clip': must be > 0"),
+    ({"log_ratio_clamp": 0.0}, r"^config key 'ppo.log_ratio_clamp'"),
+    ({"kl_clamp": -1.0}, r"^config key 'ppo.kl_clamp'"),
+    ({"entropy_coef": -0.01}, r"^config key 'ppo.entropy_coef': must be >= 0"),
+    ({"lam": 1.5}, r"^config key 'ppo.lam': GAE's gamma and lam must be in \[0, 1\]"),
+    ({"gamma": -0.1}, r"^config key 'ppo.gamma'"),
+    ({"clip_eps": 1.0}, r"^config key 'ppo.clip_eps': must be < 1"),
+    ({"adaptive_kl": True, "kl_coef": 0.0}, r"^config key 'ppo.kl_coef': adaptive KL .* needs a starting kl_coef > 0"),
+])
+def test_ppo_values_that_would_silently_do_something_else_are_refused(override, message):
+    """score_clip 0 or below set every score to one value, a negative entropy_coef was ignored, an adaptive
+    coefficient starting at 0 never moves: each is refused naming its key."""
+    from rlhfkit.config.ppo_schema import PPOSection
+
+    with pytest.raises(ConfigError, match=message):
+        PPOSection(**override).validate("ppo.")
+    PPOSection(score_clip=None, value_clip=None, log_ratio_clamp=20.0, kl_clamp=10.0, entropy_coef=0.0, lam=1.0,
+               gamma=0.0, clip_eps=0.99, adaptive_kl=True, kl_coef=0.01).validate("ppo.")  # the limits pass

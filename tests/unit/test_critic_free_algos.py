@@ -259,8 +259,11 @@ def test_aggregate_empty_row():
     mask = torch.tensor([[1, 1, 0], [0, 0, 0]])
     assert aggregate(loss_mat, mask, "token-mean").item() == pytest.approx(1.5)
     assert aggregate(loss_mat, mask, "seq-mean-token-mean").item() == pytest.approx(1.5)  # empty row excluded
-    assert aggregate(loss_mat, mask, "seq-mean-token-sum").item() == pytest.approx(1.5)  # (3 + 0) / 2 rows
-    assert aggregate(loss_mat, mask, "seq-mean-token-sum-norm", max_len=3).item() == pytest.approx(0.5)  # 3 / 6
+    # a row with no valid token was left out of the update: not counted among the rows
+    assert aggregate(loss_mat, mask, "seq-mean-token-sum").item() == pytest.approx(3.0)  # 3 / 1 row
+    assert aggregate(loss_mat, mask, "seq-mean-token-sum-norm", max_len=3).item() == pytest.approx(1.0)  # 3 / (1 x 3)
+    for mode in ("seq-mean-token-sum", "seq-mean-token-sum-norm"):
+        assert aggregate(loss_mat, torch.zeros(2, 3), mode, max_len=3).item() == 0.0
     assert aggregate(loss_mat, torch.zeros(2, 3), "seq-mean-token-mean").item() == 0.0
 
 

@@ -3,6 +3,7 @@ REINFORCE++'s baseline variant by hand, outcome scores clipped, and global white
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from rlhfkit.algos import masked_whiten
@@ -121,3 +122,22 @@ def test_rows_of_groups_that_scored_alike():
 
     scores, group = torch.tensor([3.0, 1.0, 3.0, 2.0]), torch.tensor([1, 0, 1, 0])  # any row order
     assert equal_group_rows(scores, group, 2).tolist() == [True, False, True, False]  # group 1: 3, 3
+
+
+def test_a_single_weighted_reward_model_is_standardised_before_its_weight():
+    """normalize_reward with `reward: [{reward: rm, weight: 0.5}]`: w * (s - mean) / std, the RM's stored
+    mean/std applied to its own scores (not (w * s - mean) / std)."""
+    from rlhfkit.models.reward_fn import CombinedReward
+    from rlhfkit.rollout.experience import adjust_scores
+
+    class StoredStats:  # the shape of ModelReward: scores plus the mean/std from the RM's config.json
+        stats = {"mean": 3.0, "std": 2.0}
+
+        def __call__(self, batch, finished=None):
+            return torch.tensor([3.0, 5.0, 1.0])
+
+    cfg = PPOSection(normalize_reward=True)
+    for weight, expected in ((0.5, [0.0, 0.5, -0.5]), (1.0, [0.0, 1.0, -1.0]), (-2.0, [0.0, -2.0, 2.0])):
+        reward = CombinedReward([("rm", StoredStats(), weight)])
+        scores = adjust_scores(reward(None), torch.ones(3, dtype=torch.bool), cfg, reward.stats)
+        assert scores.tolist() == pytest.approx(expected), weight

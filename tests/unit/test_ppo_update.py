@@ -63,7 +63,7 @@ def rollout(tiny_model_dir):
 
 def one_update(tmp_path, rollout, micro: int, **sections) -> tuple[dict, list, list]:
     tok, actor, critic, batch = rollout
-    cfg = ppo_config(train={"micro_batch_size": micro}, **sections)
+    cfg = ppo_config(**{**sections, "train": {"micro_batch_size": micro, **sections.get("train", {})}})
     engine = LocalEngine()
     a = engine.prepare(copy.deepcopy(actor), cfg.train, 10)
     c = engine.prepare(copy.deepcopy(critic), cfg.train, 10)
@@ -88,8 +88,13 @@ def one_update(tmp_path, rollout, micro: int, **sections) -> tuple[dict, list, l
     {"ppo": {"loss_aggregation": "seq-mean-token-mean", "clip_eps_high": 0.3, "dual_clip": 3.0}},
     {"ppo": {"loss_aggregation": "seq-mean-token-sum-norm", "ratio_level": "sequence"}},
     {"ppo": {"loss_aggregation": "seq-mean-token-sum"}},
+    # the KL loss and the entropy bonus average like the policy loss, so they add up over micro-batches too
+    {"ppo": {"loss_aggregation": "seq-mean-token-mean", "kl_loss_coef": 0.5, "entropy_coef": 0.1}},
+    {"ppo": {"loss_aggregation": "seq-mean-token-sum", "kl_loss_coef": 0.5, "entropy_coef": 0.1}},
+    {"ppo": {"loss_aggregation": "seq-mean-token-sum-norm", "kl_loss_coef": 0.5, "entropy_coef": 0.1}},
 ], ids=["plain", "kl_loss+epochs+minibatches+ptx", "seq-mean-token-mean+clip-higher+dual-clip", "dr-grpo-norm+gspo",
-        "seq-mean-token-sum"])
+        "seq-mean-token-sum", "seq-mean-token-mean+kl+entropy", "seq-mean-token-sum+kl+entropy",
+        "dr-grpo-norm+kl+entropy"])
 def test_micro_batch_times_accumulation_invariance(tmp_path, rollout, sections):
     m1, actor1, critic1 = one_update(tmp_path, rollout, 1, **sections)  # micro 1 x accumulation 4 (or 2)
     m4, actor4, critic4 = one_update(tmp_path, rollout, sections.get("ppo", {}).get("mini_batch_size", 4), **sections)
@@ -101,6 +106,25 @@ def test_micro_batch_times_accumulation_invariance(tmp_path, rollout, sections):
         assert m1[key] == pytest.approx(m4[key], abs=1e-5)
     if "ptx" in sections:
         assert m1["ptx_loss"] == pytest.approx(m4["ptx_loss"], rel=1e-5)
+
+
+@pytest.mark.parametrize("aggregation", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum",
+                                         "seq-mean-token-sum-norm"])
+def test_a_row_left_out_of_the_update_counts_as_if_it_were_not_there(tmp_path, rollout, aggregation):
+    """A row whose mask is all 0 (a filtered group, a masked truncated response) changes no loss and no count:
+    the step equals the step on the batch without it, in every aggregation."""
+    tok, actor, critic, batch = rollout
+    mask = batch.response_mask.clone()
+    mask[1] = 0
+    masked = (tok, actor, critic, replace(batch, response_mask=mask))
+    without = (tok, actor, critic, batch.select([0, 2, 3]))
+    ppo = {"loss_aggregation": aggregation, "kl_loss_coef": 0.5, "entropy_coef": 0.1}
+    m4, actor4, critic4 = one_update(tmp_path, masked, 2, ppo=ppo)
+    m3, actor3, critic3 = one_update(tmp_path, without, 3, ppo=ppo, train={"batch_size": 3})
+    for a, b in zip(actor4 + critic4, actor3 + critic3):
+        torch.testing.assert_close(a, b, atol=2e-6, rtol=1e-5)
+    for key in ("policy_loss", "value_loss", "kl_loss", "entropy"):
+        assert m4[key] == pytest.approx(m3[key], abs=1e-5), key
 
 
 def test_critic_update_with_values_equals_values_then_update(rollout):

@@ -404,6 +404,23 @@ def test_generation_prefills_a_shared_prompt_once_and_samples_the_same(tiny, mon
     torch.testing.assert_close(shared.sample_logprobs, every_row.sample_logprobs, atol=1e-5, rtol=1e-5)
 
 
+def test_one_prompts_samples_in_a_call_decode_in_a_group_as_every_row_does(tiny, monkeypatch):
+    """A generate() call whose rows are all one prompt's samples (one prompt per rank, or the last call of
+    gen.generation_batch_size) takes the group path too, and samples what prefilling every row does."""
+    import rlhfkit.rollout.generate as generate
+
+    tok, model = tiny
+    rows = [r for r in prompt_rows(tok, ["say a very long river stone cloud green"]) for _ in range(4)]
+    cfg = GenConfig(max_new_tokens=6)
+    torch.manual_seed(0)
+    shared = generate_rollout(model, CPU(), tok, rows, cfg)
+    monkeypatch.setattr(generate, "unique_rows", lambda *a: None)
+    torch.manual_seed(0)
+    every_row = generate_rollout(model, CPU(), tok, rows, cfg)
+    assert torch.equal(shared.response_ids, every_row.response_ids)
+    torch.testing.assert_close(shared.sample_logprobs, every_row.sample_logprobs, atol=1e-5, rtol=1e-5)
+
+
 def test_the_kv_cache_goes_by_the_keyword_the_model_class_takes(tiny, tiny_model_dir):
     """transformers 5.24 renamed the forward's `past_key_values` to `cache` (the old name warns and goes in 5.40; a
     name the class does not take would vanish into its **kwargs, and the model would decode without its cache).
@@ -438,3 +455,22 @@ def test_the_kv_cache_goes_by_the_keyword_the_model_class_takes(tiny, tiny_model
                 want.append(int(token))
                 ids = torch.cat([ids, token.view(1, 1)], dim=1)
             assert plain.response_ids[i, :len(want)].tolist() == want
+
+
+def test_generation_batch_size_counts_prompts_and_keeps_each_prompts_samples_in_one_call(tiny, monkeypatch):
+    """gen.generation_batch_size=2 with 3 samples per prompt: generate() calls of 2 prompts' 6 rows (a group
+    split over two calls would prefill its prompt twice)."""
+    import rlhfkit.rollout.evaluate as evaluate
+    from rlhfkit.rollout import generate_all
+
+    tok, model = tiny
+    rows = [r for r in prompt_rows(tok, ["say apple", "say honey", "say tiger", "say stone", "say cloud"])
+            for _ in range(3)]
+    sizes = []
+    real = evaluate.generate_rollout
+    monkeypatch.setattr(evaluate, "generate_rollout", lambda m, e, t, part, *a: sizes.append(
+        [r["prompt_text"] for r in part]) or real(m, e, t, part, *a))
+    batch = generate_all(model, CPU(), tok, rows, GenConfig(max_new_tokens=3, generation_batch_size=2),
+                         group_size=3)
+    assert [len(s) for s in sizes] == [6, 6, 3] and batch.size == 15
+    assert all(len(set(s)) == len(s) // 3 for s in sizes)  # whole groups in each call

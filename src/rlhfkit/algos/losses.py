@@ -52,18 +52,24 @@ def _seq_mean_token_mean(loss_mat: torch.Tensor, mask: torch.Tensor, max_len: Op
     return masked_mean(row_means, mask.bool().any(dim=-1))
 
 
+def _kept_rows(mask: torch.Tensor) -> torch.Tensor:
+    # rows with at least one valid token; a row with none was left out of the update (a filtered group, a
+    # masked truncated response), so it is not counted in a mean over rows either (0 rows: divide by 1)
+    return mask.bool().any(dim=-1).sum().clamp(min=1)
+
+
 def _seq_mean_token_sum(loss_mat: torch.Tensor, mask: torch.Tensor, max_len: Optional[int]) -> torch.Tensor:
-    # Sum over a row's tokens, mean over all B rows (a row with no valid token counts as a zero sum).
-    return masked_sum(loss_mat, mask, dim=-1).mean()
+    # Sum over a row's tokens, mean over the rows that have valid tokens.
+    return masked_sum(loss_mat, mask) / _kept_rows(mask)
 
 
 def _seq_mean_token_sum_norm(
     loss_mat: torch.Tensor, mask: torch.Tensor, max_len: Optional[int]
 ) -> torch.Tensor:
-    # Dr.GRPO (Liu et al. 2025, sec. 3.1): a constant denominator, so no length bias in either direction.
+    # Dr.GRPO (Liu et al. 2025, sec. 3.1): a constant denominator per row, so no length bias in either direction.
     if max_len is None or max_len <= 0:
         raise ValueError(f"aggregation 'seq-mean-token-sum-norm' needs a positive max_len, got {max_len}")
-    return masked_sum(loss_mat, mask) / (loss_mat.size(0) * max_len)
+    return masked_sum(loss_mat, mask) / (_kept_rows(mask) * max_len)
 
 
 _AGGREGATORS: Dict[str, Callable[[torch.Tensor, torch.Tensor, Optional[int]], torch.Tensor]] = {
@@ -91,8 +97,9 @@ def aggregate(
       ``"token-mean"``: sum over all valid tokens / number of valid tokens (``masked_mean``);
       ``"seq-mean-token-mean"``: mean over rows of each row's mean over its valid tokens (rows with no valid
       token are excluded; 0 if no row has one);
-      ``"seq-mean-token-sum"``: mean over all B rows of each row's sum over its valid tokens;
-      ``"seq-mean-token-sum-norm"``: sum over all valid tokens / (B * max_len) (Dr.GRPO, Liu et al. 2025).
+      ``"seq-mean-token-sum"``: mean over rows of each row's sum over its valid tokens;
+      ``"seq-mean-token-sum-norm"``: sum over all valid tokens / (rows * max_len) (Dr.GRPO, Liu et al. 2025).
+    Rows with no valid token (left out of the update) are not counted in any of them.
 
     Args:
         loss_mat: ``(B, T)`` per-token loss; values at masked positions are ignored (even NaN).

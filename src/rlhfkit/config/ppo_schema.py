@@ -42,7 +42,8 @@ class GenConfig:
     temperature: float = option(1.0, "sampling temperature (log-probs of actor and reference use the same one)")
     top_p: float = option(1.0, "nucleus sampling: keep the smallest token set with this much probability")
     top_k: int = option(0, "sample among the k most likely tokens (0 = all)")
-    generation_batch_size: int = option(0, "prompts per generate() call per rank (0 = all of the iteration's)")
+    generation_batch_size: int = option(0, "prompts per generate() call per rank, each with its "
+                                           "ppo.n_samples_per_prompt samples (0 = all of the iteration's)")
     eval_greedy: bool = option(False, "eval: greedy decoding; default: sampling with a fixed seed (the policy "
                                       "PPO optimises)")
 
@@ -154,7 +155,7 @@ class PPOSection:
     whiten_advantages: bool = option(True, "normalise advantages to mean 0, std 1 over valid tokens")
     score_clip: Optional[float] = option(5.0, "clamp reward scores to [-x, x] (null = off)")
     normalize_reward: bool = option(False, "standardise RM scores with the rlhfkit_reward_mean/std stored in "
-                                           "the RM's config.json")
+                                           "the RM's config.json (with a weight w: w x the standardised score)")
     missing_eos_penalty: Optional[float] = option(None, "subtract this from the score of responses without EOS")
     critic_lr: Optional[float] = option(None, "critic learning rate (default: train.lr)")
     critic_warmup_iters: int = option(0, "first N iterations update only the critic")
@@ -169,10 +170,23 @@ class PPOSection:
             raise ConfigError(f"config key '{prefix}kl_coef': KL coefficients must be >= 0")
         if self.adaptive_kl and (self.kl_target <= 0 or self.kl_horizon <= 0):
             raise ConfigError(f"config key '{prefix}kl_target': adaptive KL needs kl_target > 0 and kl_horizon > 0")
+        if self.entropy_coef < 0:
+            raise ConfigError(f"config key '{prefix}entropy_coef': must be >= 0 (an entropy bonus; 0 = off), got "
+                              f"{self.entropy_coef:g}")
+        if not (0 <= self.gamma <= 1 and 0 <= self.lam <= 1):
+            raise ConfigError(f"config key '{prefix}{'gamma' if not 0 <= self.gamma <= 1 else 'lam'}': GAE's gamma "
+                              f"and lam must be in [0, 1], got gamma={self.gamma:g}, lam={self.lam:g}")
+        for key in ("score_clip", "value_clip", "log_ratio_clamp", "kl_clamp"):
+            value = getattr(self, key)
+            if value is not None and value <= 0:
+                raise ConfigError(f"config key '{prefix}{key}': must be > 0 (or null = off), got {value:g}")
         if self.epochs < 1:
             raise ConfigError(f"config key '{prefix}epochs': must be >= 1")
         if self.clip_eps <= 0 or (self.clip_eps_high is not None and self.clip_eps_high <= 0):
             raise ConfigError(f"config key '{prefix}clip_eps': clip ranges must be > 0")
+        if self.clip_eps >= 1:
+            raise ConfigError(f"config key '{prefix}clip_eps': must be < 1 (the ratio's lower bound 1 - clip_eps "
+                              f"would be <= 0), got {self.clip_eps:g}")
         if self.dual_clip is not None and self.dual_clip <= 1:
             raise ConfigError(f"config key '{prefix}dual_clip': must be > 1 (or null)")
         if self.n_samples_per_prompt < 1:
@@ -189,6 +203,9 @@ class PPOSection:
             raise ConfigError(f"config key '{prefix}kl_coef': {self.advantage_estimator} puts the KL in the loss, not "
                               f"the reward, so kl_coef={self.kl_coef:g} would not apply: set ppo.kl_loss_coef (e.g. "
                               f"0.05) and ppo.kl_coef=0")
+        if self.adaptive_kl and self.kl_coef == 0:
+            raise ConfigError(f"config key '{prefix}kl_coef': adaptive KL multiplies the coefficient, so it needs "
+                              f"a starting kl_coef > 0 (0 would stay 0)")
         if self.advantage_estimator != "gae" and (self.critic_lr is not None or self.critic_warmup_iters):
             raise ConfigError(f"config key '{prefix}critic_warmup_iters': {self.advantage_estimator} trains no "
                               f"critic; unset ppo.critic_lr and ppo.critic_warmup_iters")

@@ -169,7 +169,9 @@ class CombinedReward:
 
     def __init__(self, parts: list[tuple[str, Callable, float]]):
         self.parts = parts
-        self.stats = parts[0][1].stats if len(parts) == 1 else None
+        # one part: its stored mean/std standardise the weighted score as w * (s - mean) / std
+        stats, weight = (parts[0][1].stats, parts[0][2]) if len(parts) == 1 else (None, 1.0)
+        self.stats = {"mean": weight * stats["mean"], "std": stats["std"]} if stats is not None else None
         self.models = [getattr(reward, "model", None) for _, reward, _ in parts]
         self.last: dict = {}
 

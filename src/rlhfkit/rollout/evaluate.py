@@ -13,9 +13,12 @@ from rlhfkit.rollout.experience import ended_with_eos, response_logprobs
 from rlhfkit.rollout.generate import generate_rollout
 
 
-def generate_all(model, engine, tokenizer, rows: list[dict], cfg: GenConfig, greedy: bool = False) -> RolloutBatch:
-    """Generate for every row, `cfg.generation_batch_size` prompts per generate() call (0 = all at once)."""
-    size = cfg.generation_batch_size or len(rows)
+def generate_all(model, engine, tokenizer, rows: list[dict], cfg: GenConfig, greedy: bool = False,
+                 group_size: int = 1) -> RolloutBatch:
+    """Generate for every row, `cfg.generation_batch_size` prompts per generate() call (0 = all at once); rows
+    holding `group_size` copies of each prompt in a row (one per sample) go group_size x that many at a time,
+    so a prompt's samples stay in one call."""
+    size = cfg.generation_batch_size * group_size or len(rows)
     parts = [generate_rollout(model, engine, tokenizer, rows[i:i + size], cfg, greedy)
              for i in range(0, len(rows), size)]
     return cat_rollouts(parts, tokenizer.pad_token_id)

@@ -136,7 +136,8 @@ def group_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch
     q = query.reshape(prompts, group, kv_heads, rep, dim).transpose(1, 2).reshape(blocks, group * rep, dim)
     prompt_scores = torch.baddbmm(rlhfkit_groups.block_bias(kv_heads), q,
                                   layer.prompt_keys_t.view(blocks, dim, prompt_len), alpha=scale)
-    response_scores = torch.bmm(q.view(blocks * group, rep, dim),
+    # (reshape: with one prompt the transposed q above is a view that cannot be viewed so)
+    response_scores = torch.bmm(q.reshape(blocks * group, rep, dim),
                                 key.reshape(blocks * group, length, dim).transpose(1, 2)).mul_(scale)
     weights = torch.cat([prompt_scores, response_scores.view(blocks, group * rep, length)], dim=-1).softmax(-1)
     out = torch.bmm(weights[..., :prompt_len], layer.prompt_values.view(blocks, prompt_len, dim))

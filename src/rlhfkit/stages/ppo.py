@@ -20,7 +20,7 @@ from rlhfkit.stages.loop import TrainLoop
 from rlhfkit.stages.ppo_setup import load_ppo_models
 from rlhfkit.stages.ppo_steps import PPOSteps, check_ranks, updates_per_iteration
 from rlhfkit.stages.ppo_timing import PhaseTimer
-from rlhfkit.stages.ppo_update import PtxText
+from rlhfkit.stages.ppo_update import PtxText, samples_per_iteration
 
 SHOW = ("reward/mean", "kl", "eval/reward")
 
@@ -65,8 +65,9 @@ def run_ppo(cfg: PPOConfig, resume: bool = False, force: bool = False) -> dict:
                 scored = rl.score(rollout, timer)  # 2. the frozen reward on prompt + response
                 experience = rl.make_experience(scored, timer)  # 3. reference, values, rewards, advantages
                 train_metrics = rl.optimise(experience, it, timer)  # 4. PPO epochs x mini-batches
-                # Ziegler et al. 2019: the coefficient follows the measured KL per sequence, batch_size at a time
-                rl.kl_ctl.update(experience.kl, cfg.train.batch_size)
+                # Ziegler et al. 2019: the coefficient follows the measured KL per sequence, one iteration's
+                # samples at a time (train.batch_size prompts x n_samples_per_prompt: kl_horizon counts samples)
+                rl.kl_ctl.update(experience.kl, samples_per_iteration(cfg))
                 rl.write_samples(out, log, it + 1, scored)
                 loop.end_step(it + 1, {**experience.metrics, **train_metrics, **lrs, "epoch": epoch,
                                        **timer.metrics(), "time/iteration": time.perf_counter() - tick},

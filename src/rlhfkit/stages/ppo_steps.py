@@ -66,6 +66,10 @@ def updates_per_iteration(cfg: PPOConfig) -> int:
     return cfg.ppo.epochs * (samples_per_iteration(cfg) // mini_batch_size(cfg))
 
 
+# the rollout metrics that count responses or groups (the others are means and fractions)
+COUNTS = frozenset({"reward/unjudged", "group/filtered", "response/masked_truncated"})
+
+
 def fill_unjudged(raw: torch.Tensor, judged: torch.Tensor, group: torch.Tensor) -> torch.Tensor:
     """Unjudged scores replaced by the mean of their group's judged ones (0 when none is judged)."""
     out = raw.clone()
@@ -123,7 +127,7 @@ class PPOSteps:
         n = self.cfg.ppo.n_samples_per_prompt
         with timer("generate"):
             rollout = generate_all(self.actor.module, self.engine, self.tokenizer,
-                                   [row for row in rows for _ in range(n)], self.cfg.gen)
+                                   [row for row in rows for _ in range(n)], self.cfg.gen, group_size=n)
         rollout = replace(rollout, group=torch.arange(len(rows)).repeat_interleave(n), groups_share_prompts=n > 1)
         return sort_by_length(rollout)  # neighbours of similar length: each micro-batch trims its padding
 
@@ -174,6 +178,8 @@ class PPOSteps:
             alike = equal_group_rows(batch.scores, batch.group.to(batch.scores.device), cfg.ppo.n_samples_per_prompt)
             metrics["group/all_equal"] = alike.float().mean().item()
         metrics = engine.reduce_mean(metrics)
+        for key in COUNTS.intersection(metrics):  # counts of the whole batch: the sum over ranks
+            metrics[key] *= engine.world_size
         return Experience(batch, metrics["kl"], metrics, pending=self.fused)
 
     def rollout_metrics(self, scored: Scored) -> dict:

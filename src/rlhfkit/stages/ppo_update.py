@@ -12,7 +12,7 @@ from dataclasses import replace
 
 import torch
 
-from rlhfkit.algos import (entropy_from_logits, kl_penalty, lm_loss_sum, masked_mean, policy_loss,
+from rlhfkit.algos import (aggregate, entropy_from_logits, kl_penalty, lm_loss_sum, masked_mean, policy_loss,
                            token_logprobs, value_loss)
 from rlhfkit.config.ppo_schema import PPOConfig, PPOSection
 from rlhfkit.data.readers import read_rows
@@ -32,14 +32,14 @@ def loss_count(mask: torch.Tensor, aggregation: str, max_len: int) -> float:
     times its count is its share of the sum that the whole step divides by the global count."""
     if aggregation == "token-mean":
         return mask.sum().item()
-    rows = float((mask.sum(-1) > 0).sum()) if aggregation == "seq-mean-token-mean" else float(mask.size(0))
+    rows = float((mask.sum(-1) > 0).sum())  # rows left out of the update (no valid token) are not counted
     return rows * max_len if aggregation == "seq-mean-token-sum-norm" else rows
 
 
 def actor_loss(model, part: RolloutBatch, cfg: PPOSection, temperature: float,
                max_len: int) -> tuple[torch.Tensor, dict]:
     """Clipped surrogate (Schulman et al. 2017, eq. 7) with the configured clip ranges, ratio level and
-    aggregation, plus an optional k3 KL-to-reference loss term (token mean)."""
+    aggregation, plus an optional k3 KL-to-reference loss term and entropy bonus (aggregated the same way)."""
     if cfg.entropy_coef > 0:  # the entropy bonus takes its gradient through the logits
         logits = response_logits(model, part, temperature)  # (b, R, V)
         logp = token_logprobs(logits, part.response_ids)  # (b, R)
@@ -51,15 +51,16 @@ def actor_loss(model, part: RolloutBatch, cfg: PPOSection, temperature: float,
                               clip_eps_high=cfg.clip_eps_high, dual_clip=cfg.dual_clip, ratio_level=cfg.ratio_level,
                               log_ratio_clamp=cfg.log_ratio_clamp, aggregation=cfg.loss_aggregation, max_len=max_len)
     stats["policy_loss"] = loss.item()
+    # the KL and entropy terms average like the policy loss (`loss_count` scales the three together)
     if cfg.kl_loss_coef > 0:
         # KL as a loss instead of (or besides) the reward penalty; k3 is unbiased and >= 0 (verl's default)
-        kl = masked_mean(kl_penalty(logp, part.ref_logprobs, "k3", clamp=cfg.kl_clamp), mask)
-        loss = loss + cfg.kl_loss_coef * kl
-        stats["kl_loss"] = kl.item()
+        kl = kl_penalty(logp, part.ref_logprobs, "k3", clamp=cfg.kl_clamp)
+        loss = loss + cfg.kl_loss_coef * aggregate(kl, mask, cfg.loss_aggregation, max_len)
+        stats["kl_loss"] = masked_mean(kl.detach(), mask).item()
     if logits is not None:  # an entropy bonus keeps exploration up (with gradient through the logits)
-        entropy = masked_mean(entropy_from_logits(logits), mask)
-        loss = loss - cfg.entropy_coef * entropy
-        stats["entropy"] = entropy.item()
+        entropy = entropy_from_logits(logits)
+        loss = loss - cfg.entropy_coef * aggregate(entropy, mask, cfg.loss_aggregation, max_len)
+        stats["entropy"] = masked_mean(entropy.detach(), mask).item()
     else:
         stats["entropy"] = masked_mean(entropy, mask).item()
     return loss, stats
