@@ -53,6 +53,8 @@ def _train_parser(sub, verb: str):
                        "checkpoint (complete steps are skipped either way)")
         p.add_argument("--force", action="store_true", help="rerun every step, complete ones included, each from "
                        "scratch")
+        p.add_argument("--rerun", metavar="STEP", help="rerun this step from scratch (e.g. after changing its "
+                       "settings) and the steps built on it; the steps before it are kept")
         return p
     p.add_argument("--resume", action="store_true", help="continue from output_dir/checkpoints/latest (the same "
                    "model and data as its config.yaml; other changed settings are listed and used)")
@@ -117,7 +119,8 @@ def main(argv: list[str] | None = None) -> int:
     cfg = None
     try:
         cfg = load_config(_load(cfg_path), args.config, args.overrides)
-        result = _load(runner_path)(cfg, resume=args.resume, force=args.force)
+        rerun = {"rerun": args.rerun} if args.verb == "pipeline" else {}
+        result = _load(runner_path)(cfg, resume=args.resume, force=args.force, **rerun)
     except USER_ERRORS as exc:
         _say(f"rlhfkit {args.verb}: error: {exc}")
         return 2

@@ -85,8 +85,8 @@ def test_complete_steps_are_skipped_and_force_reruns(tmp_path, tiny_model_dir):
     assert changed.returncode == 2
     assert changed.stderr.strip().splitlines()[-1] == (
         f"rlhfkit pipeline: error: pipeline: sft: '{out / 'sft'}' holds a finished run made with other settings "
-        f"(train.lr: 0.005 -> 0.001); pass --force to rerun every step with these, or put back the settings of "
-        f"'{out / 'sft' / 'config.yaml'}'")
+        f"(train.lr: 0.005 -> 0.001); pass --rerun sft to rerun it (and the steps built on it) with these, or put "
+        f"back the settings of '{out / 'sft' / 'config.yaml'}'")
     assert (out / "sft" / "final" / "model.safetensors").stat().st_mtime_ns == stamp
 
     # a step a killed run left unfinished (a checkpoint, no final/) is neither restarted nor resumed unasked
@@ -97,10 +97,32 @@ def test_complete_steps_are_skipped_and_force_reruns(tmp_path, tiny_model_dir):
     assert unfinished.returncode == 2
     assert unfinished.stderr.strip().splitlines()[-1].endswith(
         f"pipeline: rm: '{out / 'rm'}' holds an unfinished run (checkpoint step-00000002): pass --resume to "
-        f"continue it, or --force to rerun every step")
+        f"continue it, or --rerun rm to start it over")
     assert (out / "rm" / "checkpoints" / "latest").is_file()
 
-    forced = run_cli("pipeline", "--config", str(path), "steps=[sft]", "--force")
+    # --rerun rm starts rm over and keeps sft; --rerun sft reruns sft and rm, which is built on sft's final/
+    rm_only = run_cli("pipeline", "--config", str(path), "--rerun", "rm")
+    assert rm_only.returncode == 0, rm_only.stderr[-2000:]
+    assert json.loads(rm_only.stdout.strip().splitlines()[-1]) == {
+        "output_dir": str(out), "sft": "skipped (complete)", "rm": "ran",
+        "final": {"sft": str(out / "sft" / "final"), "rm": str(out / "rm" / "final")}}
+    assert (out / "sft" / "final" / "model.safetensors").stat().st_mtime_ns == stamp
+    latest = out / "rm" / "checkpoints" / "latest"  # started over: the killed run's checkpoints were removed
+    assert (out / "rm" / "final").is_dir() and (not latest.is_file() or latest.read_text() != "step-00000002")
+    rm_stamp = (out / "rm" / "final" / "model.safetensors").stat().st_mtime_ns
+    both = run_cli("pipeline", "--config", str(path), "--rerun", "sft", "sft.train.lr=1e-3")
+    assert both.returncode == 0, both.stderr[-2000:]
+    result = json.loads(both.stdout.strip().splitlines()[-1])
+    assert (result["sft"], result["rm"]) == ("ran", "ran")
+    assert "pipeline: rm: built on sft, which ran again: its earlier run is replaced" in both.stderr
+    assert (out / "sft" / "final" / "model.safetensors").stat().st_mtime_ns != stamp
+    assert (out / "rm" / "final" / "model.safetensors").stat().st_mtime_ns != rm_stamp
+    bad = run_cli("pipeline", "--config", str(path), "--rerun", "ppo")
+    assert bad.returncode == 2 and bad.stderr.strip().splitlines()[-1] == (
+        "rlhfkit pipeline: error: --rerun: 'ppo' is not one of the pipeline's steps ['sft', 'rm']")
+    stamp = (out / "sft" / "final" / "model.safetensors").stat().st_mtime_ns
+
+    forced = run_cli("pipeline", "--config", str(path), "steps=[sft]", "--force", "sft.train.lr=1e-3")
     assert forced.returncode == 0, forced.stderr
     assert json.loads(forced.stdout.strip().splitlines()[-1])["sft"] == "ran"
     assert (out / "sft" / "final" / "model.safetensors").stat().st_mtime_ns != stamp

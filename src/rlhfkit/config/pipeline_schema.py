@@ -50,7 +50,8 @@ class PipelineConfig:
                                          "reads the rm share; with steps [sft, dpo], e.g. [2, 8, 0] gives it the "
                                          "ppo share too)")
     steps: list = option(list(DEFAULT_STEPS), "the steps to run, in order, of sft, rm, ppo, dpo (a complete step is "
-                                              "skipped unless --force); [sft, dpo]: DPO instead of RM + PPO")
+                                              "skipped unless --force or --rerun STEP, or a step it is built on "
+                                              "runs again); [sft, dpo]: DPO instead of RM + PPO")
     train: TrainConfig = option(TrainConfig(), "optimisation keys shared by every step (a section overrides them)")
     load: LoadConfig = option(LoadConfig(), "model loading, shared by every step")
     lora: LoraConfig = option(LoraConfig(), "LoRA, shared by every step")

@@ -3,7 +3,8 @@ command calls.
 
 1. build and check every step's config before anything trains (a shared `dataset` reaches each step as its
 data source with data.split_fractions = data_split and its own data.split_index), 2. run the steps in order,
-skipping a complete one (its final/ exists) unless --force, each logging into output_dir/STEP/ (metrics.jsonl,
+skipping a complete one (its final/ exists, made with these settings) unless --force or --rerun names it or it
+is built on a step that runs again (`plan`), each logging into output_dir/STEP/ (metrics.jsonl,
 log.txt, result.json: what the step returned and its seconds), 3. write and print the summary.
 """
 
@@ -18,7 +19,7 @@ from pathlib import Path
 
 from rlhfkit.config.pipeline_schema import PipelineConfig, step_config
 from rlhfkit.engine.launch import is_main_process
-from rlhfkit.errors import RunError
+from rlhfkit.errors import ConfigError, RunError
 from rlhfkit.stages.common import write_run_report
 from rlhfkit.stages.dpo import run_dpo
 from rlhfkit.stages.ppo import run_ppo
@@ -114,46 +115,68 @@ def print_table(title: str, rows: list[dict], stream=None) -> None:
 FINISHED_QUIET = tuple(key for key in QUIET if key not in ("train.max_steps", "train.epochs"))
 
 
-def check_finished_steps(out: Path, configs: dict) -> None:
-    """A step whose final/ exists is skipped only when it was made with these settings (its config.yaml):
-    otherwise the pipeline would keep its old results, and the later steps built on them, silently."""
-    for step, step_cfg in configs.items():
+def inputs_from(step_cfg, out: Path) -> set:
+    """The pipeline steps whose final/ this step's config reads (its model, actor, reward, critic, reference)."""
+    made = {str(out / step / "final"): step for step in RUNNERS}
+    return {made[value] for key in ("model", "actor", "reward", "critic", "reference")
+            if isinstance(value := getattr(step_cfg, key, None), str) and value in made}
+
+
+def plan(cfg: PipelineConfig, configs: dict, force: bool, rerun: str | None) -> dict:
+    """Each step's fate, in order: "skip" (complete, as it was made), "run" (fresh, or its unfinished run), or
+    "redo" (a fresh start over what it made: --force, --rerun, or it is built on a step that runs again, whose
+    old outputs it was made from). A complete step made with other settings than these is an error."""
+    out, fates = Path(cfg.output_dir), {}
+    for step in cfg.steps:
         folder = out / step
-        changes = changes_since(folder, step_cfg, FINISHED_QUIET) if (folder / "final").exists() else []
-        if changes:
-            raise RunError(f"pipeline: {step}: '{folder}' holds a finished run made with other settings "
-                           f"({listed(changes)}); pass --force to rerun every step with these, or put back the "
-                           f"settings of '{folder / 'config.yaml'}'")
+        upstream = inputs_from(configs[step], out) & {s for s, fate in fates.items() if fate != "skip"}
+        if force or step == rerun or upstream:
+            fates[step] = "redo"
+        elif (folder / "final").exists():
+            changes = changes_since(folder, configs[step], FINISHED_QUIET)
+            if changes:
+                raise RunError(f"pipeline: {step}: '{folder}' holds a finished run made with other settings "
+                               f"({listed(changes)}); pass --rerun {step} to rerun it (and the steps built on it) "
+                               f"with these, or put back the settings of '{folder / 'config.yaml'}'")
+            fates[step] = "skip"
+        else:
+            fates[step] = "run"
+    return fates
 
 
-def run_pipeline(cfg: PipelineConfig, resume: bool = False, force: bool = False) -> dict:
+def run_pipeline(cfg: PipelineConfig, resume: bool = False, force: bool = False, rerun: str | None = None) -> dict:
     out = Path(cfg.output_dir)
+    if rerun is not None and rerun not in cfg.steps:
+        raise ConfigError(f"--rerun: '{rerun}' is not one of the pipeline's steps {cfg.steps}")
     # 1. every step's config first: a bad key fails before anything trains (each step checks its data itself)
     configs = {step: step_config(cfg, step) for step in cfg.steps}
-    if not force:
-        check_finished_steps(out, configs)
+    fates = plan(cfg, configs, force, rerun)
     steps: dict = {}
 
     # 2. the steps, in order; each is exactly `rlhfkit STEP --config <its config>`
     for step in cfg.steps:
         folder = out / step
-        if (folder / "final").exists() and not force:
+        if fates[step] == "skip":
             previous = folder / "result.json"
             result = json.loads(previous.read_text()) if previous.is_file() else {}
             # the seconds it took when it ran (result.json keeps them), not the 0 of this skip
             steps[step] = {"status": "skipped (complete)", "result": result, "seconds": result.get("seconds", 0.0)}
-            _say(f"pipeline: {step}: {folder / 'final'} exists, skipped (--force reruns it)")
+            _say(f"pipeline: {step}: {folder / 'final'} exists, skipped (--rerun {step} reruns it)")
             continue
+        redo = fates[step] == "redo"
         latest = folder / "checkpoints" / "latest"
-        if latest.is_file() and not (resume or force):
+        if latest.is_file() and not (resume or redo):
             raise RunError(f"pipeline: {step}: '{folder}' holds an unfinished run (checkpoint "
-                           f"{latest.read_text().strip()}): pass --resume to continue it, or --force to rerun every "
-                           f"step")
+                           f"{latest.read_text().strip()}): pass --resume to continue it, or --rerun {step} to "
+                           f"start it over")
+        if redo and not force and step != rerun and ((folder / "final").exists() or latest.is_file()):
+            built_on = sorted(inputs_from(configs[step], out) & {s for s in steps if steps[s]["status"] == "ran"})
+            _say(f"pipeline: {step}: built on {', '.join(built_on)}, which ran again: its earlier run is replaced")
         _say(f"pipeline: {step}: running into {folder}")
         tick = time.perf_counter()
         with step_log(folder):
-            again = resume and (folder / "checkpoints" / "latest").is_file()
-            result = RUNNERS[step](configs[step], resume=again, force=force)
+            again = resume and not redo and latest.is_file()
+            result = RUNNERS[step](configs[step], resume=again, force=redo)
         seconds = time.perf_counter() - tick
         if is_main_process():
             _write_atomic(folder / "result.json", json.dumps({**result, "seconds": round(seconds, 1)}, indent=2,
