@@ -116,6 +116,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.verb in ("demo", "chat"):
         return _load(f"rlhfkit.{'demo.cli' if args.verb == 'demo' else 'chat'}:main")(args)
     cfg_path, runner_path, _ = TRAIN_VERBS[args.verb]
+    if args.resume and (args.force or getattr(args, "rerun", None)):
+        other = "--force" if args.force else "--rerun"
+        _say(f"rlhfkit {args.verb}: error: --resume continues a run and {other} starts it over: pass one of them")
+        return 2
     cfg = None
     try:
         cfg = load_config(_load(cfg_path), args.config, args.overrides)
@@ -125,7 +129,8 @@ def main(argv: list[str] | None = None) -> int:
         _say(f"rlhfkit {args.verb}: error: {exc}")
         return 2
     except RunStopped as exc:  # SIGTERM / SIGINT: a checkpoint was saved
-        _say(f"rlhfkit {args.verb}: {exc}")
+        message = str(exc)  # "STAGE: stopped by ...": the stage said once (a pipeline's names its step)
+        _say(f"rlhfkit {message}" if message.startswith(f"{args.verb}: ") else f"rlhfkit {args.verb}: {message}")
         return exc.exit_code
     except KeyboardInterrupt:
         _say(f"rlhfkit {args.verb}: interrupted")

@@ -67,14 +67,11 @@ def _fields(items: list[str]) -> dict:
 def _task(rows, fields: dict, fmt: str) -> str:
     """"preference" when the rows are pairs (they are tried first: SFT reads pairs too, as their chosen side)."""
     from rlhfkit.errors import DataError
-    from rlhfkit.data.formats import FORMATS, detect_format
+    from rlhfkit.data.formats import FORMATS, detect_format, renamed_columns
 
     if fmt != "auto":
         return "preference" if fmt in FORMATS["preference"] else "sft"
-    first = dict(rows[0].data)
-    for canonical, column in fields.items():
-        if column in first:
-            first[canonical] = first.pop(column)
+    first = renamed_columns(rows[0].data, fields)
     try:
         detect_format(first, "preference")
         return "preference"

@@ -247,6 +247,24 @@ def wandb_missing_under_force(tmp, w):
         "config key 'log.wandb': true, but wandb is not installed (pip install wandb)")
 
 
+def chat_template_the_tokenizer_lacks(tmp, w):
+    return "sft", [f"data.train={write_jsonl(tmp / 'train.jsonl', sft_rows())}", "data.template=chat"], (
+        "config key 'data.template': 'chat' needs a chat template and the tokenizer has none; use 'plain' or "
+        "'auto'")
+
+
+def lora_target_matching_no_layer(tmp, w):
+    return "sft", [f"data.train={write_jsonl(tmp / 'train.jsonl', sft_rows())}", "lora.rank=2",
+                   "lora.target_modules=[qproj]"], (
+        "config key 'lora.target_modules': ['qproj'] matches no layer of this llama model; its linear layers are "
+        "named down_proj, gate_proj, k_proj, lm_head, o_proj, q_proj, up_proj, v_proj")
+
+
+def prompts_of_the_wrong_kind(tmp, w):
+    return "ppo", [f"actor={w['model']}", f"reward={w['reward']}", "data.prompts=5"], (
+        "config key 'data.prompts': expected a path or a list of {path, weight}, got 5")
+
+
 def yaml_unknown_key(tmp, w):
     path = tmp / "sft.yaml"
     path.write_text(f"model: {w['model']}\ndata: {{train: x.jsonl}}\ntrain: {{lr: 1.0e-4, lrr: 1}}\n")
@@ -289,6 +307,12 @@ def resume_without_checkpoint(tmp, w):
         f"--resume: no checkpoint in '{tmp / 'out' / 'checkpoints'}' to resume from")
 
 
+def resume_and_force_together(tmp, w):
+    finished_run_folder(tmp)
+    return "sft", [f"data.train={write_jsonl(tmp / 'train.jsonl', sft_rows())}", "--resume", "--force"], (
+        "--resume continues a run and --force starts it over: pass one of them")
+
+
 CASES = {fn.__name__: fn for fn in (
     malformed_json, missing_field, whitespace_response, all_pairs_identical, long_prompt_error,
     every_prompt_too_long, text_rows_for_rm, sft_rows_for_rm, empty_file, non_utf8_file, preset_without_local_copy,
@@ -296,8 +320,9 @@ CASES = {fn.__name__: fn for fn in (
     tokenizer_without_pad_or_eos,
     two_label_head_for_rm, two_label_head_as_ppo_reward, reward_model_as_sft_model, reward_model_as_ppo_actor,
     reward_function_without_its_column, critic_with_another_vocabulary,
-    dpo_reference_with_another_vocabulary_under_force, wandb_missing_under_force, yaml_unknown_key,
-    yaml_wrong_type, finished_run, unfinished_run, resume_without_checkpoint)}
+    dpo_reference_with_another_vocabulary_under_force, wandb_missing_under_force,
+    chat_template_the_tokenizer_lacks, lora_target_matching_no_layer, prompts_of_the_wrong_kind, yaml_unknown_key,
+    yaml_wrong_type, finished_run, unfinished_run, resume_without_checkpoint, resume_and_force_together)}
 
 
 def command(tmp: Path, w: dict, case) -> tuple[str, list[str], str]:

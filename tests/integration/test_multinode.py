@@ -255,7 +255,7 @@ def test_sigterm_to_the_launcher_reaches_both_ranks_which_save_once(tmp_path, sf
     wait_for_step(out / "metrics.jsonl", 5, [launcher])
     launcher.send_signal(signal.SIGTERM)
     text, _ = launcher.communicate(timeout=120)
-    stops = [line for line in text.splitlines() if line.startswith("rlhfkit sft: sft: stopped by SIGTERM after step")]
+    stops = [line for line in text.splitlines() if line.startswith("rlhfkit sft: stopped by SIGTERM after step")]
     assert len(stops) == 2, text[-3000:]  # each rank got the signal and stopped, each line whole (one write each)
     steps = {line.split("after step ")[1].split(";")[0] for line in stops}
     assert len(steps) == 1  # ... after the same step

@@ -141,6 +141,16 @@ def test_a_wrong_key_in_a_later_section_fails_before_anything_runs(tmp_path, tin
         f"rlhfkit pipeline: error: config key 'ppo.reward': '{out / 'rm' / 'final'}' is the rm step's output, but "
         f"steps ['sft', 'ppo'] run no rm before ppo and it does not exist: add rm to steps, or set ppo.reward")
     assert not (out / "sft").exists()
+    # a later step's data that cannot be read: said before SFT trains
+    res = run_cli("pipeline", "--config", str(path), f"ppo.data.prompts={tmp_path / 'nofile.jsonl'}")
+    assert res.returncode == 2 and res.stderr.strip().splitlines()[-1] == (
+        f"rlhfkit pipeline: error: pipeline: ppo: data.prompts: {tmp_path / 'nofile.jsonl'}: no such file or folder")
+    assert not (out / "sft").exists()
+    # bad rows in the first step's data: the step's folder (its log so far) is not left behind
+    (tmp_path / "bad.jsonl").write_text('{"prompt": "say apple", "response": }\n')
+    res = run_cli("pipeline", "--config", str(path), f"sft.data.train={tmp_path / 'bad.jsonl'}")
+    assert res.returncode == 2 and f"{tmp_path / 'bad.jsonl'}:1: invalid JSON" in res.stderr.strip().splitlines()[-1]
+    assert not (out / "sft").exists()
 
 
 def test_pipeline_sft_then_grpo_with_a_python_reward_and_no_rm_step(tmp_path, tiny_model_dir):

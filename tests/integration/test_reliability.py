@@ -119,7 +119,7 @@ def test_sigterm_saves_a_checkpoint_and_says_how_to_resume(tmp_path, stage_args)
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 128 + signal.SIGTERM, err[-2000:]
     message = err.strip().splitlines()[-1]
-    assert "stopped by SIGTERM after step" in message and "--resume" in message
+    assert message.startswith("rlhfkit sft: stopped by SIGTERM after step") and "--resume" in message  # said once
     stopped = int(message.split("after step ")[1].split(";")[0])
     assert (out / "checkpoints" / "latest").read_text() == f"step-{stopped:08d}"
     res = run_cli("sft", *args, f"output_dir={out}", "--resume")
@@ -265,6 +265,19 @@ def test_a_resumed_run_goes_on_counting_the_non_finite_steps_in_a_row(tmp_path, 
     rows = read_metrics(tmp_path / "run" / "metrics.jsonl")
     assert [r["step"] for r in rows if r.get("skipped")] == [2, 3, 4, 5]  # the stopping step raises unlogged
     assert "step 6: non-finite loss or gradient, update skipped (5 in a row, 5 in all)" in capsys.readouterr().err
+
+
+def test_resume_with_fewer_steps_than_the_checkpoint_is_refused_and_changes_nothing(tmp_path, stage_args):
+    """A finished 8-step run (checkpoint at step 4) resumed with train.max_steps=3 would have exported the step-4
+    weights over the finished ones and cut metrics.jsonl back: it is an error, and every file stays."""
+    from rlhfkit.stages import sft
+
+    extra = ("train.eval_every=0", "train.save_every=4", "train.max_steps=8")
+    sft.run_sft(_config(tmp_path, stage_args, *extra))
+    before = {p: p.read_bytes() for p in sorted((tmp_path / "run").rglob("*")) if p.is_file()}
+    with pytest.raises(RunError, match=r"^--resume: the checkpoint in '.*' is at step 4, past this run's 3 steps"):
+        sft.run_sft(_config(tmp_path, stage_args, *extra, "train.max_steps=3"), resume=True)
+    assert {p: p.read_bytes() for p in sorted((tmp_path / "run").rglob("*")) if p.is_file()} == before
 
 
 def test_skipped_step_leaves_weights_untouched(tiny_model_dir):

@@ -124,3 +124,38 @@ def test_ppo_values_that_would_silently_do_something_else_are_refused(override, 
         PPOSection(**override).validate("ppo.")
     PPOSection(score_clip=None, value_clip=None, log_ratio_clamp=20.0, kl_clamp=10.0, entropy_coef=0.0, lam=1.0,
                gamma=0.0, clip_eps=0.99, adaptive_kl=True, kl_coef=0.01).validate("ppo.")  # the limits pass
+
+
+@pytest.mark.parametrize("override, message", [
+    ("train.log_every=0", r"'train\.log_every': must be >= 1, got 0"),
+    ("train.betas=[0.9]", r"'train\.betas': expected two numbers in \[0, 1\)"),
+    ("train.betas=[2, 3]", r"'train\.betas': expected two numbers in \[0, 1\)"),
+    ("train.min_lr_ratio=5", r"'train\.min_lr_ratio': must be in \[0, 1\]"),
+    ("train.warmup_steps=-2", r"'train\.warmup_steps': must be >= 0"),
+    ("train.weight_decay=-1", r"'train\.weight_decay': must be >= 0"),
+    ("train.max_grad_norm=-1", r"'train\.max_grad_norm': must be >= 0 \(0 = off\)"),
+    ("train.eval_every=-1", r"'train\.eval_every': must be >= 0 \(0 = only at the end\)"),
+    ("train.save_every=-3", r"'train\.save_every': must be >= 0 \(0 = never\)"),
+    ("train.keep_checkpoints=0", r"'train\.keep_checkpoints': must be >= 1"),
+    ("data.eval_fraction=-0.5", r"'data\.eval_fraction': must be in \[0, 1\)"),
+    ("data.eval_max_rows=-1", r"'data\.eval_max_rows': must be >= 0"),
+    ("data.max_length=0", r"'data\.max_length': must be >= 2"),
+])
+def test_training_values_that_did_something_else_silently_are_refused(override, message):
+    """Each of these ran before (a modulo by a negative, a clamp, an lr above its peak) or crashed mid-run."""
+    with pytest.raises(ConfigError, match=f"^config key {message}"):
+        load_config(SFTConfig, None, ["model=m", "data.train=t", override])
+
+
+@pytest.mark.parametrize("override, message", [
+    ("ppo.mini_batch_size=-2", r"'ppo\.mini_batch_size': must be >= 0"),
+    ("data.max_prompt_length=0", r"'data\.max_prompt_length': must be >= 1"),
+    ("gen.top_k=-3", r"'gen\.top_k': must be >= 0"),
+    ("ppo.sample_every=-1", r"'ppo\.sample_every': must be >= 0"),
+])
+def test_ppo_sizes_out_of_range_are_refused(override, message):
+    from rlhfkit.config.ppo_schema import PPOConfig
+
+    with pytest.raises(ConfigError, match=f"^config key {message}"):
+        load_config(PPOConfig, None, ["actor=a", "reward=r.py:f", "data.prompts=p", "train.max_steps=2",
+                                      "train.micro_batch_size=2", "train.batch_size=4", override])

@@ -372,6 +372,16 @@ def test_field_overrides_rename_columns_before_detection():
         to_sft_examples(data, fields={"respone": "answer"})
 
 
+def test_field_mappings_may_swap_or_share_columns():
+    """Every mapping reads the original row: {chosen: rejected, rejected: chosen} swaps a file whose labels are the
+    wrong way round (applied one by one, the second read the first's result)."""
+    pair = rows({"prompt": "Hi", "chosen": "bad", "rejected": "good"})
+    swapped = to_preference_examples(pair, fields={"chosen": "rejected", "rejected": "chosen"})
+    assert [(ex.chosen, ex.rejected) for ex in swapped] == [("good", "bad")]
+    shared = to_sft_examples(rows({"q": "Say hi", "a": "hi"}), fields={"prompt": "q", "response": "a"})
+    assert [(ex.prompt, ex.response) for ex in shared] == [([user("Say hi")], "hi")]
+
+
 def test_forced_format_and_unknown_format_name():
     forced = to_sft_examples(rows_of("rm_static.jsonl"), format="prompt_response")
     assert forced[0].response == "I haven't even thought about it."
@@ -555,3 +565,13 @@ def test_real_alpaca_file():
     alpaca = to_sft_examples(read_rows(str(SHARED_DATA / "sft" / "alpaca_en_demo.json")))
     assert len(alpaca) == 999
     assert alpaca[0].prompt == [user("Describe a process of making crepes.")]
+
+
+def test_score_reads_swapped_columns_as_pairs():
+    """`rlhfkit score --field chosen=rejected --field rejected=chosen` tells pairs from SFT rows on the renamed
+    row (renaming one by one left keys prompt, rejected: read as prompt/response rows)."""
+    from rlhfkit.score import _task
+
+    pair = rows({"prompt": "Hi", "chosen": "bad", "rejected": "good"})
+    assert _task(pair, {"chosen": "rejected", "rejected": "chosen"}, "auto") == "preference"
+    assert _task(rows({"q": "Hi", "a": "hello"}), {"prompt": "q", "response": "a"}, "auto") == "sft"

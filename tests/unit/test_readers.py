@@ -249,3 +249,20 @@ def test_damaged_save_to_disk_folders_are_one_data_error(tmp_path):
         file.write_bytes(b"not arrow")
     with pytest.raises(DataError, match=f"^{re.escape(str(folder / 'train'))}: not a readable save_to_disk dataset"):
         read_rows(str(folder))
+
+
+@pytest.mark.parametrize("orient", ["columns", "index"])
+def test_a_pandas_to_json_file_reads_as_its_rows(tmp_path, orient):
+    """`df.to_json(path)` writes {column: {index: value}} by default (orient="columns"), not a list of records:
+    read as one record it made an error about the wrong thing. Its rows come back in index order."""
+    import pandas
+
+    frame = pandas.DataFrame({"prompt": [f"say {i}" for i in range(12)], "response": [str(i) for i in range(12)]})
+    path = tmp_path / "frame.json"
+    frame.to_json(path, orient=orient)
+    rows = read_rows(str(path))
+    assert [r.data for r in rows] == frame.to_dict(orient="records")
+    assert [r.line for r in rows] == list(range(1, 13))
+    # a single record whose fields are objects stays one record
+    (tmp_path / "one.json").write_text(json.dumps({"prompt": {"text": "hi"}, "meta": {"source": "x"}}))
+    assert len(read_rows(str(tmp_path / "one.json"))) == 1

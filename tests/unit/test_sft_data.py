@@ -29,8 +29,10 @@ def test_plain_template_text(tok):
 
 
 def test_chat_template_requested_but_missing(tok):
-    with pytest.raises(ValueError, match="no chat template"):
+    with pytest.raises(ValueError, match=r"^'chat' needs a chat template and the tokenizer has none"):
         Template.for_tokenizer(tok, "chat")
+    with pytest.raises(ValueError, match=r"^config key 'data.template': 'chat' needs a chat template"):
+        Template.for_tokenizer(tok, "chat", key="data.template")
 
 
 @needs_shared

@@ -29,6 +29,11 @@ class PPODataConfig(SourceOptions):
     eval_max_rows: int = option(64, "at most this many evaluation prompts (each eval generates for all of them)")
     split_index: int = option(2, "which share of data.split_fractions the prompts come from (pipeline: 2)")
 
+    def validate(self, prefix: str = "") -> None:
+        super().validate(prefix)
+        if self.max_prompt_length < 1:
+            raise ConfigError(f"config key '{prefix}max_prompt_length': must be >= 1, got {self.max_prompt_length}")
+
     def as_prompt_data(self) -> DataConfig:
         """The DataConfig that `load_stage_data("prompts", ...)` reads (max_length = the prompt budget)."""
         return DataConfig(train=self.prompts, eval=self.eval_prompts, max_length=self.max_prompt_length,
@@ -56,6 +61,9 @@ class GenConfig:
             raise ConfigError(f"config key '{prefix}temperature': must be > 0 (use eval_greedy for greedy eval)")
         if not 0 < self.top_p <= 1:
             raise ConfigError(f"config key '{prefix}top_p': must be in (0, 1]")
+        if self.top_k < 0 or self.generation_batch_size < 0:
+            key = "top_k" if self.top_k < 0 else "generation_batch_size"
+            raise ConfigError(f"config key '{prefix}{key}': must be >= 0 (0 = all), got {getattr(self, key)}")
 
 
 DEFAULT_KL_COEF = 0.1
@@ -182,6 +190,12 @@ class PPOSection:
                 raise ConfigError(f"config key '{prefix}{key}': must be > 0 (or null = off), got {value:g}")
         if self.epochs < 1:
             raise ConfigError(f"config key '{prefix}epochs': must be >= 1")
+        for key in ("critic_warmup_iters", "sample_every", "num_samples"):
+            if getattr(self, key) < 0:
+                raise ConfigError(f"config key '{prefix}{key}': must be >= 0, got {getattr(self, key)}")
+        if self.mini_batch_size < 0:
+            raise ConfigError(f"config key '{prefix}mini_batch_size': must be >= 0 (0 = all of the iteration's "
+                              f"samples), got {self.mini_batch_size}")
         if self.clip_eps <= 0 or (self.clip_eps_high is not None and self.clip_eps_high <= 0):
             raise ConfigError(f"config key '{prefix}clip_eps': clip ranges must be > 0")
         if self.clip_eps >= 1:

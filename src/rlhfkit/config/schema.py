@@ -47,6 +47,13 @@ class SourceOptions:
     cache_dir: Optional[str] = option(None, "tokenised-data cache folder; default: $RLHFKIT_CACHE_DIR, else "
                                             "~/.cache/rlhfkit")
 
+    def validate(self, prefix: str = "") -> None:
+        if not 0 <= self.eval_fraction < 1:
+            raise ConfigError(f"config key '{prefix}eval_fraction': must be in [0, 1), got {self.eval_fraction:g}")
+        if self.eval_max_rows < 0:
+            raise ConfigError(f"config key '{prefix}eval_max_rows': must be >= 0 (0: no evaluation), got "
+                              f"{self.eval_max_rows}")
+
 
 def source_options(cfg: SourceOptions) -> dict:
     """The shared block's values, to build one data section from another."""
@@ -64,11 +71,17 @@ class DataConfig(SourceOptions):
     on_long_prompt: str = option("drop", "a row whose prompt alone fills max_length: drop it (counted in the log) "
                                          "or error (names file:line)", choices=("drop", "error"))
 
+    def validate(self, prefix: str = "") -> None:
+        super().validate(prefix)
+        if self.max_length < 2:
+            raise ConfigError(f"config key '{prefix}max_length': must be >= 2 (a prompt token and a token to "
+                              f"learn), got {self.max_length}")
+
 
 @dataclass
 class TrainConfig:
-    epochs: int = option(1, "passes over the training data (ignored when max_steps > 0)")
-    max_steps: int = option(-1, "optimizer steps to run (ppo: iterations); -1 (or 0) = from epochs")
+    epochs: int = option(1, "passes over the training data (ignored when max_steps > 0; ppo: unused)")
+    max_steps: int = option(-1, "optimizer steps to run; -1 (or 0) = from epochs (ppo: iterations, required)")
     batch_size: int = option(16, "examples per optimizer step, over all ranks (ppo: prompts per iteration)")
     micro_batch_size: int = option(4, "examples per forward pass per rank; batch_size/micro/world = accumulation")
     balance_micro_batches: bool = option(True, "sft, rm: a step's rows into micro-batches by length (packed: even "
@@ -95,6 +108,21 @@ class TrainConfig:
         if self.epochs < 1 and self.max_steps <= 0:
             raise ConfigError(f"config key '{prefix}epochs': {self.epochs} would train nothing: must be >= 1 "
                               f"(or set max_steps)")
+        betas = self.betas
+        if not (isinstance(betas, list) and len(betas) == 2 and all(
+                isinstance(b, (int, float)) and not isinstance(b, bool) and 0 <= b < 1 for b in betas)):
+            raise ConfigError(f"config key '{prefix}betas': expected two numbers in [0, 1) (AdamW's beta1, beta2), "
+                              f"got {betas!r}")
+        # (key, lowest allowed, what it means): a value below silently did something else (a modulo, a clamp)
+        for key, low, meaning in (("weight_decay", 0, ""), ("warmup_steps", 0, ""), ("max_grad_norm", 0, " (0 = off)"),
+                                  ("log_every", 1, ""), ("eval_every", 0, " (0 = only at the end)"),
+                                  ("save_every", 0, " (0 = never)"), ("keep_checkpoints", 1, "")):
+            value = getattr(self, key)
+            if value < low:
+                raise ConfigError(f"config key '{prefix}{key}': must be >= {low}{meaning}, got {value:g}")
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise ConfigError(f"config key '{prefix}min_lr_ratio': must be in [0, 1] (the final lr as a fraction of "
+                              f"lr), got {self.min_lr_ratio:g}")
 
 
 @dataclass

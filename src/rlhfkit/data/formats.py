@@ -417,15 +417,24 @@ def detect_format(row: dict, task: str) -> str:
     )
 
 
+def renamed_columns(data: dict, fields: dict[str, str] | None) -> dict:
+    """`data` with the user's columns under their canonical names (`{"prompt": "question"}`: column question
+    becomes prompt), all read from the original row, so mappings may swap or share columns
+    (`{chosen: rejected, rejected: chosen}`); a mapped column missing from the row is left out."""
+    fields = fields or {}
+    mapped = set(fields.values())
+    out = {key: value for key, value in data.items() if key not in mapped}
+    out.update({canonical: data[column] for canonical, column in fields.items() if column in data})
+    return out
+
+
 def _apply_fields(row: Row, fields: dict[str, str] | None) -> _Fields:
-    """Rename the user's columns to canonical names (`{"prompt": "question"}` renames column question -> prompt)."""
-    data = dict(row.data)
+    """Rename the user's columns to canonical names (`renamed_columns`); a mapped column the row lacks is an error."""
     for canonical, column in (fields or {}).items():
         if column not in row.data:
             problem = f"missing (mapped to '{canonical}' by fields; row has keys: {', '.join(map(str, row.data))})"
             raise DataError(f"{where(row.source, row.line)}: field '{column}': {problem}")
-        data[canonical] = data.pop(column) if column != canonical else data[column]
-    return _Fields(row, data)
+    return _Fields(row, renamed_columns(row.data, fields))
 
 
 def _parse_rows(rows: list[Row], fields, format: str, task: str, stats: dict, strict: bool = False):

@@ -42,8 +42,9 @@ class StageData:
     info: dict = field(default_factory=dict)
 
 
-def _sources(spec) -> list[tuple[str, float]]:
-    """`data.train` as [(path, weight)]: a string, or a list of strings / {path, weight} mappings."""
+def mix_sources(spec, key: str = "data.train") -> list[tuple[str, float]]:
+    """`data.train` (`key`: the config key it came from, for errors) as [(path, weight)]: a string, or a list of
+    strings / {path, weight} mappings."""
     if isinstance(spec, str):
         return [(spec, 1.0)]
     if isinstance(spec, list) and spec:
@@ -54,16 +55,16 @@ def _sources(spec) -> list[tuple[str, float]]:
             elif isinstance(item, dict) and isinstance(item.get("path"), str):
                 unknown = sorted(set(item) - {"path", "weight"})
                 if unknown:
-                    raise DataError(f"config key 'data.train[{i}].{unknown[0]}': unknown (a mix entry takes path and "
+                    raise DataError(f"config key '{key}[{i}].{unknown[0]}': unknown (a mix entry takes path and "
                                     f"weight)")
                 weight = item.get("weight", 1.0)
                 if not isinstance(weight, (int, float)) or weight <= 0:
-                    raise DataError(f"config key 'data.train[{i}].weight': must be a positive number, got {weight!r}")
+                    raise DataError(f"config key '{key}[{i}].weight': must be a positive number, got {weight!r}")
                 out.append((item["path"], float(weight)))
             else:
-                raise DataError(f"config key 'data.train[{i}]': expected a path or {{path, weight}}, got {item!r}")
+                raise DataError(f"config key '{key}[{i}]': expected a path or {{path, weight}}, got {item!r}")
         return out
-    raise DataError(f"config key 'data.train': expected a path or a list of {{path, weight}}, got {spec!r}")
+    raise DataError(f"config key '{key}': expected a path or a list of {{path, weight}}, got {spec!r}")
 
 
 def partition(n: int, fractions: list, index: int) -> list[int]:
@@ -159,10 +160,11 @@ def weighted(examples: list, weight: float, rng: random.Random) -> list:
     return examples * whole + rng.sample(examples, rest)
 
 
-def resolve_sources(cfg: DataConfig, train_spec=None) -> tuple[list[Source], Source | None]:
-    """The step's training sources and its explicit eval source (None: held out per source)."""
+def resolve_sources(cfg: DataConfig, train_spec=None, key: str = "data.train") -> tuple[list[Source], Source | None]:
+    """The step's training sources (`key`: the config key they came from) and its explicit eval source (None:
+    held out per source)."""
     spec = cfg.train if train_spec is None else train_spec
-    sources = [resolve_source(name, weight, cfg.preset, cfg.local_dir) for name, weight in _sources(spec)]
+    sources = [resolve_source(name, weight, cfg.preset, cfg.local_dir) for name, weight in mix_sources(spec, key)]
     evals = resolve_source(cfg.eval, 1.0, cfg.preset, cfg.local_dir) if cfg.eval else None
     return sources, evals
 
@@ -239,7 +241,7 @@ def _first_long_prompt(examples: list, tokenizer, template: Template, cfg: DataC
 
 
 def _nothing_left(stage: str, spec, stats: dict, dropped: int, cfg: DataConfig) -> DataError:
-    names = spec if isinstance(spec, str) else ", ".join(name for name, _ in _sources(spec))
+    names = spec if isinstance(spec, str) else ", ".join(name for name, _ in mix_sources(spec))
     reasons = [f"{stats[key]} skipped: {text}" for key, text in SKIP_REASONS.items() if stats.get(key)]
     if dropped:
         why = "prompt too long, or both sides equal once truncated" if stage == "rm" else "prompt too long"
@@ -293,8 +295,8 @@ def load_stage_data(stage: str, cfg: DataConfig, tokenizer, seed: int, train_spe
             print(f"data: {text}", file=sys.stderr)
 
     spec = cfg.train if train_spec is None else train_spec
-    template = Template.for_tokenizer(tokenizer, cfg.template, end_ids)
-    sources, eval_source = resolve_sources(cfg, train_spec)
+    template = Template.for_tokenizer(tokenizer, cfg.template, end_ids, key="data.template")
+    sources, eval_source = resolve_sources(cfg, train_spec, "data.prompts" if stage == "prompts" else "data.train")
     path, key = _cache_entry(stage, cfg, seed, spec, sources, eval_source, tokenizer, template) if cfg.cache \
         else (None, "off")
     if path is not None:

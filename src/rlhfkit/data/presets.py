@@ -19,7 +19,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from rlhfkit.data.readers import FILE_TYPES, Row, looks_like_hub_id, read_rows
+from rlhfkit.data.readers import FILE_TYPES, Row, hub_offline, looks_like_hub_id, read_rows
 from rlhfkit.errors import DataError, OfflineError
 
 LOCAL_DIR_ENV = "RLHFKIT_DATA_DIR"
@@ -134,6 +134,17 @@ def resolve_source(name: str, weight: float, preset_name: str | None, local_dir:
     spellings = [name] + ([named.name] if named and named.name != name else [])  # as written, then canonical
     copy = next((found for found in (local_copy(n, folder) for n in spellings) if found), None)
     return Source(name, str(copy) if copy else name, weight, preset or named, folder)
+
+
+def unreadable_source(name: str, preset_name: str | None, local_dir: str | None) -> str | None:
+    """Why `name` cannot be read, said without reading it (a path that does not exist; a hub name with no local
+    copy while offline), or None. For checks before anything runs, such as the pipeline's of its later steps."""
+    src = resolve_source(name, 1.0, preset_name, local_dir)
+    if Path(src.location).exists():
+        return None
+    if looks_like_hub_id(name):
+        return missing_copy_message(name, src.local_dir) if hub_offline() else None
+    return f"{name}: no such file or folder"
 
 
 def read_source(src: Source, split: str = "train") -> list[Row]:

@@ -122,6 +122,8 @@ def _read_json(raw: bytes, source: str) -> list[Row]:
         if exc.msg == "Extra data":  # several top-level values: JSON lines
             return _parse_json_lines(text, source)
         raise DataError(f"{where(source, exc.lineno)}: invalid JSON: {exc.msg} (column {exc.colno})") from None
+    if isinstance(value, dict) and _pandas_table(value) is not None:
+        return [Row(row, source, i) for i, row in enumerate(_pandas_table(value), 1)]  # record numbers
     if isinstance(value, dict):
         # a wrapper holds its records as one list of objects; a record's own list fields hold other things
         # (Alpaca's history of [query, answer] pairs, tags) or are named as row fields
@@ -136,6 +138,20 @@ def _read_json(raw: bytes, source: str) -> list[Row]:
     # the line each record starts on, for a top-level array; a wrapped one ({"data": [...]}) gets record numbers
     lines = _array_record_lines(text, len(value)) or range(1, len(value) + 1)
     return [_as_object(item, source, line) for line, item in zip(lines, value)]
+
+
+def _pandas_table(value: dict) -> list[dict] | None:
+    """The rows of a pandas `DataFrame.to_json()` file (its default orient="columns": {column: {index: value}},
+    or orient="index": {index: {column: value}}), in index order; None for anything else. Every key at the
+    index level is a row number, which a record's own field names are not."""
+    if not value or not all(isinstance(item, dict) and item for item in value.values()):
+        return None
+    inner = [list(item) for item in value.values()]
+    if all(keys == inner[0] for keys in inner) and all(key.isdigit() for key in inner[0]):  # columns
+        return [{column: value[column][index] for column in value} for index in inner[0]]
+    if all(key.isdigit() for key in value) and all(set(keys) == set(inner[0]) for keys in inner):  # index
+        return [dict(item) for item in value.values()]
+    return None
 
 
 def _array_record_lines(text: str, n: int) -> list[int] | None:

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 from jinja2 import TemplateError
 
-from rlhfkit.errors import TemplateRefused
+from rlhfkit.errors import ConfigError, TemplateRefused
 
 ROLE_NAMES = {"system": "System", "user": "User", "assistant": "Assistant"}
 
@@ -74,12 +74,14 @@ class Template:
         self.end_ids = tuple(sorted({self.tokenizer.eos_token_id, *self.end_ids} - {None}))
 
     @classmethod
-    def for_tokenizer(cls, tokenizer, mode: str = "auto", end_ids: list[int] | None = None) -> "Template":
+    def for_tokenizer(cls, tokenizer, mode: str = "auto", end_ids: list[int] | None = None,
+                      key: str | None = None) -> "Template":
         """`end_ids`: the ids rollouts stop at, `end_token_ids(tokenizer, generation_config)` where the model folder
-        is known; default: the tokenizer's EOS only."""
+        is known; default: the tokenizer's EOS only. `key`: the config key `mode` came from, for the error."""
         has_chat = bool(getattr(tokenizer, "chat_template", None))
         if mode == "chat" and not has_chat:
-            raise ValueError("data.template is 'chat' but the tokenizer has no chat template; use 'plain' or 'auto'")
+            raise ConfigError(f"{f'config key {key!r}: ' if key else ''}'chat' needs a chat template and the "
+                              f"tokenizer has none; use 'plain' or 'auto'")
         return cls(tokenizer, use_chat=has_chat and mode != "plain", end_ids=tuple(end_ids or ()))
 
     @property

@@ -14,6 +14,7 @@ import sys
 import torch
 
 from rlhfkit.config.schema import LoraConfig
+from rlhfkit.errors import ConfigError
 
 # Attention and MLP projections per architecture: adapting all of them is what QLoRA found to matter
 # most (Dettmers et al. 2023). Unknown architectures fall back to peft's "all-linear".
@@ -46,7 +47,16 @@ def apply_lora(model, cfg: LoraConfig, task: str = "causal_lm"):
         task_type=TaskType.SEQ_CLS if task == "scalar" else TaskType.CAUSAL_LM,
         modules_to_save=["score"] if task == "scalar" else None,
     )
-    return get_peft_model(model, peft_cfg)
+    try:
+        return get_peft_model(model, peft_cfg)
+    except ValueError:  # peft's NoMatchingPeftModuleError: a name in target_modules matches no layer
+        if not cfg.target_modules:
+            raise
+        linear = sorted({name.rsplit(".", 1)[-1] for name, module in model.named_modules()
+                         if isinstance(module, torch.nn.Linear)})
+        raise ConfigError(f"config key 'lora.target_modules': {cfg.target_modules} matches no layer of this "
+                          f"{model.config.model_type} model; its linear layers are named {', '.join(linear)}") \
+            from None
 
 
 def is_peft_model(model) -> bool:

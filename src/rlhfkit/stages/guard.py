@@ -109,9 +109,15 @@ class RunGuard:
                          self.signum or signal.SIGTERM)
 
 
-def resume_state(engine, out: Path, trainables: dict) -> dict:
-    """Load checkpoints/latest into `trainables` (and RNG states); drop metric and sample rows logged after it."""
+def resume_state(engine, out: Path, trainables: dict, total: int) -> dict:
+    """Load checkpoints/latest into `trainables` (and RNG states); drop metric and sample rows logged after it.
+    A checkpoint past this run's `total` steps is an error (the run would end at the checkpoint's weights,
+    rolled back from what it had made, with nothing said)."""
     state = engine.load_checkpoint(out / "checkpoints", trainables)
+    if state["step"] > total:
+        raise RunError(f"--resume: the checkpoint in '{out / 'checkpoints'}' is at step {state['step']}, past this "
+                       f"run's {total} steps (train.max_steps / train.epochs); resume with at least "
+                       f"{state['step']} steps, or pass --force to start a new run")
     if engine.is_main:
         truncate_metrics(out, state["step"])
     return state

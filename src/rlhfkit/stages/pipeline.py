@@ -13,13 +13,16 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import sys
 import time
 from pathlib import Path
 
 from rlhfkit.config.pipeline_schema import PipelineConfig, step_config
+from rlhfkit.data.loader import mix_sources
+from rlhfkit.data.presets import unreadable_source
 from rlhfkit.engine.launch import is_main_process
-from rlhfkit.errors import ConfigError, RunError
+from rlhfkit.errors import USER_ERRORS, ConfigError, DataError, RunError
 from rlhfkit.stages.common import write_run_report
 from rlhfkit.stages.dpo import run_dpo
 from rlhfkit.stages.ppo import run_ppo
@@ -144,12 +147,38 @@ def plan(cfg: PipelineConfig, configs: dict, force: bool, rerun: str | None) -> 
     return fates
 
 
+def data_sources(step_cfg) -> list[tuple[str, str]]:
+    """(config key, source name) of every data source a step's config names: prompts, eval prompts and PPO-ptx
+    text for ppo; train and eval data for the others."""
+    data, named = step_cfg.data, []
+    if hasattr(data, "prompts"):
+        keys = [("data.prompts", data.prompts), ("data.eval_prompts", data.eval_prompts)]
+        keys += [("data.ptx", data.ptx)] if step_cfg.ptx.coef > 0 else []
+    else:
+        keys = [("data.train", data.train), ("data.eval", data.eval)]
+    for key, spec in keys:
+        if spec is not None:
+            named += [(key, name) for name, _ in mix_sources(spec, key)]
+    return named
+
+
+def check_data(configs: dict) -> None:
+    """Every step's data sources exist (or are hub names that can be fetched) before the first step trains: a
+    wrong path in the last step would otherwise be found after the first steps ran for hours."""
+    for step, step_cfg in configs.items():
+        for key, name in data_sources(step_cfg):
+            problem = unreadable_source(name, step_cfg.data.preset, step_cfg.data.local_dir)
+            if problem:
+                raise DataError(f"pipeline: {step}: {key}: {problem}")
+
+
 def run_pipeline(cfg: PipelineConfig, resume: bool = False, force: bool = False, rerun: str | None = None) -> dict:
     out = Path(cfg.output_dir)
     if rerun is not None and rerun not in cfg.steps:
         raise ConfigError(f"--rerun: '{rerun}' is not one of the pipeline's steps {cfg.steps}")
     # 1. every step's config first: a bad key fails before anything trains (each step checks its data itself)
     configs = {step: step_config(cfg, step) for step in cfg.steps}
+    check_data(configs)
     fates = plan(cfg, configs, force, rerun)
     steps: dict = {}
 
@@ -173,10 +202,16 @@ def run_pipeline(cfg: PipelineConfig, resume: bool = False, force: bool = False,
             built_on = sorted(inputs_from(configs[step], out) & {s for s in steps if steps[s]["status"] == "ran"})
             _say(f"pipeline: {step}: built on {', '.join(built_on)}, which ran again: its earlier run is replaced")
         _say(f"pipeline: {step}: running into {folder}")
-        tick = time.perf_counter()
-        with step_log(folder):
-            again = resume and not redo and latest.is_file()
-            result = RUNNERS[step](configs[step], resume=again, force=redo)
+        tick, fresh = time.perf_counter(), not folder.exists()
+        try:
+            with step_log(folder):
+                again = resume and not redo and latest.is_file()
+                result = RUNNERS[step](configs[step], resume=again, force=redo)
+        except USER_ERRORS:
+            # bad input found before the step wrote anything: its folder held only the log, now gone again
+            if fresh and is_main_process() and folder.is_dir() and [p.name for p in folder.iterdir()] == ["log.txt"]:
+                shutil.rmtree(folder)
+            raise
         seconds = time.perf_counter() - tick
         if is_main_process():
             _write_atomic(folder / "result.json", json.dumps({**result, "seconds": round(seconds, 1)}, indent=2,

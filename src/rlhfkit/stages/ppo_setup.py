@@ -72,7 +72,7 @@ def load_one_reward(spec: str, cfg: PPOConfig, actor_tok, engine):
                          f"train one with `rlhfkit rm` or pass a Python function module:function")
     model = engine.prepare_frozen(model, role="reward")
     actor_ends = end_token_ids(actor_tok, load_generation_config(cfg.actor, cfg.load))  # where rollouts stop
-    actor_template = Template.for_tokenizer(actor_tok, cfg.data.template, actor_ends)
+    actor_template = Template.for_tokenizer(actor_tok, cfg.data.template, actor_ends, key="data.template")
     reward = ModelReward(model, rm_tok, actor_template, cfg.data.template,
                          cfg.ppo.forward_batch_size or cfg.train.micro_batch_size, engine.device)
     if cfg.ppo.normalize_reward and reward.stats is None:

@@ -155,7 +155,7 @@ def run_rm(cfg: RMConfig, resume: bool = False, force: bool = False) -> dict:
     # 2. the optimizer (and the state of a resumed run)
     rm = engine.prepare(model, cfg.train, total, role="reward_model", keep_grads=True)
     onednn = use_fast_cpu_linear_for_training(rm.module, engine.device)  # Zen 5: every GEMM faster in oneDNN
-    resumed = resume_state(engine, out, {"model": rm}) if resume else {}
+    resumed = resume_state(engine, out, {"model": rm}, total) if resume else {}
     start = resumed_from(cfg, out, resumed["step"], engine.is_main) if resume else 0
     pad_id, device, micro_size = tokenizer.pad_token_id, engine.device, cfg.train.micro_batch_size
     margin = cfg.rm.margin or None

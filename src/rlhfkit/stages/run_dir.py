@@ -168,8 +168,8 @@ def _check_resume(cfg, out: Path, is_main: bool) -> None:
     foreign = [c for c in changes if any(c[0] == k or c[0].startswith(k + ".") for k in IDENTITY)]
     if foreign:
         raise RunError(f"--resume: the checkpoints in '{out / 'checkpoints'}' belong to a run with another model "
-                       f"or data ({listed(foreign)}); resume with the settings in '{previous}', or pass --force to start a "
-                       f"new run there")
+                       f"or data ({listed(foreign)}); resume with the settings in '{previous}', or pass --force to "
+                       f"start a new run there")
     estimator = next((c for c in changes if c[0] == "ppo.advantage_estimator"), None)
     if estimator is not None and _uses_critic(estimator[1]) != _uses_critic(estimator[2]):
         _, before, after = estimator
