@@ -127,6 +127,24 @@ def test_a_row_left_out_of_the_update_counts_as_if_it_were_not_there(tmp_path, r
         assert m4[key] == pytest.approx(m3[key], abs=1e-5), key
 
 
+def test_a_mini_batch_with_every_row_left_out_takes_no_step(rollout):
+    """Every row masked (all groups filtered, every response truncated): no optimizer step, so neither Adam's
+    momentum from an earlier step nor weight decay moves the weights; the fused critic path does the same."""
+    tok, actor, critic, batch = rollout
+    cfg = ppo_config(train={"micro_batch_size": 2, "weight_decay": 0.1})
+    engine = LocalEngine()
+    a, c = engine.prepare(copy.deepcopy(actor), cfg.train, 10), engine.prepare(copy.deepcopy(critic), cfg.train, 10)
+    ppo_update(batch, a, c, cfg, engine, iteration=0)  # a real step first: Adam now has momentum
+    before = [p.detach().clone() for p in list(a.module.parameters()) + list(c.module.parameters())]
+    empty = replace(batch, response_mask=torch.zeros_like(batch.response_mask))
+    metrics = ppo_update(empty, a, c, cfg, engine, iteration=1)
+    after = list(a.module.parameters()) + list(c.module.parameters())
+    assert all(torch.equal(x, y) for x, y in zip(before, after)) and metrics["empty_steps"] == 1.0
+    _, _, critic_metrics = critic_update_with_values(add_rewards(empty, batch.scores, 0.1, cfg.ppo), c, cfg, engine)
+    assert all(torch.equal(x, y) for x, y in zip(before[-len(list(c.module.parameters())):], c.module.parameters()))
+    assert critic_metrics["empty_steps"] == 1.0
+
+
 def test_critic_update_with_values_equals_values_then_update(rollout):
     """One optimizer step per rollout: one critic forward per micro-batch gives the values, advantages and the
     critic's step that a values pass followed by ppo_update's critic step give."""

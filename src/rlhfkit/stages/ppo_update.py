@@ -105,6 +105,7 @@ def critic_update_with_values(batch: RolloutBatch, critic, cfg: PPOConfig, engin
     values, advantages, returns = (torch.zeros_like(mask) for _ in range(3))
     local_tokens = mask.sum().item()
     n_tokens = engine.total(local_tokens)
+    empty = engine.reduce_sum(float(local_tokens)) == 0  # every row left out of the update: no step
     stats = defaultdict(float)
     with timer("critic_update"):
         for rows in length_sorted_chunks(batch, cfg.train.micro_batch_size):
@@ -115,15 +116,17 @@ def critic_update_with_values(batch: RolloutBatch, critic, cfg: PPOConfig, engin
             part_advantages, part_returns = estimator.advantages(replace(part, values=old), cfg.ppo)
             loss, part_stats = value_loss(new, old, part_returns, part_mask, cfg.ppo.value_clip)
             part_tokens = part_mask.sum().item()
-            critic.backward(loss * part_tokens, n_tokens)
+            if not empty:
+                critic.backward(loss * part_tokens, n_tokens)
             part_stats["value_loss"] = loss.item()
             for k, v in part_stats.items():
                 stats[k] += v * part_tokens / max(local_tokens, 1.0)
             index, width = rows.to(mask.device), part_mask.size(1)
             values[index, :width], advantages[index, :width], returns[index, :width] = old, part_advantages, \
                 part_returns
-        step = critic.step()
-    stats.update(critic_grad_norm=step["grad_norm"], skipped_critic_steps=step.get("skipped", 0.0))
+        step = {"grad_norm": 0.0} if empty else critic.step()
+    stats.update(critic_grad_norm=step["grad_norm"], skipped_critic_steps=step.get("skipped", 0.0),
+                 empty_steps=float(empty))
     batch, advantage_metrics = finish_advantages(replace(batch, values=values), advantages, returns, cfg.ppo,
                                                  estimator.whiten, engine)
     return batch, advantage_metrics, engine.reduce_mean(dict(stats))
@@ -195,10 +198,14 @@ def ppo_update(batch: RolloutBatch, actor, critic, cfg: PPOConfig, engine, itera
             # the actor's loss averages over the aggregation's count (tokens by default), the critic's over tokens
             local_count = loss_count(batch.response_mask[rows], aggregation, max_len)
             n_actor = n_tokens if aggregation == "token-mean" else engine.total(local_count)
-            stats = defaultdict(float)
+            # a mini-batch whose rows were all left out of the update (filtered groups, masked truncations) over
+            # all ranks takes no optimizer step: a step on zero gradients would still move the weights (Adam's
+            # momentum, weight decay). PPO-ptx text alone still steps the actor.
+            empty = engine.reduce_sum(float(local_tokens)) == 0  # (n_tokens is at least 1)
+            stats = defaultdict(float, empty_steps=float(empty))
             # micro-batches of rows of similar length carry little padding; the mini-batch's gradient is the
             # same sum for any grouping of its rows
-            for part_rows in length_sorted_chunks(batch, micro, rows):
+            for part_rows in ([] if empty else length_sorted_chunks(batch, micro, rows)):
                 part = batch.select(part_rows).to(engine.device)
                 part_tokens = part.response_mask.sum().item()
                 share = part_tokens / max(local_tokens, 1.0)  # for metrics: token-weighted means
@@ -215,7 +222,7 @@ def ppo_update(batch: RolloutBatch, actor, critic, cfg: PPOConfig, engine, itera
                         critic.backward(loss * part_tokens, n_tokens)
                     for k, v in critic_stats.items():
                         stats[k] += v * share
-            if update_actor:
+            if update_actor and (not empty or ptx is not None):
                 with timer("actor_update"):
                     if ptx is not None:
                         # one seeded draw for the step over all ranks, each rank backpropagating its share
@@ -226,7 +233,7 @@ def ppo_update(batch: RolloutBatch, actor, critic, cfg: PPOConfig, engine, itera
                 stats["skipped_actor_steps"] = actor_step.get("skipped", 0.0)
                 if ema is not None and not actor_step.get("skipped"):
                     ema.update(actor.module)
-            if update_critic:
+            if update_critic and not empty:
                 with timer("critic_update"):
                     critic_step = critic.step()
                 stats["critic_grad_norm"] = critic_step["grad_norm"]
