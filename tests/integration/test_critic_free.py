@@ -68,8 +68,9 @@ def test_grpo_with_dr_grpo_dapo_and_gspo_loss_options_learns(ppo_world):
     proc = run(ppo_world, "cf_options", "ppo.advantage_estimator=grpo", "ppo.grpo_scale_by_std=false",
                "ppo.loss_aggregation=seq-mean-token-sum-norm", "ppo.clip_eps_high=0.28", "ppo.dual_clip=3.0",
                "ppo.ratio_level=sequence", "ppo.log_ratio_clamp=20", "ppo.epochs=2", "ppo.mini_batch_size=16",
-               "train.max_steps=15", "train.lr=1e-3")
+               "train.max_steps=15", "train.lr=1e-3", "ppo.gamma=0.99")
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "no effect with grpo: ppo.gamma=0.99" in proc.stderr  # GAE's discount: named, not silently ignored
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["eval/reward_end"] > result["eval/reward_start"] + 0.1, result
 

@@ -159,3 +159,18 @@ def test_ppo_sizes_out_of_range_are_refused(override, message):
     with pytest.raises(ConfigError, match=f"^config key {message}"):
         load_config(PPOConfig, None, ["actor=a", "reward=r.py:f", "data.prompts=p", "train.max_steps=2",
                                       "train.micro_batch_size=2", "train.batch_size=4", override])
+
+
+def test_settings_an_estimator_does_not_read_are_named():
+    """GAE's gamma/lam, the value clip and advantage whitening mean nothing to GRPO; a changed one is named in the
+    run's first log line rather than silently ignored (defaults are not listed)."""
+    from rlhfkit.config.ppo_schema import PPOSection
+
+    group = {"n_samples_per_prompt": 4, "kl_coef": 0.0}
+    assert PPOSection(advantage_estimator="grpo", **group).without_effect() == []
+    grpo = PPOSection(advantage_estimator="grpo", gamma=0.9, lam=0.5, whiten_advantages=False,
+                      grpo_scale_by_std=False, **group)
+    assert grpo.without_effect() == ["gamma=0.9", "lam=0.5", "whiten_advantages=False"]
+    assert PPOSection(advantage_estimator="reinforce_pp_baseline", gamma=0.9, lam=0.5, **group).without_effect() == \
+        ["lam=0.5"]  # REINFORCE++ discounts with gamma
+    assert PPOSection(grpo_scale_by_std=False, lam=0.9).without_effect() == ["grpo_scale_by_std=False"]

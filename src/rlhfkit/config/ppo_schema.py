@@ -170,6 +170,17 @@ class PPOSection:
     sample_every: int = option(10, "write a few sample generations every N iterations (0 = never)")
     num_samples: int = option(3, "sample generations written each time")
 
+    def without_effect(self) -> list[str]:
+        """The settings changed from their defaults that this advantage estimator does not read (said in the run's
+        first log line; the critic's own settings with a critic-free estimator are config errors instead)."""
+        unread = {"gae": ("grpo_scale_by_std",),
+                  "grpo": ("gamma", "lam", "value_clip", "whiten_advantages", "value_head_init"),
+                  "rloo": ("gamma", "lam", "value_clip", "whiten_advantages", "grpo_scale_by_std", "value_head_init"),
+                  "reinforce_pp": ("lam", "value_clip", "whiten_advantages", "grpo_scale_by_std", "value_head_init"),
+                  }[self.advantage_estimator if self.advantage_estimator != "reinforce_pp_baseline" else "reinforce_pp"]
+        defaults = PPOSection()
+        return [f"{key}={getattr(self, key)}" for key in unread if getattr(self, key) != getattr(defaults, key)]
+
     def validate(self, prefix: str = "") -> None:
         if self.forward_batch_size is not None and self.forward_batch_size < 1:
             raise ConfigError(f"config key '{prefix}forward_batch_size': must be >= 1 (or null), got "

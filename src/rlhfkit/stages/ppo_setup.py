@@ -120,6 +120,9 @@ def load_ppo_models(cfg: PPOConfig, tokenizer, engine, total_updates: int,
         critic_name = rm_spec
     else:
         critic_name = cfg.actor
+    unread = cfg.ppo.without_effect()
+    if unread:
+        notes.append(f"no effect with {cfg.ppo.advantage_estimator}: {', '.join('ppo.' + s for s in unread)}")
     if cfg.ppo.advantage_estimator in KL_IN_LOSS:
         notes.append(f"KL to the reference: a k3 loss x {cfg.ppo.kl_loss_coef:g}" if cfg.ppo.kl_loss_coef else
                      f"no KL to the reference ({cfg.ppo.advantage_estimator} puts it in the loss and "
