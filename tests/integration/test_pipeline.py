@@ -110,6 +110,10 @@ def test_complete_steps_are_skipped_and_force_reruns(tmp_path, tiny_model_dir):
     latest = out / "rm" / "checkpoints" / "latest"  # started over: the killed run's checkpoints were removed
     assert (out / "rm" / "final").is_dir() and (not latest.is_file() or latest.read_text() != "step-00000002")
     rm_stamp = (out / "rm" / "final" / "model.safetensors").stat().st_mtime_ns
+    # a complete step's data may be gone since it ran: only the steps that will run have theirs checked
+    skipped = run_cli("pipeline", "--config", str(path), f"sft.data.train={tmp_path / 'gone.jsonl'}",
+                      "sft.data.split_fractions=[2, 4, 4]")
+    assert skipped.returncode == 2 and "other settings (data.train:" in skipped.stderr  # not "no such file"
     both = run_cli("pipeline", "--config", str(path), "--rerun", "sft", "sft.train.lr=1e-3")
     assert both.returncode == 0, both.stderr[-2000:]
     result = json.loads(both.stdout.strip().splitlines()[-1])

@@ -164,7 +164,8 @@ def data_sources(step_cfg) -> list[tuple[str, str]]:
 
 def check_data(configs: dict) -> None:
     """Every step's data sources exist (or are hub names that can be fetched) before the first step trains: a
-    wrong path in the last step would otherwise be found after the first steps ran for hours."""
+    wrong path in the last step would otherwise be found after the first steps ran for hours. (Only the steps
+    that will run: a complete step's data may be gone since.)"""
     for step, step_cfg in configs.items():
         for key, name in data_sources(step_cfg):
             problem = unreadable_source(name, step_cfg.data.preset, step_cfg.data.local_dir)
@@ -178,8 +179,8 @@ def run_pipeline(cfg: PipelineConfig, resume: bool = False, force: bool = False,
         raise ConfigError(f"--rerun: '{rerun}' is not one of the pipeline's steps {cfg.steps}")
     # 1. every step's config first: a bad key fails before anything trains (each step checks its data itself)
     configs = {step: step_config(cfg, step) for step in cfg.steps}
-    check_data(configs)
     fates = plan(cfg, configs, force, rerun)
+    check_data({step: step_cfg for step, step_cfg in configs.items() if fates[step] != "skip"})
     steps: dict = {}
 
     # 2. the steps, in order; each is exactly `rlhfkit STEP --config <its config>`
