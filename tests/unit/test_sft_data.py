@@ -176,3 +176,42 @@ def test_packed_rows_give_the_padded_loss_and_gradients(tiny_model_dir):
     plain_forward = model.forward
     model.forward = lambda **kw: plain_forward(**{**kw, "attention_mask": torch.ones_like(kw["input_ids"])})
     assert not packing_is_exact(model, rows, tok.pad_token_id, torch.device("cpu"))
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_a_long_prompt_keeps_the_templates_opening_and_its_end(tok, chat):
+    """A PPO prompt over data.max_prompt_length loses its middle, not its start: BOS, the system turn and the first
+    header stay (the actor was trained on prompts laid out so), and so do the question's end and the assistant
+    header it answers after."""
+    import copy
+
+    from rlhfkit.data.formats import PromptExample
+    from rlhfkit.data.templates import encode_prompt
+    from rlhfkit.data.tokenize import tokenize_prompts
+
+    tokenizer = copy.deepcopy(tok)
+    if chat:
+        tokenizer.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
+        tokenizer.chat_template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+                                   "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    template = Template.for_tokenizer(tokenizer, "auto")
+    messages = [{"role": "system", "content": "Be brief."},
+                {"role": "user", "content": "say apple " * 80 + "and then say tiger"}]
+    full = encode_prompt(tokenizer, template.prompt(messages))
+    rows, stats = tokenize_prompts([PromptExample(messages, "p.jsonl", 1)], tokenizer, template, 64)
+    ids = rows[0]["prompt_ids"]
+    assert stats["truncated"] == 1 and len(ids) == 64 < len(full)
+    opening = "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\n" if chat else "System: Be brief.\n\nUser:"
+    assert tokenizer.decode(ids, skip_special_tokens=False).startswith(tokenizer.bos_token + opening)
+    ending = "tiger<|im_end|>\n<|im_start|>assistant\n" if chat else "tiger\n\nAssistant:"
+    assert tokenizer.decode(ids, skip_special_tokens=False).endswith(ending)
+    head = next(i for i in range(len(ids)) if ids[i] != full[i])
+    assert ids == full[:head] + full[len(full) - (64 - head):]  # the opening, then the end: only the middle cut
+
+
+def test_cut_prompt_keeps_an_opening_of_at_most_half_the_budget():
+    from rlhfkit.data.tokenize import cut_prompt
+
+    assert cut_prompt(list(range(10)), 3, 8) == [0, 1, 2, 5, 6, 7, 8, 9]
+    assert cut_prompt(list(range(10)), 5, 8) == [2, 3, 4, 5, 6, 7, 8, 9]  # a long opening: the end matters more
+    assert cut_prompt(list(range(10)), 0, 1) == [9]

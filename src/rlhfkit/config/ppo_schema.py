@@ -24,7 +24,8 @@ class PPODataConfig(SourceOptions):
     ptx: Optional[str] = option(None, "PPO-ptx pretraining text: a .txt file (documents split by <|endoftext|> "
                                       "or blank lines) or rows with a `text` field; used when ptx.coef > 0")
     eval_prompts: Optional[str] = option(None, "held-out prompts for eval/reward; default: a split of prompts")
-    max_prompt_length: int = option(256, "prompt tokens; longer prompts keep their end")
+    max_prompt_length: int = option(256, "prompt tokens; a longer prompt loses its middle: it keeps the template's "
+                                         "opening (BOS, system turn, first header) and its end")
     # the two shared options whose default differs for prompts
     eval_max_rows: int = option(64, "at most this many evaluation prompts (each eval generates for all of them)")
     split_index: int = option(2, "which share of data.split_fractions the prompts come from (pipeline: 2)")

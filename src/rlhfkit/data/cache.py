@@ -31,8 +31,9 @@ from pathlib import Path
 import rlhfkit
 from rlhfkit.data.readers import hub_offline
 
-CACHE_FORMAT = 4  # 2: prompt rows carry their dataset fields; 3: responses encoded after their prompt;
-# 4: a source's own test / validation split is its eval rows without a preset too
+CACHE_FORMAT = 5  # 2: prompt rows carry their dataset fields; 3: responses encoded after their prompt;
+# 4: a source's own test / validation split is its eval rows without a preset too; 5: long prompts keep the
+# template's opening (BOS, system turn, first header) besides their end
 CACHE_DIR_ENV = "RLHFKIT_CACHE_DIR"
 # Entries kept per cache folder, the most recently used first: bounds the folder without any bookkeeping file.
 KEEP_ENTRIES = 32

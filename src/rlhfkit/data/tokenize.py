@@ -93,11 +93,37 @@ def tokenize_preferences(examples, tokenizer, template: Template, max_length: in
     return out, {"rows": len(out), "truncated": truncated, "dropped": dropped}
 
 
+def opening_length(tokenizer, template: Template, messages: list[dict], ids: list[int]) -> int:
+    """How many of a rendered prompt's `ids` come before the conversation's first user (non-system) content: BOS,
+    the system turn, the first turn's header. They are the ids it shares with the same prompt whose first such
+    content differs."""
+    first = next((i for i, m in enumerate(messages) if m.get("role") != "system"), 0)
+    other = [dict(m) for m in messages]
+    other[first]["content"] = "\u2063" + str(messages[first].get("content", ""))[::-1]
+    try:
+        ids_other = encode_prompt(tokenizer, template.prompt(other))
+    except TemplateRefused:
+        return 0
+    n = 0
+    while n < min(len(ids), len(ids_other)) and ids[n] == ids_other[n]:
+        n += 1
+    return n
+
+
+def cut_prompt(ids: list[int], opening: int, budget: int) -> list[int]:
+    """A prompt longer than `budget` tokens: its opening (the template's start) and its end (the last turn and the
+    assistant header), the middle cut out, so the model still sees the layout it was trained on. An opening
+    longer than half the budget is not kept (the end matters more)."""
+    opening = opening if opening <= budget // 2 else 0
+    return ids[:opening] + ids[len(ids) - (budget - opening):]
+
+
 def tokenize_prompts(examples, tokenizer, template: Template, max_prompt_length: int, skipped: dict | None = None,
                      strict: bool = False):
-    """-> (list of {"prompt_ids", "prompt_text", "messages", "fields"}, stats). Long prompts keep their end (the
-    question). `messages` are kept so PPO can re-render a prompt for a reward model with another
-    tokenizer/template; `fields` (the row's own fields) so a reward function can check against them."""
+    """-> (list of {"prompt_ids", "prompt_text", "messages", "fields"}, stats). Long prompts keep the template's
+    opening and their end (the question; `cut_prompt`). `messages` are kept so PPO can re-render a prompt for a
+    reward model with another tokenizer/template; `fields` (the row's own fields) so a reward function can check
+    against them."""
     out, truncated = [], 0
     for ex in examples:
         text = _rendered(_prompt_text, template, ex, skipped, strict)
@@ -106,7 +132,7 @@ def tokenize_prompts(examples, tokenizer, template: Template, max_prompt_length:
         ids = encode_prompt(tokenizer, text)
         if len(ids) > max_prompt_length:
             truncated += 1
-            ids = ids[-max_prompt_length:]
+            ids = cut_prompt(ids, opening_length(tokenizer, template, ex.prompt, ids), max_prompt_length)
         out.append({"prompt_ids": ids, "prompt_text": text, "messages": ex.prompt, "fields": ex.fields})
     return out, {"rows": len(out), "truncated": truncated, "dropped": 0}
 
