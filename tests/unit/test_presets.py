@@ -274,6 +274,20 @@ def test_max_rows_of_a_mix_samples_every_source_and_of_one_source_keeps_its_firs
     assert none == []
 
 
+def test_held_out_rows_past_eval_max_rows_train_and_none_are_held_out_without_evaluation(tmp_path):
+    """eval_fraction holds rows out for evaluation; those eval_max_rows leaves out (all of them at 0: no
+    evaluation) were neither trained nor evaluated: they train, in their file order."""
+    a, b = _pairs(tmp_path, "a", 100), _pairs(tmp_path, "b", 30)
+    for cap, n_train, n_eval in ((0, 100, 0), (3, 97, 3), (512, 95, 5)):
+        train, evals, stats = read("rm", train=a, eval_fraction=0.05, eval_max_rows=cap)
+        assert (len(train), len(evals), stats["train"].get("held_out", 0)) == (n_train, n_eval, n_eval)
+        assert not {ex.prompt[0]["content"] for ex in train} & {ex.prompt[0]["content"] for ex in evals}
+        numbers = [int(ex.prompt[0]["content"].split()[-1]) for ex in train]
+        assert numbers == sorted(numbers)
+    train, evals, _ = read("rm", train=[a, b], eval_fraction=0.2, eval_max_rows=6, seed=3)  # 20 + 6 held out
+    assert (len(train), len(evals)) == (124, 6)
+
+
 def test_a_bad_weight_names_its_key(tmp_path):
     with pytest.raises(DataError, match=r"config key 'data.train\[1\].weight': must be a positive number, got -1"):
         read("rm", train=[_pairs(tmp_path, "a", 4), {"path": "x.jsonl", "weight": -1}])

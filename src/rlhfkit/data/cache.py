@@ -31,9 +31,10 @@ from pathlib import Path
 import rlhfkit
 from rlhfkit.data.readers import hub_offline
 
-CACHE_FORMAT = 5  # 2: prompt rows carry their dataset fields; 3: responses encoded after their prompt;
+CACHE_FORMAT = 6  # 2: prompt rows carry their dataset fields; 3: responses encoded after their prompt;
 # 4: a source's own test / validation split is its eval rows without a preset too; 5: long prompts keep the
-# template's opening (BOS, system turn, first header) besides their end
+# template's opening (BOS, system turn, first header) besides their end; 6: held-out rows past
+# data.eval_max_rows (all of them at 0) train
 CACHE_DIR_ENV = "RLHFKIT_CACHE_DIR"
 # Entries kept per cache folder, the most recently used first: bounds the folder without any bookkeeping file.
 KEEP_ENTRIES = 32

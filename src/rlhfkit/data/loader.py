@@ -141,14 +141,14 @@ def _own_eval_split(src: Source, cfg: DataConfig) -> str | None:
     return None if cfg.eval else eval_split_of(src, cfg.split)
 
 
-def _hold_out(examples: list, fraction: float, seed: int) -> tuple[list, list]:
-    """(train, eval): a seeded `fraction` of the examples for eval; train keeps the file order."""
-    order = list(range(len(examples)))
+def _hold_out(n: int, fraction: float, seed: int) -> list[int]:
+    """The indices of a seeded `fraction` of n examples, held out for eval (in the seeded order)."""
+    order = list(range(n))
     random.Random(seed).shuffle(order)
-    n_eval = int(round(fraction * len(examples))) if fraction > 0 else 0
-    if examples and n_eval >= len(examples):
+    n_eval = int(round(fraction * n)) if fraction > 0 else 0
+    if n and n_eval >= n:
         raise DataError(f"config key 'data.eval_fraction': {fraction} leaves no training rows")
-    return [examples[i] for i in sorted(order[n_eval:])], [examples[i] for i in order[:n_eval]]
+    return order[:n_eval]
 
 
 def weighted(examples: list, weight: float, rng: random.Random) -> list:
@@ -174,26 +174,37 @@ def read_examples(stage: str, cfg: DataConfig, seed: int, sources: list[Source],
     _check_split_options(cfg)
     stats: dict = {"train": {}, "eval": {}}
     rng = random.Random(seed)
-    train, evals = [], []
+    # parts: (source, its examples); evals: (source index, example index) of a held-out row, (None, example) of
+    # an eval split's
+    parts, evals = [], []
     for i, src in enumerate(sources):
         if src.preset:
             check_step(src.preset, stage, src.name)
         examples = _convert(stage, _read_share(src, cfg.split, cfg), src, cfg, stats["train"])
         own = _own_eval_split(src, cfg)
         if own:
-            evals += _convert(stage, _read_share(src, own, cfg), src, cfg, stats["eval"])
-        elif eval_source is None:
-            examples, held = _hold_out(examples, cfg.eval_fraction, seed + i)  # seed + 0: as before mixing
-            evals += held
-            stats["train"]["held_out"] = stats["train"].get("held_out", 0) + len(held)
-        train += weighted(examples, src.weight, rng)  # held-out rows are never repeated into train
+            evals += [(None, ex) for ex in _convert(stage, _read_share(src, own, cfg), src, cfg, stats["eval"])]
+        elif eval_source is None and cfg.eval_max_rows > 0:  # eval_max_rows 0: no evaluation, nothing held out
+            evals += [(i, k) for k in _hold_out(len(examples), cfg.eval_fraction, seed + i)]  # seed + 0: as unmixed
+        parts.append((src, examples))
     if eval_source is not None:
         split = eval_split_of(eval_source, cfg.split) or cfg.split
-        evals = _convert(stage, _read_share(eval_source, split, cfg), eval_source, cfg, stats["eval"])
+        evals = [(None, ex) for ex in _convert(stage, _read_share(eval_source, split, cfg), eval_source, cfg,
+                                               stats["eval"])]
     mixed = len(sources) > 1
+    kept = at_most(list(range(len(evals))), cfg.eval_max_rows, mixed and eval_source is None, seed + 1) \
+        if cfg.eval_max_rows > 0 else []
+    # only the held-out rows the eval keeps leave training: those past eval_max_rows train (else they would be
+    # neither trained nor evaluated)
+    held = {evals[j] for j in kept if evals[j][0] is not None}
+    if held:
+        stats["train"]["held_out"] = len(held)
+    train = []
+    for i, (src, examples) in enumerate(parts):
+        rows = [ex for k, ex in enumerate(examples) if (i, k) not in held]  # the file order
+        train += weighted(rows, src.weight, rng)  # held-out rows are never repeated into train
     train = at_most(train, cfg.max_rows, mixed, seed)
-    evals = at_most(evals, cfg.eval_max_rows, mixed and eval_source is None, seed + 1) if cfg.eval_max_rows > 0 else []
-    return train, evals, stats
+    return train, [parts[i][1][k] if i is not None else k for i, k in (evals[j] for j in kept)], stats
 
 
 def at_most(rows: list, n: int, mixed: bool, seed: int) -> list:
