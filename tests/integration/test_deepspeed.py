@@ -93,6 +93,23 @@ def test_one_rank_zero0_matches_local(tmp_path, sft_args, local_run):
     losses = [m["loss"] for m in read_metrics(out / "metrics.jsonl") if "loss" in m]
     local = [m["loss"] for m in read_metrics(local_run / "metrics.jsonl") if "loss" in m]
     assert len(losses) == 12 and losses == pytest.approx(local, abs=1e-5)
+    # ZeRO-0 fp32 steps a bare optimizer, which records no norm: the engine measures it, before clipping
+    norms = [m.get("grad_norm") for m in read_metrics(out / "metrics.jsonl") if "loss" in m]
+    assert norms == pytest.approx([m["grad_norm"] for m in read_metrics(local_run / "metrics.jsonl") if "loss" in m],
+                                  rel=1e-4)
+
+
+def test_ppo_on_two_ranks_with_a_zero0_actor_and_a_zero2_critic(tmp_path, ppo_world):
+    """engine.backend=deepspeed's default stage 0 (fp32): the actor's steps report their gradient norm as every
+    other stage does (PPO's update read it and stopped with a KeyError)."""
+    out = tmp_path / "ppo"
+    res = launch("ppo", f"actor={ppo_world / 'sft' / 'final'}", f"reward={ppo_world / 'rewards.py'}:four_words",
+                 f"data.prompts={ppo_world / 'prompts.jsonl'}", f"output_dir={out}", "train.batch_size=16",
+                 "train.micro_batch_size=8", "train.lr=5e-4", "gen.max_new_tokens=12", "train.eval_every=0",
+                 "train.max_steps=3", "engine.backend=deepspeed", "engine.zero_stage=0", "engine.critic_zero_stage=2")
+    assert res.returncode == 0, res.stderr[-3000:]
+    rows = [r for r in read_metrics(out / "metrics.jsonl") if "policy_loss" in r]
+    assert len(rows) == 3 and all(r["actor_grad_norm"] > 0 and r["critic_grad_norm"] > 0 for r in rows)
 
 
 def test_a_deepspeed_json_contradicting_engine_keys_fails_before_anything_is_written(tmp_path, sft_args):

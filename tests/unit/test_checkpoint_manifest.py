@@ -120,6 +120,20 @@ def test_a_checkpoint_of_another_engine_or_world_size_is_refused(run):
         verified_latest(run / "checkpoints", {"engine": "local", "world_size": 1, "zero_stage": None}, print)
 
 
+def test_a_checkpoint_whose_critic_had_another_zero_stage_is_refused(run):
+    """engine.critic_zero_stage is recorded too: resumed at another stage, DeepSpeed failed in its loader with a
+    traceback; now the check names it, and the same stages pass."""
+    path = run / "checkpoints" / "step-00000004" / MANIFEST
+    manifest = {**json.loads(path.read_text()), "engine": "deepspeed", "world_size": 1, "zero_stage": 1,
+                "critic_zero_stage": 2}
+    path.write_text(json.dumps(manifest))
+    same = {"engine": "deepspeed", "world_size": 1, "zero_stage": 1, "critic_zero_stage": 2}
+    with pytest.raises(RunError, match=r"ZeRO stage 1 \(critic 2\) and this run is the deepspeed engine on 1 "
+                                       r"rank\(s\), ZeRO stage 1 \(critic 3\): resume with the same .*critic's stage"):
+        verified_latest(run / "checkpoints", {**same, "critic_zero_stage": 3}, print)
+    assert verified_latest(run / "checkpoints", same, print).name == "step-00000004"
+
+
 def test_an_old_checkpoint_without_a_manifest_loads_with_a_warning(run):
     (run / "checkpoints" / "step-00000004" / MANIFEST).unlink()
     said = []

@@ -174,3 +174,36 @@ def test_settings_an_estimator_does_not_read_are_named():
     assert PPOSection(advantage_estimator="reinforce_pp_baseline", gamma=0.9, lam=0.5, **group).without_effect() == \
         ["lam=0.5"]  # REINFORCE++ discounts with gamma
     assert PPOSection(grpo_scale_by_std=False, lam=0.9).without_effect() == ["grpo_scale_by_std=False"]
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["engine.zero_stage=3"], r"'engine\.zero_stage': a DeepSpeed setting, and engine\.backend is local"),
+    (["engine.deepspeed_config=/nonexistent.json"], r"'engine\.deepspeed_config': a DeepSpeed setting"),
+    (["engine.offload_optimizer=true"], r"'engine\.offload_optimizer': a DeepSpeed setting"),
+    (["engine.backend=deepspeed", "engine.offload_optimizer=true"],
+     r"'engine\.offload_optimizer': optimizer offload needs ZeRO stage 1 or more"),
+    (["engine.backend=deepspeed", "engine.precision=bf16"],
+     r"'engine\.zero_stage': DeepSpeed's stage-0 bf16 optimizer accumulates gradients in bf16"),
+    (["engine.backend=deepspeed", "engine.zero_stage=2", "engine.critic_zero_stage=0", "engine.precision=fp16"],
+     r"'engine\.critic_zero_stage': DeepSpeed's stage-0 fp16 optimizer"),
+])
+def test_engine_settings_that_would_do_nothing_or_train_wrongly_are_refused(overrides, message):
+    """DeepSpeed keys with the local engine were recorded in config.yaml and did nothing; offload at stage 0 was
+    skipped silently; DeepSpeed's stage-0 half-precision optimizer starts with a step on zero gradients."""
+    with pytest.raises(ConfigError, match=f"^config key {message}"):
+        load_config(SFTConfig, None, ["model=m", "data.train=t", *overrides])
+    load_config(SFTConfig, None, ["model=m", "data.train=t", "engine.backend=deepspeed", "engine.zero_stage=1",
+                                  "engine.precision=bf16", "engine.offload_optimizer=true"])  # all fine at stage 1
+
+
+@pytest.mark.parametrize("name", ["sft", "rm", "ppo", "ppo-opt-1.3b-1gpu", "ppo-7b-zero3-8gpu", "pipeline",
+                                  "pipeline-llama"])
+def test_every_shipped_config_passes_its_commands_checks(name):
+    """configs/*.yaml are what users start from: each loads and validates as its command reads it."""
+    from pathlib import Path
+
+    from rlhfkit.cli import TRAIN_VERBS, _load
+
+    verb = name.split("-")[0]
+    path = Path(__file__).resolve().parents[2] / "configs" / f"{name}.yaml"
+    load_config(_load(TRAIN_VERBS[verb][0]), str(path), [])

@@ -129,6 +129,17 @@ def check(user: dict, **engine):
     ({"train_micro_batch_size_per_gpu": 8}, {}, r"= 8, but train.micro_batch_size gives 2"),
     ({"gradient_clipping": 0.5}, {}, r"gradient_clipping = 0.5, but train.max_grad_norm gives 1.0"),
     ({"optimizer": {"type": "Adam"}}, {}, r"'optimizer' \(rlhfkit builds it from train.lr"),
+    # DeepSpeed's other spellings: sections as booleans, the bf16 alias, autocast modes, old offload flags, null
+    ({"zero_optimization": False}, {"zero_stage": 2}, r"'zero_optimization' = False \(rlhfkit sets this section"),
+    ({"zero_optimization": True}, {}, r"'zero_optimization' = True"),
+    ({"bfloat16": {"enabled": True}}, {}, r"bfloat16.enabled = True, but engine.precision gives False"),
+    ({"torch_autocast": {"enabled": True, "dtype": "bfloat16"}}, {},
+     r"torch_autocast.enabled = True, but engine.precision gives False"),
+    ({"zero_optimization": {"cpu_offload_param": True}}, {"zero_stage": 3},
+     r"'zero_optimization.cpu_offload_param' \(an old form of offload: rlhfkit sets offload from "
+     r"engine.offload_params\)"),
+    ({"zero_optimization": {"offload_optimizer": None}}, {"zero_stage": 2, "offload_optimizer": True},
+     r"offload_optimizer.device = 'none', but engine.offload_optimizer gives 'cpu'"),
 ])
 def test_a_deepspeed_json_contradicting_rlhfkit_keys_is_an_error_naming_both(user, engine, message):
     with pytest.raises(ConfigError, match=r"^config key 'engine.deepspeed_config': ds.json contradicts .*" + message):

@@ -65,7 +65,7 @@ def test_autocast_ends_with_a_forward_that_fails(tiny):
 def test_fp16_on_the_local_engine_is_a_config_error():
     with pytest.raises(ConfigError, match="engine.precision"):
         EngineConfig(precision="fp16").validate("engine.")
-    EngineConfig(precision="fp16", backend="deepspeed").validate("engine.")
+    EngineConfig(precision="fp16", backend="deepspeed", zero_stage=1).validate("engine.")
 
 
 def test_fast_cpu_linear_under_autocast_is_autocasts_linear():
@@ -76,3 +76,27 @@ def test_fast_cpu_linear_under_autocast_is_autocasts_linear():
         layer.__class__ = FastCPULinear
         got = layer(x)
     assert got.dtype == torch.bfloat16 and torch.equal(got, want)
+
+
+def test_a_model_loaded_in_half_precision_and_trained_in_full_keeps_float32_weights(tiny_model_dir, capsys):
+    """load.dtype=bfloat16 trained every weight in bfloat16 (updates below its precision lost, whatever
+    engine.precision said); a fully trained model now gets float32 weights, a LoRA base stays as loaded."""
+    from rlhfkit.config.schema import LoadConfig, LoraConfig
+    from rlhfkit.models.lora import apply_lora
+
+    load = LoadConfig(dtype="bfloat16")
+    full = load_causal_lm(str(tiny_model_dir), load)
+    assert next(full.parameters()).dtype == torch.bfloat16
+    trainable = LocalEngine().prepare(full, TrainConfig(lr=1e-3), total_steps=4)
+    assert {p.dtype for p in full.parameters()} == {torch.float32}
+    assert "weights are kept in float32" in capsys.readouterr().err
+    before = [p.detach().clone() for p in full.parameters()]
+    ids = torch.tensor([[1, 5, 6, 7, 8, 9]])
+    trainable.backward(full(input_ids=ids, labels=ids).loss, 1)
+    trainable.step()
+    moved = sum(int((p != b).sum()) for p, b in zip(full.parameters(), before))
+    assert moved > 0.9 * sum(b.numel() for b in before)  # Adam's first step at lr 1e-3 moves ~every weight
+    lora = apply_lora(load_causal_lm(str(tiny_model_dir), load), LoraConfig(rank=4))
+    LocalEngine().prepare(lora, TrainConfig(lr=1e-3), total_steps=4)
+    assert {p.dtype for p in lora.parameters() if not p.requires_grad} == {torch.bfloat16}
+    assert {p.dtype for p in lora.parameters() if p.requires_grad} == {torch.float32}

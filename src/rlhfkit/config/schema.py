@@ -127,7 +127,9 @@ class TrainConfig:
 
 @dataclass
 class LoadConfig:
-    dtype: str = option("float32", "parameter dtype", choices=("float32", "bfloat16", "float16", "auto"))
+    dtype: str = option("float32", "parameter dtype of the frozen models and a LoRA base (a model trained in "
+                                   "full keeps float32 weights; engine.precision sets the compute)",
+                        choices=("float32", "bfloat16", "float16", "auto"))
     trust_remote_code: bool = option(False, "allow model repos to run their own Python code (off: safer)")
     gradient_checkpointing: bool = option(False, "recompute activations in backward to save memory")
     lean_activations: bool = option(True, "Llama-family RMSNorm and SwiGLU MLP keep fewer tensors for backward and "
@@ -196,6 +198,25 @@ class EngineConfig:
         if self.precision == "fp16" and self.backend == "local":
             raise ConfigError(f"config key '{prefix}precision': fp16 needs loss scaling, which DeepSpeed does: use "
                               f"engine.backend=deepspeed (one GPU works too), or bf16 with the local engine")
+        if self.backend == "local":  # DeepSpeed's keys would be recorded in config.yaml and do nothing
+            given = [key for key, value in (("zero_stage", self.zero_stage), ("critic_zero_stage",
+                     self.critic_zero_stage), ("offload_optimizer", self.offload_optimizer), ("offload_params",
+                     self.offload_params), ("deepspeed_config", self.deepspeed_config)) if value not in (None, 0, False)]
+            if given:
+                raise ConfigError(f"config key '{prefix}{given[0]}': a DeepSpeed setting, and engine.backend is local; "
+                                  f"use engine.backend=deepspeed (one process works too), or unset it")
+            return
+        stages = [self.zero_stage] + ([self.critic_zero_stage] if self.critic_zero_stage is not None else [])
+        if self.offload_optimizer and 0 in stages:
+            raise ConfigError(f"config key '{prefix}offload_optimizer': optimizer offload needs ZeRO stage 1 or more "
+                              f"for every trained model (zero_stage={self.zero_stage}, critic_zero_stage="
+                              f"{self.critic_zero_stage})")
+        if self.precision != "fp32" and 0 in stages:
+            key = "zero_stage" if self.zero_stage == 0 else "critic_zero_stage"
+            raise ConfigError(f"config key '{prefix}{key}': DeepSpeed's stage-0 {self.precision} optimizer "
+                              f"accumulates gradients in {self.precision} and takes one Adam step on zero gradients "
+                              f"as it starts (bias correction one step late, one weight decay step); use stage 1 "
+                              f"(on one rank it holds what stage 0 holds) or engine.precision=fp32")
 
 
 @dataclass

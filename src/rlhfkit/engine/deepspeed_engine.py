@@ -54,7 +54,7 @@ from deepspeed.accelerator import get_accelerator
 
 from rlhfkit.config.schema import EngineConfig, TrainConfig
 from rlhfkit.engine import ds_config
-from rlhfkit.engine.local import configured_hyperparameters, lr_lambda, moved_to, param_groups
+from rlhfkit.engine.local import configured_hyperparameters, float32_weights, lr_lambda, moved_to, param_groups
 from rlhfkit.engine.manifest import seal, verified_latest
 from rlhfkit.engine.storage import (fsync_dir, publish_checkpoint, rank_state, rng_state, saved_world_size,
                                     write_hf_folder)
@@ -200,11 +200,21 @@ class DeepSpeedTrainable:
         self.good = self.bad = 0
         if good == 0 and bad > 0:
             return {"grad_norm": float("nan"), "skipped": 1.0}
+        # ZeRO-0 fp32 steps the bare optimizer (FiniteAdamW) and records no norm: the whole, reduced gradients'
+        # norm before DeepSpeed clips them, as the other stages and the local engine report it
+        own_norm = self._norm() if isinstance(getattr(self.engine, "optimizer", None), FiniteAdamW) else None
         self.engine.step()  # DeepSpeed's optimizer (or FiniteAdamW) skips a non-finite step itself
         stats = self._step_outcome()
+        if "grad_norm" not in stats and own_norm is not None:
+            stats["grad_norm"] = own_norm
         if bad:
             stats["dropped_micro_batches"] = float(bad)
         return stats
+
+    def _norm(self) -> float:
+        grads = [p.grad for p in self.engine.module.parameters() if p.grad is not None]
+        return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads])).item() \
+            if grads else 0.0
 
     def _step_outcome(self) -> dict:
         """grad_norm and whether DeepSpeed skipped the step it just took, checked to be the same on all ranks."""
@@ -345,6 +355,7 @@ class DeepSpeedEngine:
                 lr: float | None = None, keep_grads: bool = False) -> DeepSpeedTrainable:
         # keep_grads: DeepSpeed owns the gradient buffers (ZeRO-1/2 keep flat ones anyway)
         stage = ds_config.stage_of(self.cfg, role)
+        float32_weights(model, self.say)  # DeepSpeed's bf16 / fp16 modes keep float32 masters of these
         groups = param_groups(model, train.weight_decay)
         peak = train.lr if lr is None else lr
         if self.cfg.offload_optimizer and stage > 0:
@@ -480,8 +491,9 @@ class DeepSpeedEngine:
     # -- checkpoints -----------------------------------------------------------------------------------
     def checkpoint_info(self, step: int, trainables: dict) -> dict:
         """What a checkpoint's manifest records besides its files (and what `--resume` must match)."""
+        critic = {"critic_zero_stage": ds_config.stage_of(self.cfg, "critic")} if "critic" in trainables else {}
         return {"step": step, "engine": self.name, "world_size": self.world_size, "zero_stage": self.cfg.zero_stage,
-                "trainables": sorted(trainables)}
+                **critic, "trainables": sorted(trainables)}
 
     def save_checkpoint(self, folder: Path, step: int, trainables: dict, state: dict, keep: int = 2) -> Path:
         """Every rank writes its shards into step-N.tmp (a folder all ranks share); the ranks hash its files

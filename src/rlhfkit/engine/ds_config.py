@@ -28,6 +28,15 @@ OWNED = {
 # sections rlhfkit builds itself: any value in the user JSON contradicts them
 BUILT = {"optimizer": "train.lr, train.betas, train.weight_decay (and engine.offload_optimizer)",
          "scheduler": "train.scheduler, train.warmup_steps, train.min_lr_ratio"}
+# DeepSpeed's other spellings of the owned settings: its "bfloat16" alias of "bf16", mixed-precision modes rlhfkit
+# leaves off, and ZeRO's deprecated offload flags
+ALIASES = {"bfloat16.enabled": "engine.precision", "torch_autocast.enabled": "engine.precision",
+           "amp.enabled": "engine.precision"}
+DEPRECATED = {"zero_optimization.cpu_offload": "engine.offload_optimizer",
+              "zero_optimization.cpu_offload_param": "engine.offload_params",
+              "zero_optimization.cpu_offload_use_pin_memory": "engine.offload_optimizer / engine.offload_params"}
+# sections that DeepSpeed reads as objects (true / false / null there are other, older forms)
+SECTIONS = ("zero_optimization", "bf16", "bfloat16", "fp16", "torch_autocast", "amp")
 
 
 def stage_of(cfg: EngineConfig, role: str) -> int:
@@ -99,6 +108,18 @@ def check_user_config(user: dict, source: str, cfg: EngineConfig, train: TrainCo
     """ConfigError when the user's JSON sets an owned key to something else than what `engine.*` / `train.*`
     give (for every trained role's stage); silent when it only adds other keys or repeats ours."""
     problems = [f"'{key}' (rlhfkit builds it from {owner})" for key, owner in BUILT.items() if key in user]
+    problems += [f"'{key}' = {user[key]!r} (rlhfkit sets this section from engine.*; give it as an object of other "
+                 f"keys)" for key in SECTIONS if key in user and not isinstance(user[key], dict)]
+    problems += [f"'{key}' (an old form of offload: rlhfkit sets offload from {owner})" for key, owner in
+                 DEPRECATED.items() if _get(user, key) is not None]
+    for key, owner in ALIASES.items():  # ours: the bf16 alias follows engine.precision, the others are off
+        theirs, ours = _get(user, key), key == "bfloat16.enabled" and cfg.precision == "bf16"
+        if theirs is not None and not _same(ours, theirs):
+            problems.append(f"{key} = {theirs!r}, but {owner} gives {ours!r}")
+    for key in ("zero_optimization.offload_optimizer", "zero_optimization.offload_param"):
+        if isinstance(user.get("zero_optimization"), dict) and key.split(".")[1] in user["zero_optimization"] \
+                and _get(user, key) is None:
+            user = deep_merge(user, {"zero_optimization": {key.split(".")[1]: {"device": "none"}}})  # null: off
     roles = ("policy", "critic")
     generated = [train_config(cfg, train, stage_of(cfg, role), world_size, False) if train is not None
                  else {"zero_optimization": {"stage": stage_of(cfg, role)}, **precision(cfg)} for role in roles]

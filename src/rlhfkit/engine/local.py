@@ -248,6 +248,7 @@ class LocalEngine:
                 lr: float | None = None, keep_grads: bool = False) -> Trainable:
         """A trainable model: AdamW + warmup/decay schedule (every role alike on one device). `keep_grads`:
         the gradient tensors stay allocated between steps (zeroed, not freed; see the protocol)."""
+        float32_weights(model, self.say)
         model.to(self.device)
         model.train()
         return Trainable(self._mixed(model), train, total_steps, lr, keep_grads=keep_grads)
@@ -319,6 +320,20 @@ class LocalEngine:
     def export_hf(self, model: torch.nn.Module, tokenizer, target: Path, in_place: bool = True) -> Path:
         """A plain transformers folder (safetensors, tokenizer, LoRA merged) that from_pretrained loads."""
         return write_hf_folder(model, tokenizer, target, in_place)
+
+
+def float32_weights(model: torch.nn.Module, say) -> None:
+    """A model trained in full keeps float32 weights, whatever `load.dtype` loaded it in: a bfloat16 or float16
+    weight loses every update below its precision (measured: 15% of a tiny model's weights never moved in 6
+    steps). `engine.precision` sets the compute precision; frozen models and a LoRA base stay as loaded (LoRA's
+    adapters are float32 already)."""
+    from rlhfkit.models.lora import is_lora
+
+    half = (torch.float16, torch.bfloat16)
+    if not is_lora(model) and any(p.dtype in half for p in model.parameters() if p.requires_grad):
+        model.float()
+        say(f"load.dtype: the trained {type(model).__name__}'s weights are kept in float32 (engine.precision sets "
+            f"the compute precision)")
 
 
 @contextlib.contextmanager

@@ -173,18 +173,23 @@ def _how_to_go_back(folder: Path, good: Optional[Path]) -> str:
 def _incompatible(manifest: dict, expect: dict, any_world_size: bool = False) -> Optional[str]:
     """Why this run cannot load a checkpoint written with another engine, number of ranks or ZeRO stage
     (`any_world_size`: the engine reshards a checkpoint of another number of ranks itself)."""
-    keys = ("engine", "zero_stage") if any_world_size else ("engine", "world_size", "zero_stage")
+    keys = ("engine", "zero_stage", "critic_zero_stage") if any_world_size else \
+        ("engine", "world_size", "zero_stage", "critic_zero_stage")
     theirs = {k: manifest.get(k) for k in keys if k in manifest}
     if all(theirs[k] == expect.get(k) for k in theirs):
         return None
     same = "engine.backend and engine.zero_stage" if any_world_size else \
         "engine.backend, engine.zero_stage and number of ranks"
+    if "critic_zero_stage" in theirs:
+        same += " (and the critic's stage, engine.critic_zero_stage)"
     return (f"it was written by {_setup({**manifest, **theirs})} and this run is {_setup(expect)}: resume with "
             f"the same {same}")
 
 
 def _setup(d: dict) -> str:
     stage = f", ZeRO stage {d['zero_stage']}" if d.get("zero_stage") is not None else ""
+    if d.get("critic_zero_stage") is not None:
+        stage += f" (critic {d['critic_zero_stage']})"
     return f"the {d.get('engine', '?')} engine on {d.get('world_size', '?')} rank(s){stage}"
 
 
