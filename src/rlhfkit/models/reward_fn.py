@@ -240,9 +240,22 @@ class ModelReward:
             ids, mask = self._rm_inputs(batch, done)
         else:
             ids, mask = batch.input_ids, batch.attention_mask
+        # each distinct sequence is scored once (a group's identical samples get the very same score: scored in
+        # other rows of a batch they could differ in the last bits, and a group-relative estimator would turn that
+        # into advantages, or DAPO's filter miss an all-alike group)
+        slot: dict = {}  # a distinct sequence -> its place among the scored rows
+        distinct, where_scored = [], []
+        for i, (row, m) in enumerate(zip(ids, mask)):
+            key = tuple(row[m.bool()].tolist())
+            if key not in slot:
+                slot[key] = len(distinct)
+                distinct.append(i)
+            where_scored.append(slot[key])
+        where_scored = torch.tensor(where_scored)
+        ids, mask = ids[distinct], mask[distinct]
         scores = []
         with packed_weights(self.model):  # oneDNN's weight layout once for all micro-batches (CPU)
             for start in range(0, ids.size(0), self.micro):
                 chunk = slice(start, start + self.micro)
                 scores.append(sequence_scores(self.model, ids[chunk].to(self.device), mask[chunk].to(self.device)))
-        return torch.cat(scores).float()
+        return torch.cat(scores).float()[where_scored.to(scores[0].device)]
