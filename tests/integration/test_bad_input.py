@@ -108,16 +108,16 @@ def text_rows_for_rm(tmp, w):
     path = write_jsonl(tmp / "text.jsonl", [{"text": "Once upon a time"}] * 4)
     return "rm", [f"data.train={path}"], (
         f"{path}:1: cannot detect a preference format from keys (text); known formats: webgpt, shp, chat_pairs, "
-        f"prompt_chosen_rejected, hh_dialogue; plain {{text}} rows are pretraining text, not prompt/response data; "
-        f"map columns with data.fields, e.g. data.fields={{'prompt': 'question', 'chosen': 'better', "
-        f"'rejected': 'worse'}}")
+        f"prompt_chosen_rejected, hh_dialogue, sharegpt_pairs; plain {{text}} rows are pretraining text, not "
+        f"prompt/response data; map columns with data.fields, e.g. data.fields={{'prompt': 'question', 'chosen': "
+        f"'better', 'rejected': 'worse'}}")
 
 
 def sft_rows_for_rm(tmp, w):
     path = write_jsonl(tmp / "sft.jsonl", sft_rows())
     return "rm", [f"data.train={path}"], (
         f"{path}:1: cannot detect a preference format from keys (prompt, response); known formats: webgpt, shp, "
-        f"chat_pairs, prompt_chosen_rejected, hh_dialogue; map columns with data.fields, e.g. "
+        f"chat_pairs, prompt_chosen_rejected, hh_dialogue, sharegpt_pairs; map columns with data.fields, e.g. "
         f"data.fields={{'prompt': 'question', 'chosen': 'better', 'rejected': 'worse'}}")
 
 
@@ -432,6 +432,6 @@ def test_score_names_its_own_flag_for_renaming_columns(tmp_path, world, capsys):
                      str(tmp_path / "o.jsonl")]) == 2
     assert capsys.readouterr().err.strip() == (
         f"rlhfkit score: error: {rows}:1: cannot detect a sft format from keys (question, reply); known formats: "
-        f"webgpt, shp, chat_pairs, prompt_chosen_rejected, hh_dialogue, messages, alpaca, prompt_response; map "
-        f"columns with --field, e.g. --field prompt=question --field response=answer")
+        f"webgpt, shp, chat_pairs, prompt_chosen_rejected, hh_dialogue, sharegpt_pairs, messages, sharegpt, alpaca, "
+        f"prompt_response; map columns with --field, e.g. --field prompt=question --field response=answer")
     assert not (tmp_path / "o.jsonl").exists()

@@ -72,8 +72,9 @@ def test_detect_format(fixture, task, expected):
 
 
 def test_registry_per_task():
-    assert set(FORMATS["preference"]) == {"webgpt", "shp", "chat_pairs", "prompt_chosen_rejected", "hh_dialogue"}
-    assert set(FORMATS["sft"]) == set(FORMATS["preference"]) | {"messages", "alpaca", "prompt_response"}
+    assert set(FORMATS["preference"]) == {"webgpt", "shp", "chat_pairs", "prompt_chosen_rejected", "hh_dialogue",
+                                          "sharegpt_pairs"}
+    assert set(FORMATS["sft"]) == set(FORMATS["preference"]) | {"messages", "sharegpt", "alpaca", "prompt_response"}
     assert set(FORMATS["prompt"]) == set(FORMATS["sft"]) | {"prompt_only"}
 
 
@@ -386,9 +387,9 @@ def test_forced_format_and_unknown_format_name():
     forced = to_sft_examples(rows_of("rm_static.jsonl"), format="prompt_response")
     assert forced[0].response == "I haven't even thought about it."
     with pytest.raises(
-        DataError, match=r"^unknown sft format 'sharegpt' \(known: auto, webgpt, shp, .*prompt_response\)$"
+        DataError, match=r"^unknown sft format 'oasst' \(known: auto, webgpt, shp, .*prompt_response\)$"
     ):
-        to_sft_examples(rows_of("rm_static.jsonl"), format="sharegpt")
+        to_sft_examples(rows_of("rm_static.jsonl"), format="oasst")
     with pytest.raises(
         DataError, match=r"alpaca\.json:2: field 'chosen': missing \(row has keys: instruction, input, output\)$"
     ):
@@ -403,7 +404,7 @@ def test_undetectable_rows_suggest_the_fields_option():
         to_sft_examples(rows({"text": "Once upon a time."}))
     assert str(info.value) == (
         "mem.jsonl:1: cannot detect a sft format from keys (text); known formats: webgpt, shp, chat_pairs, "
-        "prompt_chosen_rejected, hh_dialogue, messages, alpaca, prompt_response; plain {text} rows are pretraining "
+        "prompt_chosen_rejected, hh_dialogue, sharegpt_pairs, messages, sharegpt, alpaca, prompt_response; plain {text} rows are pretraining "
         "text, not prompt/response data; map columns with data.fields, e.g. "
         "data.fields={'prompt': 'question', 'response': 'answer'}"
     )
@@ -450,7 +451,7 @@ def test_missing_field_in_a_later_row():
             {"chosen": "Hello there", "rejected": "Hi"},
             "preference",
             "mem.jsonl:1: cannot detect a preference format from keys (chosen, rejected); known formats: webgpt, "
-            "shp, chat_pairs, prompt_chosen_rejected, hh_dialogue; map columns with data.fields, e.g. "
+            "shp, chat_pairs, prompt_chosen_rejected, hh_dialogue, sharegpt_pairs; map columns with data.fields, e.g. "
             "data.fields={'prompt': 'question', 'chosen': 'better', 'rejected': 'worse'}",
         ),
         (
@@ -575,3 +576,26 @@ def test_score_reads_swapped_columns_as_pairs():
     pair = rows({"prompt": "Hi", "chosen": "bad", "rejected": "good"})
     assert _task(pair, {"chosen": "rejected", "rejected": "chosen"}, "auto") == "preference"
     assert _task(rows({"q": "Hi", "a": "hello"}), {"prompt": "q", "response": "a"}, "auto") == "sft"
+
+
+def test_sharegpt_conversations_and_pairs_read_as_chat_messages():
+    """FastChat / LLaMA-Factory ShareGPT rows ({conversations: [{from, value}]}, an optional `system`; preference
+    rows with `chosen` / `rejected` turns) need no code: detected, speakers mapped to roles."""
+    from rlhfkit.data.formats import detect_format, to_prompt_examples
+
+    conv = {"system": "Be brief.", "conversations": [{"from": "human", "value": "Hi"}, {"from": "gpt", "value": "Hello"},
+                                                     {"from": "human", "value": "Say apple"},
+                                                     {"from": "gpt", "value": "apple"}]}
+    assert detect_format(conv, "sft") == "sharegpt"
+    [ex] = to_sft_examples(rows(conv))
+    assert ex.prompt == [{"role": "system", "content": "Be brief."}, user("Hi"), assistant("Hello"),
+                         user("Say apple")] and ex.response == "apple"
+    assert to_prompt_examples(rows(conv))[0].prompt == ex.prompt
+    pair = {"conversations": [{"from": "human", "value": "Say apple"}], "chosen": {"from": "gpt", "value": "apple"},
+            "rejected": {"from": "gpt", "value": "pear"}}
+    assert detect_format(pair, "preference") == "sharegpt_pairs"
+    [p] = to_preference_examples(rows(pair))
+    assert (p.prompt, p.chosen, p.rejected) == ([user("Say apple")], "apple", "pear")
+    with pytest.raises(DataError, match=r"^mem.jsonl:1: field 'conversations': turn 2: 'from' 'bot' is not one of "
+                                        r"human, user, gpt"):
+        to_sft_examples(rows({"conversations": [{"from": "human", "value": "Hi"}, {"from": "bot", "value": "x"}]}))

@@ -250,6 +250,57 @@ def _messages_prompt(f):
     return _checked_prompt(f, "messages", prompt)
 
 
+# ShareGPT's speaker names (FastChat, LLaMA-Factory's "sharegpt" layout) -> chat roles
+SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "model": "assistant",
+                  "system": "system"}
+
+
+def _sharegpt_turn(f, name: str, index: int | None, turn) -> dict:
+    where_in = f"turn {index}: " if index is not None else ""
+    if not isinstance(turn, dict) or "from" not in turn or "value" not in turn:
+        raise f.error(name, f"{where_in}expected an object with 'from' and 'value'")
+    role = SHAREGPT_ROLES.get(turn["from"])
+    if role is None:
+        raise f.error(name, f"{where_in}'from' {turn['from']!r} is not one of {', '.join(SHAREGPT_ROLES)}")
+    return {"role": role, "content": turn["value"]}
+
+
+def _sharegpt_messages(f) -> list[dict]:
+    """`conversations: [{from, value}, ...]` (and an optional top-level `system`) as {role, content} messages."""
+    turns = f.get("conversations")
+    if not isinstance(turns, list) or not turns:
+        raise f.error("conversations", "expected a non-empty list of {from, value} turns")
+    system = f.data.get("system")
+    messages = [{"role": "system", "content": system}] if isinstance(system, str) and system.strip() else []
+    messages += [_sharegpt_turn(f, "conversations", i, turn) for i, turn in enumerate(turns, start=1)]
+    return f.messages("conversations", messages)
+
+
+def _sharegpt_prompt(f):
+    messages = _sharegpt_messages(f)
+    return _checked_prompt(f, "conversations", messages[:-1] if messages[-1]["role"] == "assistant" else messages)
+
+
+def _sharegpt_sft(f):
+    messages = _sharegpt_messages(f)
+    if messages[-1]["role"] != "assistant":
+        raise f.error("conversations", f"the last turn must be the assistant's response (got from "
+                                       f"{f.data['conversations'][-1].get('from')!r})")
+    return _checked_prompt(f, "conversations", messages[:-1]), f.text("conversations", messages[-1]["content"])
+
+
+def _sharegpt_pairs(f):
+    """LLaMA-Factory's ShareGPT preference rows: `conversations` is the prompt, `chosen` / `rejected` are turns."""
+    prompt = _checked_prompt(f, "conversations", _sharegpt_messages(f))
+    replies = []
+    for side in ("chosen", "rejected"):
+        reply = _sharegpt_turn(f, side, None, f.get(side))["content"]
+        if not isinstance(reply, str):
+            raise f.error(side, f"'value' is {type(reply).__name__}, not a string")
+        replies.append(f.text(side, reply, allow_empty=side == "rejected"))
+    return prompt, replies[0], replies[1]
+
+
 def _alpaca_prompt(f):
     instruction = f.text("instruction", part="prompt")
     extra = f.text("input", f.data.get("input") or "", allow_empty=True)
@@ -373,7 +424,15 @@ _FORMATS: dict[str, _Format] = {
         lambda f: _split_dialogue(f, "chosen"),
         _hh_dialogue,
     ),
+    "sharegpt_pairs": _Format(
+        lambda row: isinstance(row.get("conversations"), list) and isinstance(row.get("chosen"), dict)
+        and isinstance(row.get("rejected"), dict),
+        _sharegpt_prompt,
+        _sft_from_pair(_sharegpt_pairs),
+        _sharegpt_pairs,
+    ),
     "messages": _Format(_is_list("messages"), _messages_prompt, _messages_sft),
+    "sharegpt": _Format(_is_list("conversations"), _sharegpt_prompt, _sharegpt_sft),
     "alpaca": _Format(_has("instruction", "output"), _alpaca_prompt, _alpaca_sft),
     "prompt_response": _Format(_has("prompt", "response"), _prompt_field, _prompt_response),
     "prompt_only": _Format(_has("prompt"), _prompt_field),
@@ -387,7 +446,8 @@ FORMATS: dict[str, dict[str, Callable]] = {
 }
 # Every field name the formats read: the targets `fields` may map a column to.
 CANONICAL_FIELDS = tuple(
-    "prompt response chosen rejected messages instruction input output system history question answer_0 answer_1 "
+    "prompt response chosen rejected messages conversations instruction input output system history question "
+    "answer_0 answer_1 "
     "score_0 score_1 human_ref_A human_ref_B labels".split()
 )
 _FIELDS_EXAMPLE = {
