@@ -152,12 +152,14 @@ def test_ppo_end_to_end_on_stories260k_with_sft_and_reward_model_outputs(tmp_pat
     rows = [r for r in read_metrics(tmp_path / "ppo" / "metrics.jsonl") if "reward/mean" in r]
     assert len(rows) == 3 and all(key in rows[-1] for key in PPO_KEYS)
     assert all(abs(r["kl"]) < KL_BUDGET for r in rows)
-    # HH prompts are longer than data.max_prompt_length=64 here: samples show the prompt the actor read (its end)
+    # HH prompts are longer than data.max_prompt_length=64 here: samples show the prompt the actor read (the
+    # template's opening, BOS included, and the end)
     samples = [json.loads(line) for line in (tmp_path / "ppo" / "samples.jsonl").read_text().splitlines()]
     cut = [s for s in samples if s.get("prompt_truncated")]
     assert cut, samples[0]
     tok = AutoTokenizer.from_pretrained(STORIES)
     for s in cut:
-        assert s["prompt"].rstrip().endswith("Assistant:") and len(tok(s["prompt"])["input_ids"]) <= 66
+        assert s["prompt"].startswith(tok.bos_token + " User:") and s["prompt"].rstrip().endswith("Assistant:")
+        assert len(tok(s["prompt"], add_special_tokens=False)["input_ids"]) <= 66
     assert AutoModelForCausalLM.from_pretrained(tmp_path / "ppo" / "final").config.vocab_size == 512
     assert AutoModelForSequenceClassification.from_pretrained(tmp_path / "ppo" / "final-critic").config.num_labels == 1
