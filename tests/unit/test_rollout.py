@@ -478,9 +478,10 @@ def test_generation_batch_size_counts_prompts_and_keeps_each_prompts_samples_in_
 
 @pytest.mark.parametrize("padding_free", [True, False])
 def test_a_reward_model_gives_identical_sequences_the_very_same_score(tiny, tmp_path, padding_free):
-    """A group's identical samples (greedy decoding, a converged policy) are scored once: in other rows of a
-    batch their scores differed in the last bits (measured 0.2678722143 vs 0.2678722441 padding-free), which GRPO
-    turned into advantages of +-0.015 and DAPO's equal-group filter missed. Distinct rows score as alone."""
+    """A group's identical samples (greedy decoding, a converged policy) get their first copy's score: in other
+    rows of a batch their scores differed in the last bits (measured 0.2678722143 vs 0.2678722441 padding-free),
+    which GRPO turned into advantages of +-0.015 and DAPO's equal-group filter missed. Distinct rows score as
+    alone."""
     from rlhfkit.models.forward import use_padding_free
 
     from rlhfkit.demo.tiny import build_tiny_llama, save_model_folder

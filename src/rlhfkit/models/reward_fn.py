@@ -240,22 +240,15 @@ class ModelReward:
             ids, mask = self._rm_inputs(batch, done)
         else:
             ids, mask = batch.input_ids, batch.attention_mask
-        # each distinct sequence is scored once (a group's identical samples get the very same score: scored in
-        # other rows of a batch they could differ in the last bits, and a group-relative estimator would turn that
-        # into advantages, or DAPO's filter miss an all-alike group)
-        slot: dict = {}  # a distinct sequence -> its place among the scored rows
-        distinct, where_scored = [], []
-        for i, (row, m) in enumerate(zip(ids, mask)):
-            key = tuple(row[m.bool()].tolist())
-            if key not in slot:
-                slot[key] = len(distinct)
-                distinct.append(i)
-            where_scored.append(slot[key])
-        where_scored = torch.tensor(where_scored)
-        ids, mask = ids[distinct], mask[distinct]
         scores = []
         with packed_weights(self.model):  # oneDNN's weight layout once for all micro-batches (CPU)
             for start in range(0, ids.size(0), self.micro):
                 chunk = slice(start, start + self.micro)
                 scores.append(sequence_scores(self.model, ids[chunk].to(self.device), mask[chunk].to(self.device)))
-        return torch.cat(scores).float()[where_scored.to(scores[0].device)]
+        # identical sequences get the very score of their first copy: scored in other rows of a batch they can
+        # differ in the last bits, which a group-relative estimator turns into advantages and DAPO's filter reads
+        # as different (every row is still scored, so every rank runs the same forwards, a ZeRO-3 collective)
+        first: dict = {}
+        same = [first.setdefault(tuple(row[m.bool()].tolist()), i) for i, (row, m) in enumerate(zip(ids, mask))]
+        scores = torch.cat(scores).float()
+        return scores[torch.tensor(same, device=scores.device)]
