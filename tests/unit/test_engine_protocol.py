@@ -168,3 +168,18 @@ def test_backend_knowledge_lives_in_engine_only():
                          code):
                 offenders.append(f"{path.relative_to(SRC)}:{number}: {line.strip()}")
     assert not offenders, offenders
+
+
+def test_a_deepspeed_json_reaches_the_frozen_models_but_for_its_training_keys():
+    """ZeRO-3 tuning in engine.deepspeed_config (live parameters, prefetch, ...) applies to the frozen reference and
+    reward models too; their batch, clipping, optimizer and optimizer offload stay out (a frozen model has none)."""
+    user = {"zero_optimization": {"stage": 3, "stage3_max_live_parameters": 1000, "stage3_prefetch_bucket_size": 10,
+                                  "offload_optimizer": {"device": "cpu"}},
+            "gradient_clipping": 1.0, "train_micro_batch_size_per_gpu": 2, "communication_data_type": "fp32"}
+    cfg = EngineConfig(backend="deepspeed", zero_stage=3, offload_optimizer=True)
+    frozen = ds_config.eval_config(cfg, 3, 2, user)
+    assert frozen["zero_optimization"] == {"stage": 3, "stage3_max_live_parameters": 1000,
+                                           "stage3_prefetch_bucket_size": 10}
+    assert (frozen["train_micro_batch_size_per_gpu"], frozen["train_batch_size"]) == (1, 2)
+    assert "gradient_clipping" not in frozen and frozen["communication_data_type"] == "fp32"
+    assert ds_config.eval_config(cfg, 3, 2) == ds_config.eval_config(cfg, 3, 2, {})

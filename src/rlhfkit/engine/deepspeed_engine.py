@@ -348,7 +348,7 @@ class DeepSpeedEngine:
         return ds_config.merged_config(generated, self.extra)
 
     def eval_config(self, stage: int) -> dict:
-        return ds_config.eval_config(self.cfg, stage, self.world_size)
+        return ds_config.eval_config(self.cfg, stage, self.world_size, self.extra)
 
     # -- models ----------------------------------------------------------------------------------------
     def prepare(self, model: torch.nn.Module, train: TrainConfig, total_steps: int, role: str = "policy",

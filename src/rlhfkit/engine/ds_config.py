@@ -73,13 +73,26 @@ def train_config(cfg: EngineConfig, train: TrainConfig, stage: int, world_size: 
     }
 
 
-def eval_config(cfg: EngineConfig, stage: int, world_size: int) -> dict:
-    """A frozen model's config: partitioned with ZeRO-3 when the trained models are, else whole on each rank."""
+# the keys of a user JSON that concern training only: a frozen model's config leaves them out
+TRAINING_ONLY = ("optimizer", "scheduler", "train_batch_size", "train_micro_batch_size_per_gpu",
+                 "gradient_accumulation_steps", "gradient_clipping", "zero_optimization.offload_optimizer")
+
+
+def eval_config(cfg: EngineConfig, stage: int, world_size: int, user: dict | None = None) -> dict:
+    """A frozen model's config: partitioned with ZeRO-3 when the trained models are, else whole on each rank; the
+    user's JSON merged over it but for the training keys (`TRAINING_ONLY`), so its ZeRO-3 tuning (live parameters,
+    prefetch and bucket sizes, ...) reaches the frozen models too."""
     zero = {"stage": 3 if stage == 3 else 0}
     if cfg.offload_params and stage == 3:
         zero["offload_param"] = {"device": "cpu"}
-    return {"train_micro_batch_size_per_gpu": 1, "train_batch_size": world_size, "zero_optimization": zero,
-            "steps_per_print": 10**12, **precision(cfg)}
+    generated = {"train_micro_batch_size_per_gpu": 1, "train_batch_size": world_size, "zero_optimization": zero,
+                 "steps_per_print": 10**12, **precision(cfg)}
+    frozen = {key: value for key, value in (user or {}).items() if key not in TRAINING_ONLY}
+    if isinstance(frozen.get("zero_optimization"), dict):
+        # its stage is the trained models' (checked); a frozen model's is 3 or 0, as generated
+        frozen["zero_optimization"] = {key: value for key, value in frozen["zero_optimization"].items()
+                                       if f"zero_optimization.{key}" not in TRAINING_ONLY and key != "stage"}
+    return merged_config(generated, frozen)
 
 
 def _get(config: dict, dotted: str):
