@@ -169,3 +169,48 @@ def test_a_model_that_changes_its_logits_after_the_head_keeps_its_logits(tiny_mo
 
     model.forward = scaled
     assert not head_gives_logits(model)
+
+
+def test_the_chunked_head_multiplies_at_the_forwards_precision(tiny_model_dir):
+    """engine.precision=bf16 on the local engine (autocast hooks around each forward): the LM head run in chunks
+    after the forward (PPO's and DPO's log-probs, SFT's fused loss) multiplies in bf16, as the model's own head does
+    under that autocast, not in float32 (a ~3x slower head on a GPU, whose float32 GEMMs have no tensor cores)."""
+    from rlhfkit.config.schema import EngineConfig
+    from rlhfkit.data.tokenize import collate_sft
+    from rlhfkit.models.forward import final_hidden, position_ids
+    from rlhfkit.rollout.experience import response_hidden
+    from rlhfkit.stages.sft import lm_forward
+
+    tok = load_tokenizer(str(tiny_model_dir), padding_side="left")
+    model = sharpened(load_causal_lm(str(tiny_model_dir), tokenizer=tok))
+    batch = _batch(tok, model.eval(), False)
+    model = LocalEngine(EngineConfig(precision="bf16")).prepare_frozen(model)
+    use_head_logprobs(model, True)
+    weight = model.lm_head.weight
+
+    def head_logprobs(hidden, ids, dtype):  # the head by hand at `dtype`, log-softmax in float32
+        z = (hidden.to(dtype) @ weight.to(dtype).T).float()
+        return z.log_softmax(-1).gather(1, ids[:, None])[:, 0]
+
+    valid = batch.response_mask.bool()
+    ids = batch.response_ids[valid]
+    with torch.no_grad():
+        logp = response_logprobs(model, batch)[valid]
+        hidden = response_hidden(model, batch)[valid]  # the same forward, under the hooks' autocast
+        bf16, fp32 = head_logprobs(hidden, ids, torch.bfloat16), head_logprobs(hidden, ids, torch.float32)
+    torch.testing.assert_close(logp, bf16, atol=1e-5, rtol=1e-5)
+    assert (logp - fp32).abs().max() > 1e-3  # bf16's rounding is visible: the float32 head is not what ran
+
+    rows = [{"input_ids": r, "labels": r} for r in ([5, 9, 14, 3, 22, 7], [8, 4, 30, 2])]
+    micro = collate_sft(rows, tok.pad_token_id)
+    with torch.no_grad():
+        loss, count = lm_forward(model, micro, torch.device("cpu"), fused=True)
+        mask = micro["attention_mask"]
+        hidden = final_hidden(model, micro["input_ids"], mask, position_ids(mask))[:, :-1]
+        labels = micro["labels"][:, 1:]
+        keep = labels != -100
+        by_hand = {dtype: -head_logprobs(hidden[keep], labels[keep], dtype).sum()
+                   for dtype in (torch.bfloat16, torch.float32)}
+    assert count == int(keep.sum())
+    torch.testing.assert_close(loss, by_hand[torch.bfloat16], atol=1e-4, rtol=1e-5)
+    assert abs(float(loss - by_hand[torch.float32])) > 1e-3

@@ -93,14 +93,14 @@ class _LinearCrossEntropySum(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, labels, chunk, grad_hidden_needed, grad_weight_needed):
+    def forward(ctx, hidden, weight, labels, chunk, dtype, grad_hidden_needed, grad_weight_needed):
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
         grad_hidden = torch.empty_like(hidden) if grad_hidden_needed else None
         grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) \
             if grad_weight_needed else None
-        w = weight.to(hidden.dtype)
+        w, h_all = weight.to(dtype), hidden.to(dtype)
         for start in range(0, hidden.size(0), chunk):
-            h, y = hidden[start:start + chunk], labels[start:start + chunk]
+            h, y = h_all[start:start + chunk], labels[start:start + chunk]
             z = (h @ w.T).float()  # (c, V), upcast as the model's own loss does
             lse = torch.logsumexp(z, dim=-1)
             total += (lse - z.gather(1, y[:, None]).squeeze(1)).sum()
@@ -125,7 +125,7 @@ class _LinearCrossEntropySum(torch.autograd.Function):
             grad_hidden = grad_hidden.mul_(grad_total.to(grad_hidden.dtype))
         if grad_weight is not None:
             grad_weight = grad_weight.mul_(grad_total).to(ctx.weight_dtype)
-        return grad_hidden, grad_weight, None, None, None, None
+        return grad_hidden, grad_weight, None, None, None, None, None
 
 
 def linear_lm_loss_sum(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
@@ -140,14 +140,18 @@ def linear_lm_loss_sum(hidden: torch.Tensor, weight: torch.Tensor, labels: torch
         chunk: rows of logits per chunk; 0 picks ~64 MiB of float32.
 
     Returns:
-        A scalar float32 tensor; its gradient reaches ``hidden`` and ``weight`` (those that require one).
+        A scalar float32 tensor; its gradient reaches ``hidden`` and ``weight`` (those that require one). Under
+        autocast the head's GEMMs run in the autocast dtype, as the model's own head would; else in ``hidden``'s.
     """
     if hidden.dim() != 2 or labels.shape != hidden.shape[:1]:
         raise ValueError(f"hidden (K, H) and labels (K,) expected, got {tuple(hidden.shape)} and {tuple(labels.shape)}")
     chunk = chunk or max(64, _CHUNK_ELEMENTS // weight.size(0))
     grads = torch.is_grad_enabled()
-    return _LinearCrossEntropySum.apply(hidden, weight, labels, chunk, grads and hidden.requires_grad,
-                                        grads and weight.requires_grad)
+    device = hidden.device.type
+    dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else hidden.dtype
+    with torch.autocast(device, enabled=False):
+        return _LinearCrossEntropySum.apply(hidden, weight, labels, chunk, dtype, grads and hidden.requires_grad,
+                                            grads and weight.requires_grad)
 
 
 # Rows of logits one chunk of the fused log-probs holds at a time: ~32 MiB of float32 (measured on SmolLM2's

@@ -196,6 +196,9 @@ class AutocastHooks:
     def attach(self, module: torch.nn.Module) -> torch.nn.Module:
         module.register_forward_pre_hook(self.enter)
         module.register_forward_hook(self.leave, always_call=True)
+        # read by `models.forward.mixed_precision`: code that stands in for part of the forward outside it (the LM
+        # head in chunks) runs under the same autocast
+        module._rlhfkit_autocast = (self.device_type, self.dtype)
         return module
 
 

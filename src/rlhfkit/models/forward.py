@@ -167,6 +167,15 @@ def head_logprobs_weight(model) -> torch.Tensor | None:
     return lm_head_weight(model)
 
 
+def mixed_precision(model):
+    """The autocast `model`'s forward runs under (the local engine's `engine.precision=bf16` hooks), for the code
+    that does part of the forward's work outside it: the LM head in chunks (`algos.linear_token_logprobs`,
+    `linear_lm_loss_sum`) then multiplies in bf16 as the model's own head would, not in float32. A no-op context
+    for a model without it (float32; DeepSpeed's bf16, whose weights are bf16 themselves)."""
+    spec = getattr(model, "_rlhfkit_autocast", None)
+    return torch.autocast(spec[0], dtype=spec[1]) if spec else contextlib.nullcontext()
+
+
 def head_matmul(model):
     """The GEMM for `model`'s LM head weight used outside the head (`cpu_linear.layer_matmul`), or None."""
     return layer_matmul(base_model(model).get_output_embeddings())

@@ -15,7 +15,7 @@ from rlhfkit.algos import (entropy_from_logits, kl_penalty, linear_token_logprob
                            shape_rewards, token_logprobs)
 from rlhfkit.config.ppo_schema import PPOSection
 from rlhfkit.models.cpu_linear import packed_weights
-from rlhfkit.models.forward import (causal_logits, final_hidden, head_logprobs_weight, head_matmul, packed_outputs,
+from rlhfkit.models.forward import (causal_logits, final_hidden, head_logprobs_weight, head_matmul, mixed_precision, packed_outputs,
                                     padding_free, position_ids, read_packed, token_scores)
 from rlhfkit.models.prefix import common_prefix_outputs, shared_prefix_logits
 from rlhfkit.models.lora import adapter_disabled
@@ -85,8 +85,9 @@ def response_logprobs_and_entropy(model, batch: RolloutBatch, temperature: float
         return logp, ent
     valid = batch.response_mask.bool()
     hidden = response_hidden(model, batch)[valid]  # (K, H)
-    logp, ent = linear_token_logprobs(hidden, weight, batch.response_ids[valid], temperature, entropy=entropy,
-                                      linear=head_matmul(model))
+    with mixed_precision(model):  # the head at the forward's precision
+        logp, ent = linear_token_logprobs(hidden, weight, batch.response_ids[valid], temperature, entropy=entropy,
+                                          linear=head_matmul(model))
     full = torch.zeros(valid.shape, dtype=logp.dtype, device=logp.device)
     return full.masked_scatter(valid, logp), full.detach().masked_scatter(valid, ent)
 

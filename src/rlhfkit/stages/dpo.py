@@ -43,6 +43,7 @@ from rlhfkit.errors import ModelError
 from rlhfkit.models import load_causal_lm, load_tokenizer
 from rlhfkit.models.cpu_linear import use_fast_cpu_linear_for_training
 from rlhfkit.models.forward import (causal_logits, custom_mask_kind, final_hidden, head_logprobs_weight, head_matmul,
+                                    mixed_precision,
                                     masked_logits, position_ids)
 from rlhfkit.models.prefix import shared_prefix_logits
 from rlhfkit.models.loading import causal_lm_config, load_generation_config, record_template
@@ -97,7 +98,8 @@ def sequence_logprobs(model, rows: list[dict], pad_id: int, device) -> tuple[tor
                             packed["allowed"].to(device), packed["scored"].to(device), hidden=chunked)
         source, target, owner = (packed[k].to(device) for k in ("source", "target", "owner"))  # (K,) each
         if chunked:
-            logps = linear_token_logprobs(out[source], weight, target, linear=head_matmul(model))[0]
+            with mixed_precision(model):  # the head at the forward's precision
+                logps = linear_token_logprobs(out[source], weight, target, linear=head_matmul(model))[0]
         else:
             logps = token_logprobs(out[source][None], target[None])[0]  # (K,) one per response token
         sums = torch.zeros(2 * len(rows), dtype=logps.dtype, device=device).index_add(0, owner, logps)
@@ -135,7 +137,8 @@ def response_sums(model, weight: Optional[torch.Tensor], out: torch.Tensor, targ
     or with the LM head's `weight` (N, R, H) hidden states, the head run in chunks on the valid positions only."""
     if weight is None:
         return masked_sum(token_logprobs(out, targets), valid, dim=-1)
-    logps = linear_token_logprobs(out[valid], weight, targets[valid], linear=head_matmul(model))[0]  # (K,)
+    with mixed_precision(model):  # the head at the forward's precision
+        logps = linear_token_logprobs(out[valid], weight, targets[valid], linear=head_matmul(model))[0]  # (K,)
     return torch.zeros(valid.shape, dtype=logps.dtype, device=logps.device).masked_scatter(valid, logps).sum(-1)
 
 

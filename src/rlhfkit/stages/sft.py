@@ -16,7 +16,8 @@ from rlhfkit.data.tokenize import collate_packed, collate_sft, micro_batches
 from rlhfkit.engine import make_engine
 from rlhfkit.models import load_causal_lm, load_tokenizer
 from rlhfkit.models.cpu_linear import use_fast_cpu_linear_for_training
-from rlhfkit.models.forward import causal_logits, final_hidden, lm_head_weight, packed_logits, position_ids
+from rlhfkit.models.forward import (causal_logits, final_hidden, lm_head_weight, mixed_precision, packed_logits,
+                                    position_ids)
 from rlhfkit.models.segments import packed_attention, packed_row_tokens
 from rlhfkit.models.loading import load_generation_config, record_template
 from rlhfkit.models.lora import apply_lora
@@ -43,7 +44,8 @@ def lm_forward(model, batch: dict, device, fused: bool = False) -> tuple[torch.T
         with packed_attention(model, packed):
             hidden = final_hidden(model, batch["input_ids"], mask, positions)[:, :-1]
         keep = labels != -100
-        return linear_lm_loss_sum(hidden[keep], weight, labels[keep]), int(keep.sum().item())
+        with mixed_precision(model):  # the head at the forward's precision
+            return linear_lm_loss_sum(hidden[keep], weight, labels[keep]), int(keep.sum().item())
     if packed:
         logits = packed_logits(model, batch["input_ids"], batch["position_ids"])
     else:
