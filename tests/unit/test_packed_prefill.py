@@ -123,3 +123,14 @@ def test_the_check_refuses_attention_that_does_not_run_per_packed_sequence(monke
     assert generate.packed_prefill_is_exact(_llama("eager")) is False
     monkeypatch.setattr(generate, "packed_attention", lambda model: torch.no_grad())  # plain sdpa over the row
     assert generate.packed_prefill_is_exact(_llama()) is False
+
+
+def test_both_exactness_checks_pass_under_bf16_autocast_over_float32_weights():
+    """engine.precision=bf16 on the local engine runs the rollout (and these checks in it) under bf16 autocast
+    with float32 weights: the checks allow bf16's rounding there, as for bf16 weights, rather than demanding
+    float32's 1e-4 and turning the packed prefill and the group decode off under bf16."""
+    from rlhfkit.rollout.group_decode import group_decode_is_exact
+
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert generate.packed_prefill_is_exact(_llama()) is True
+        assert group_decode_is_exact(_llama()) is True
