@@ -153,7 +153,8 @@ def run_rm(cfg: RMConfig, resume: bool = False, force: bool = False) -> dict:
     out = prepare_output_dir(cfg, resume, force, engine.is_main)
 
     # 2. the optimizer (and the state of a resumed run)
-    rm = engine.prepare(model, cfg.train, total, role="reward_model", keep_grads=True)
+    # gradients kept allocated between steps on a CPU only (see stages/sft.py)
+    rm = engine.prepare(model, cfg.train, total, role="reward_model", keep_grads=engine.device.type == "cpu")
     onednn = use_fast_cpu_linear_for_training(rm.module, engine.device)  # Zen 5: every GEMM faster in oneDNN
     resumed = resume_state(engine, out, {"model": rm}, total) if resume else {}
     start = resumed_from(cfg, out, resumed["step"], engine.is_main) if resume else 0

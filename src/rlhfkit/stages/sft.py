@@ -145,7 +145,9 @@ def run_sft(cfg: SFTConfig, resume: bool = False, force: bool = False) -> dict:
     out = prepare_output_dir(cfg, resume, force, engine.is_main)
 
     # 2. the optimizer (and the state of a resumed run)
-    actor = engine.prepare(model, cfg.train, total, keep_grads=True)
+    # on a CPU the gradients stay allocated between steps (memory a step gets afresh costs page faults there); on a
+    # GPU they are freed, so the forward's activation peak does not hold them too
+    actor = engine.prepare(model, cfg.train, total, keep_grads=engine.device.type == "cpu")
     onednn = use_fast_cpu_linear_for_training(actor.module, engine.device)  # Zen 5: ~1.7x faster steps
     resumed = resume_state(engine, out, {"model": actor}, total) if resume else {}
     start = resumed_from(cfg, out, resumed["step"], engine.is_main) if resume else 0
