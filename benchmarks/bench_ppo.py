@@ -8,6 +8,10 @@
                                               # engine.precision=bf16) instead of float32
     python benchmarks/bench_ppo.py --sizes SmolLM2 --shapes 8:64,16:64 --threads 2
                                               # SmolLM2-135M-Instruct (rlhfkit fetch) and its scalar-head twin
+    python benchmarks/bench_ppo.py --gpu --sizes 1B --shapes 16:128,64:128 --trl-python PY
+                                              # on a CUDA GPU: a ~1B random-init Llama built there, both systems
+                                              # in bf16 mixed precision, one after the other (not in lock-step),
+                                              # peak GPU memory; PY imports TRL 1.12.0 (no venv is made)
     --threads N sets torch's threads for both systems (default 1: steadier on a shared machine); --shapes
     batch:response pairs instead of the default ones; --micro the update's micro-batch size (default 8)
 
@@ -109,7 +113,8 @@ def trl_worker(args) -> None:
                        lr_scheduler_type="constant", total_episodes=args.batch * (args.free_run or 100000),
                        num_sample_generations=0,
                        bf16=args.bf16, gradient_checkpointing=False, report_to=[], save_strategy="no",
-                       logging_steps=1, disable_tqdm=True, seed=1234, use_cpu=True, dataloader_num_workers=0)
+                       logging_steps=1, disable_tqdm=True, seed=1234, use_cpu=not harness.on_gpu(),
+                       dataloader_num_workers=0)
     trainer = PPOTrainer(
         args=config, processing_class=tok, model=AutoModelForCausalLM.from_pretrained(policy),
         ref_model=AutoModelForCausalLM.from_pretrained(policy),
@@ -146,12 +151,14 @@ def compare(world: Path, trl_python: Path, size: str, batch: int, response: int,
           f"{', bf16 mixed precision' if args.bf16 else ''})", flush=True)
     env = thread_env(args.threads)
     harness.uncache_libraries(Path(sys.prefix), trl_python.parent.parent)  # the same start for both (peak RSS)
-    workers = [harness.Worker(name, worker_cmd(name, py, world, size, batch, response, args.threads,
-                                               tmp / f"{name}-{size}-{batch}-{response}", bf16=args.bf16,
-                                               micro=min(args.micro, batch)),
-                              tmp / f"{name}-{size}-{batch}-{response}.log", env)
-               for name, py in (("rlhfkit", Path(sys.executable)), ("trl", trl_python))]
-    results = harness.run_lockstep(workers, args.warmup, args.iters)
+    def starter(name: str, py: Path):
+        return lambda: harness.Worker(name, worker_cmd(name, py, world, size, batch, response, args.threads,
+                                                       tmp / f"{name}-{size}-{batch}-{response}", bf16=args.bf16,
+                                                       micro=min(args.micro, batch)),
+                                      tmp / f"{name}-{size}-{batch}-{response}.log", env)
+
+    results = harness.run_workers({"rlhfkit": starter("rlhfkit", Path(sys.executable)),
+                                   "trl": starter("trl", trl_python)}, args.warmup, args.iters)
     mine, theirs = harness.summarise(results["rlhfkit"]), harness.summarise(results["trl"])
     row = {"size": size, "batch": batch, "response": response, "threads": args.threads, "rlhfkit": mine,
            "trl": theirs, "time_ratio": mine["seconds"] / theirs["seconds"],
@@ -190,11 +197,12 @@ def print_row(row: dict) -> None:
     for name in ("rlhfkit", "trl"):
         s = row[name]
         print(f"  {name:8s} {s['seconds']:7.3f} s/iter  {b / s['seconds']:7.1f} samples/s  "
-              f"peak RSS {s['peak_mb']:7.0f} MiB")
+              f"peak {'GPU memory' if harness.on_gpu() else 'RSS'} {s['peak_mb']:7.0f} MiB")
     time_target, floor_target = targets(row["size"])
     print(f"  ratio rlhfkit/TRL: time {row['time_ratio']:.2f}x (target <= {time_target:.2f}), "
           f"peak memory {row['memory_ratio']:.2f}x (target <= 0.80)")
-    print(f"  floor (linear-layer FLOPs at {row['floor']['gflops']:.0f} GFLOP/s): {row['floor']['iteration']:.3f} s; "
+    rate = f"{row['floor']['gflops']:.0f} GFLOP/s" + (" bf16" if harness.on_gpu() else "")
+    print(f"  floor (linear-layer FLOPs at {rate}): {row['floor']['iteration']:.3f} s; "
           f"rlhfkit's iteration is {row['floor_ratio']:.2f}x its floor (target <= {floor_target:.1f})")
     phases = row["rlhfkit"]["phases"]
     if phases:
@@ -311,6 +319,9 @@ def main() -> None:
     p.add_argument("--bf16", action="store_true", help="both systems in bf16 mixed precision (TRL bf16=True, rlhfkit "
                                                         "engine.precision=bf16): float32 weights, bf16 matmuls")
     p.add_argument("--rounds", type=int, default=2, help="--zero3: alternating rounds of the two rlhfkit runs")
+    p.add_argument("--gpu", action="store_true", help="on the machine's CUDA GPU, bf16 mixed precision, sizes "
+                                                       f"from {sorted(harness.GPU_SIZES)} built there")
+    p.add_argument("--trl-python", help="an interpreter that imports TRL 1.12.0 (instead of benchmarks/.venv-trl)")
     # worker mode (internal)
     p.add_argument("--worker", choices=("rlhfkit", "trl"))
     p.add_argument("--world"), p.add_argument("--size"), p.add_argument("--out")
@@ -326,7 +337,10 @@ def main() -> None:
         zero3(args)
         return
 
-    trl_python = harness.ensure_trl_venv()
+    if args.gpu:
+        harness.enter_gpu_mode()
+        args.bf16 = True
+    trl_python = harness.ensure_trl_venv(python=args.trl_python)
     world = harness.build_world()
     print(harness.machine_line(args.threads), flush=True)
     args.gflops = harness.peak_matmul_gflops(args.threads)
@@ -340,6 +354,10 @@ def main() -> None:
         configs = [(s, b, r) for s in args.sizes.split(",") for b, r in shapes]
     if any(size == harness.REAL_SIZE for size, _, _ in configs):
         harness.add_real_model(world)
+    for size in {size for size, _, _ in configs if size in harness.GPU_SIZES}:
+        if not args.gpu:
+            raise SystemExit(f"size {size} is built on a GPU: add --gpu")
+        harness.add_gpu_model(world, size)
     for size, batch, _ in configs:
         harness.tokenized_prompts(world, batch, size)
         if batch % min(args.micro, batch):

@@ -6,6 +6,10 @@
     python benchmarks/bench_sft.py --sizes SmolLM2   # SmolLM2-135M-Instruct (rlhfkit fetch) and its scalar twin
     python benchmarks/bench_sft.py --check    # the first step's loss (and gradient norm) of both, per stage (no timing)
     python benchmarks/bench_sft.py --trl-batches padded   # TRL's padded micro-batches instead of padding-free
+    python benchmarks/bench_sft.py --gpu --sizes 1B --rows 64 --micro 8 --trl-python PY
+                                              # on a CUDA GPU: a ~1B random-init Llama built there, both systems
+                                              # in bf16 mixed precision, one after the other, peak GPU memory;
+                                              # PY imports TRL 1.16.0 (no venv is made)
     --threads N sets torch's threads for both systems (default 1: steadier on a shared machine)
 
 Printed per stage and model: trained tokens per second (the real tokens of a step, padding excluded, over the
@@ -39,6 +43,8 @@ Identical work, per iteration (one optimizer step):
               micro_batch_size; TRL per_device_train_batch_size = MICRO, gradient_accumulation_steps = ROWS / MICRO);
   optimizer   AdamW, fused on both sides (TRL optim="adamw_torch_fused"), lr 1e-5 constant, betas (0.9, 0.95),
               eps 1e-8, no weight decay, grad-norm clip 1.0;
+  --gpu       both on the CUDA GPU in bf16 mixed precision (float32 weights and AdamW; rlhfkit engine.precision=bf16,
+              TRL bf16=True), peak memory the GPU's (torch.cuda.max_memory_allocated), one system after the other;
   not timed   loading, tokenising, rlhfkit's one-off packing check; no evaluation, no checkpoints.
 
 How a micro-batch goes through the model is each system's own, in its best CPU configuration:
@@ -135,7 +141,8 @@ def rlhfkit_overrides(stage: str, model: Path, data: Path, out, batch: int, step
               "train.scheduler=constant", "train.weight_decay=0", "train.betas=[0.9,0.95]", "train.max_grad_norm=1.0",
               "train.save_every=0", "train.eval_every=0", "train.log_every=1", "log.tensorboard=false",
               "log.progress=false"]
-    return common + (["rm.norm_samples=0"] if stage == "rm" else [])
+    return common + (["rm.norm_samples=0"] if stage == "rm" else []) + \
+        (["engine.precision=bf16"] if harness.on_gpu() else [])
 
 
 def rlhfkit_rows(stage: str, world: Path, size: str, data: Path) -> list[dict]:
@@ -150,7 +157,7 @@ def rlhfkit_rows(stage: str, world: Path, size: str, data: Path) -> list[dict]:
 
     folder = str(world / size / FOLDER[stage])
     cfg = load_config(SFTConfig if stage == "sft" else RMConfig, None,
-                      rlhfkit_overrides(stage, Path(folder), data, "unused", ROWS))
+                      rlhfkit_overrides(stage, Path(folder), data, "unused", MICRO))
     tok = load_tokenizer(folder, cfg.load)
     loaded = load_stage_data(stage, cfg.data, tok, cfg.train.seed,
                              end_ids=end_token_ids(tok, load_generation_config(folder, cfg.load)), main=False)
@@ -217,7 +224,8 @@ def trl_trainer(stage: str, world: Path, size: str, rows: list[dict], out, steps
         output_dir=str(out), per_device_train_batch_size=MICRO, gradient_accumulation_steps=len(rows) // MICRO,
         learning_rate=LR, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, adam_beta1=0.9,
         adam_beta2=0.95, adam_epsilon=1e-8, optim="adamw_torch_fused", max_grad_norm=1.0, max_steps=steps,
-        bf16=False, fp16=False, gradient_checkpointing=False, use_cpu=True, report_to=[], save_strategy="no",
+        bf16=harness.on_gpu(), fp16=False, gradient_checkpointing=False, use_cpu=not harness.on_gpu(), report_to=[],
+        save_strategy="no",
         eval_strategy="no", logging_steps=1, disable_tqdm=True, seed=1234, dataloader_num_workers=0)
     data = Dataset.from_list(trl_rows(stage, rows))
     tok = AutoTokenizer.from_pretrained(folder)
@@ -304,7 +312,8 @@ def trl_check(args) -> None:
 def worker_cmd(system: str, python: Path, world: Path, size: str, stage: str, args, out: Path, spec: Path) -> list:
     return [str(python), str(Path(__file__).resolve()), "--worker", system, "--world", str(world), "--size", size,
             "--stage", stage, "--rows", str(args.rows), "--threads", str(args.threads), "--out", str(out),
-            "--spec", str(spec), "--trl-batches", args.trl_batches, "--length", str(args.length)]
+            "--spec", str(spec), "--trl-batches", args.trl_batches, "--length", str(args.length),
+            "--micro", str(MICRO)]
 
 
 def write_spec(stage: str, world: Path, size: str, args, tmp: Path) -> tuple[list[dict], Path]:
@@ -324,10 +333,14 @@ def compare(world: Path, trl_python: Path, size: str, stage: str, args, tmp: Pat
           f"{MAX_LENGTH}; TRL {'padding-free' if stage == 'sft' and args.trl_batches == 'padding_free' else 'padded'}"
           f" ({args.warmup} warm-up + {args.iters} measured iterations each, {args.threads} thread(s))", flush=True)
     harness.uncache_libraries(Path(sys.prefix), trl_python.parent.parent)  # the same start for both (peak RSS)
-    workers = [harness.Worker(name, worker_cmd(name, py, world, size, stage, args, tmp / f"{name}-{stage}-{size}",
-                                               spec), tmp / f"{name}-{stage}-{size}.log", thread_env(args.threads))
-               for name, py in (("rlhfkit", Path(sys.executable)), ("trl", trl_python))]
-    results = harness.run_lockstep(workers, args.warmup, args.iters)
+
+    def starter(name: str, py: Path):
+        return lambda: harness.Worker(name, worker_cmd(name, py, world, size, stage, args,
+                                                       tmp / f"{name}-{stage}-{size}", spec),
+                                      tmp / f"{name}-{stage}-{size}.log", thread_env(args.threads))
+
+    results = harness.run_workers({"rlhfkit": starter("rlhfkit", Path(sys.executable)),
+                                   "trl": starter("trl", trl_python)}, args.warmup, args.iters)
     mine, theirs = harness.summarise(results["rlhfkit"]), harness.summarise(results["trl"])
     for summary, reports in ((mine, results["rlhfkit"]), (theirs, results["trl"])):
         summary["cpu_seconds"] = harness.median(r["cpu_seconds"] for r in reports)
@@ -346,9 +359,10 @@ def compare(world: Path, trl_python: Path, size: str, stage: str, args, tmp: Pat
 
 
 def print_table(rows: list[dict]) -> None:
+    memory = "GPU memory" if harness.on_gpu() else "RSS"
     print(f"\n| stage | model | rows x micro | real tokens/step | rlhfkit s/step | TRL {TRL_VERSION} s/step | "
-          "rlhfkit tokens/s | TRL tokens/s | tokens/s ratio | CPU-time ratio | rlhfkit peak RSS MiB | "
-          "TRL peak RSS MiB | memory ratio |")
+          f"rlhfkit tokens/s | TRL tokens/s | tokens/s ratio | CPU-time ratio | rlhfkit peak {memory} MiB | "
+          f"TRL peak {memory} MiB | memory ratio |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         a, t = r["rlhfkit"], r["trl"]
@@ -394,6 +408,7 @@ def check(args, trl_python: Path, world: Path) -> None:
 
 
 def main() -> None:
+    global MICRO
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="the default config, 1 warm-up + 4 measured iterations")
     p.add_argument("--sizes", default="20M", help=f"comma-separated model sizes (5M, 20M, {harness.REAL_SIZE})")
@@ -407,12 +422,18 @@ def main() -> None:
     p.add_argument("--trl-batches", choices=("padding_free", "padded"), default="padding_free",
                    help="TRL SFT's micro-batches: padding-free (default: its fastest) or right-padded (its default)")
     p.add_argument("--check", action="store_true", help="compare the first step's loss of both instead of timing")
+    p.add_argument("--micro", type=int, default=MICRO, help="rows (pairs) per forward of both systems")
+    p.add_argument("--gpu", action="store_true", help="on the machine's CUDA GPU, bf16 mixed precision, sizes "
+                                                       f"from {sorted(harness.GPU_SIZES)} built there")
+    p.add_argument("--trl-python", help="an interpreter that imports TRL 1.16.0 (instead of "
+                                        "benchmarks/.venv-trl-grpo)")
     p.add_argument("--json", help="also write the results here")
     # worker mode (internal)
     p.add_argument("--worker", choices=("rlhfkit", "trl", "rlhfkit-check", "trl-check"))
     p.add_argument("--world"), p.add_argument("--size"), p.add_argument("--stage"), p.add_argument("--out")
     p.add_argument("--spec")
     args = p.parse_args()
+    MICRO = args.micro
     if args.worker:
         {"rlhfkit": rlhfkit_worker, "trl": trl_worker, "rlhfkit-check": rlhfkit_check,
          "trl-check": trl_check}[args.worker](args)
@@ -421,10 +442,16 @@ def main() -> None:
     if args.rows % MICRO or not set(args.stages.split(",")) <= set(STAGES):
         raise SystemExit(f"--rows must be a multiple of the micro-batch size {MICRO}; --stages from {STAGES}")
 
-    trl_python = harness.ensure_trl_venv(venv=TRL_VENV, version=TRL_VERSION)
+    if args.gpu:
+        harness.enter_gpu_mode()
+    trl_python = harness.ensure_trl_venv(venv=TRL_VENV, version=TRL_VERSION, python=args.trl_python)
     world = harness.build_world()
     if harness.REAL_SIZE in args.sizes.split(","):
         harness.add_real_model(world)
+    for size in set(args.sizes.split(",")) & set(harness.GPU_SIZES):
+        if not args.gpu:
+            raise SystemExit(f"size {size} is built on a GPU: add --gpu")
+        harness.add_gpu_model(world, size)
     if args.check:
         check(args, trl_python, world)
         return

@@ -24,12 +24,16 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 TRL_VENV = HERE / ".venv-trl"
 CACHE = HERE / ".cache"  # built models and prompts (git-ignored)
+GPU_ENV = "RLHFKIT_BENCH_GPU"  # "1": the benchmarks' --gpu mode, seen by their workers too
 TRL_VERSION = "1.12.0"  # the last TRL with PPO (trl.experimental.ppo)
 TORCH_VERSION = "2.13.0"  # the same torch as rlhfkit's venv; installed first so pip never picks another
 
 # name -> LlamaConfig sizes; ~5M and ~20M parameters with a 2048-token vocabulary (embeddings tied)
 SIZES = {"5M": {"hidden": 256, "layers": 7, "heads": 4}, "20M": {"hidden": 512, "layers": 7, "heads": 8}}
 VOCAB = 2048
+# --gpu sizes: a ~1B Llama (Llama-3.2-1B's body: 16 layers of width 2048, MLP 8192, 32 query and 8 key-value heads;
+# the world's 2048-token vocabulary), built at random on the GPU machine itself
+GPU_SIZES = {"1B": {"hidden": 2048, "layers": 16, "heads": 32, "kv_heads": 8, "intermediate": 8192}}
 N_PROMPTS = 64
 MARK = "@@BENCH "
 
@@ -41,11 +45,18 @@ def trl_python(venv: Path = TRL_VENV) -> Path:
     return Path(venv) / "bin" / "python"
 
 
-def ensure_trl_venv(log=print, venv: Path = TRL_VENV, version: str = TRL_VERSION) -> Path:
+def ensure_trl_venv(log=print, venv: Path = TRL_VENV, version: str = TRL_VERSION, python: str | None = None) -> Path:
     """Create `venv` (default benchmarks/.venv-trl) with torch (pinned, first) and TRL `version` (default 1.12.0)
-    when it is missing or holds another TRL."""
+    when it is missing or holds another TRL. `python` (a benchmark's --trl-python): an interpreter that already
+    imports TRL `version` (a machine with its own torch, such as a GPU's), used as it is."""
+    probe = ["-c", "import trl, torch; print(trl.__version__, torch.__version__)"]
+    if python:
+        done = subprocess.run([python, *probe], capture_output=True, text=True)
+        if done.returncode != 0 or done.stdout.split()[0] != version:
+            raise SystemExit(f"--trl-python {python} does not import trl {version}: {(done.stdout + done.stderr)[-500:]}")
+        return Path(python)
     python = trl_python(venv)
-    probe = [str(python), "-c", "import trl, torch; print(trl.__version__, torch.__version__)"]
+    probe = [str(python), *probe]
     if python.exists():
         done = subprocess.run(probe, capture_output=True, text=True)
         if done.returncode == 0 and done.stdout.split()[0] == version:
@@ -91,6 +102,20 @@ def reexec_in_project_venv() -> None:
         os.execv(str(venv_python), [str(venv_python), *sys.argv])
 
 
+def on_gpu() -> bool:
+    """The --gpu mode (parent and workers): both systems on the machine's one CUDA GPU in bf16 mixed precision,
+    peak memory as the GPU's (torch.cuda.max_memory_allocated), the floor at its measured bf16 matmul rate."""
+    return os.environ.get(GPU_ENV) == "1"
+
+
+def enter_gpu_mode() -> None:
+    import torch
+
+    if not torch.cuda.is_available():
+        raise SystemExit("--gpu: torch sees no CUDA GPU here")
+    os.environ[GPU_ENV] = "1"
+
+
 # ------------------------------------------------------------------------------------------ the world
 
 
@@ -134,6 +159,35 @@ def build_world(root: Path = CACHE, log=print) -> Path:
             f.write(json.dumps({"prompt": "Tell a story about " + _sentence(rng, words, rng.randint(3, 14))}) + "\n")
     done.write_text(json.dumps(info))
     return root
+
+
+def add_gpu_model(world: Path, size: str = "1B", log=print) -> None:
+    """world/<size>/policy (a random-init Llama of GPU_SIZES[size] with the world's tokenizer, float32 weights)
+    and world/<size>/reward (its scalar-head twin: the same body, a seeded score head), built on the GPU."""
+    target = world / size
+    if (target / "reward" / "config.json").is_file():
+        return
+    import torch
+    from rlhfkit.demo.tiny import save_model_folder
+    from rlhfkit.models import load_tokenizer
+    from transformers import LlamaConfig, LlamaForCausalLM, LlamaForSequenceClassification
+
+    shape = GPU_SIZES[size]
+    tok = load_tokenizer(str(world / "5M" / "policy"))
+    config = LlamaConfig(vocab_size=len(tok), hidden_size=shape["hidden"], intermediate_size=shape["intermediate"],
+                         num_hidden_layers=shape["layers"], num_attention_heads=shape["heads"],
+                         num_key_value_heads=shape["kv_heads"], max_position_embeddings=2048, bos_token_id=1,
+                         eos_token_id=2, pad_token_id=tok.pad_token_id, tie_word_embeddings=True)
+    log(f"building the {size} model in {target} (once) ...")
+    torch.manual_seed(1)
+    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
+        policy = LlamaForCausalLM(config)
+        save_model_folder(policy, tok, target / "policy")
+        config.num_labels = 1
+        scalar = LlamaForSequenceClassification(config)
+    scalar.model.load_state_dict(policy.model.state_dict())
+    save_model_folder(scalar, tok, target / "reward")
+    log(f"{size}: {sum(p.numel() for p in policy.parameters()) / 1e9:.2f}B parameters")
 
 
 REAL_SIZE = "SmolLM2"  # the real model as a size of the world: SmolLM2-135M-Instruct and its scalar-head twin
@@ -191,7 +245,7 @@ def tokenized_prompts(world: Path, n: int, size: str = "5M") -> Path:
 
 
 def machine_line(threads: int = 1) -> str:
-    """The CPU and its measured float32 matmul rate (1024^3, `threads` threads) through PyTorch's default path
+    """The CPU (under --gpu: the GPU, gpu_line) and its measured float32 matmul rate (1024^3, `threads` threads) through PyTorch's default path
     (MKL) and through oneDNN, the two libraries TRL's and rlhfkit's linear layers use on AMD CPUs. Matmuls are
     most of both iterations' time, so the time ratio between the two systems depends on these two rates:
     the same code measured 0.44-0.49x on a host where oneDNN reached ~235 GFLOP/s against MKL's ~105, and
@@ -199,6 +253,8 @@ def machine_line(threads: int = 1) -> str:
     import platform
     import torch
 
+    if on_gpu():
+        return gpu_line()
     cpu = {}
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -227,10 +283,50 @@ def machine_line(threads: int = 1) -> str:
     return f"machine: {name}{family}, {os.cpu_count()} cores; float32 matmul, {threads} thread(s): {rates} GFLOP/s"
 
 
+def gpu_rates() -> tuple[float, float]:
+    """The GPU's measured bf16 matmul rate (8192^3, GFLOP/s) and memory read rate (a 2 GiB float32 sum, GB/s):
+    medians of 10 timed runs after warm-up, timed with CUDA events."""
+    import torch
+
+    def timed(fn) -> float:
+        for _ in range(3):
+            fn()
+        times = []
+        for _ in range(10):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        return median(times)
+
+    n = 8192
+    a, b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16), torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    flops = 2 * n**3 / timed(lambda: a @ b) / 1e9
+    x = torch.randn(512 << 20, device="cuda")
+    gbps = x.numel() * 4 / timed(lambda: x.sum()) / 1e9
+    del a, b, x
+    torch.cuda.empty_cache()
+    return flops, gbps
+
+
+def gpu_line() -> str:
+    import torch
+
+    p = torch.cuda.get_device_properties(0)
+    return (f"machine: {p.name}, {p.total_memory / 2**30:.0f} GiB, {p.multi_processor_count} SMs; torch "
+            f"{torch.__version__}, CUDA {torch.version.cuda}; {os.cpu_count()} CPU cores")
+
+
 def peak_matmul_gflops(threads: int = 1) -> float:
     """This host's best measured float32 matmul rate at `threads` threads: the faster of MKL and oneDNN on
-    1024 x 1024 x 1024, the GEMM size at which both reach their peak (GFLOP/s)."""
+    1024 x 1024 x 1024, the GEMM size at which both reach their peak (GFLOP/s). Under --gpu: the GPU's bf16
+    rate (gpu_rates)."""
     import torch
+
+    if on_gpu():
+        return gpu_rates()[0]
 
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
@@ -255,6 +351,8 @@ def peak_read_gbps(threads: int = 1) -> float:
     (far larger than any cache), best of five (GB/s)."""
     import torch
 
+    if on_gpu():
+        return gpu_rates()[1]
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     x = torch.ones(64 << 20)
@@ -375,6 +473,16 @@ def uncache_libraries(*venvs: Path) -> int:
 # ------------------------------------------------------------------------------------------ worker side
 
 
+def peak_memory_mb() -> float:
+    """The peak memory a worker reports: its peak RSS, or under --gpu its peak GPU allocation (the memory torch's
+    allocator handed out; a model's weights, gradients, optimizer state and activations all live there)."""
+    if on_gpu():
+        import torch
+
+        return torch.cuda.max_memory_allocated() / 2**20
+    return peak_rss_mb()
+
+
 def peak_rss_mb() -> float:
     """The process's peak resident set (VmHWM), MiB."""
     for line in Path("/proc/self/status").read_text().splitlines():
@@ -400,8 +508,12 @@ class Lockstep:
     def report(self, **extra) -> None:
         """`seconds` (wall clock) and `cpu_seconds` (this process's CPU time: with 1 thread, the wall time less the
         waits for a core that other processes on a shared machine cause) of the iteration, peak RSS, `extra`."""
+        if on_gpu():
+            import torch
+
+            torch.cuda.synchronize()  # the iteration's queued GPU work is part of it
         seconds, cpu_seconds = time.perf_counter() - self.started, time.process_time() - self.cpu_started
-        self.out.write(MARK + json.dumps({"seconds": seconds, "cpu_seconds": cpu_seconds, "peak_mb": peak_rss_mb(),
+        self.out.write(MARK + json.dumps({"seconds": seconds, "cpu_seconds": cpu_seconds, "peak_mb": peak_memory_mb(),
                                           **extra}) + "\n")
 
 
@@ -498,12 +610,29 @@ def run_lockstep(workers: list[Worker], warmup: int, iters: int, log=print) -> d
     return results
 
 
+def run_workers(make: dict, warmup: int, iters: int, log=print) -> dict[str, list[dict]]:
+    """`make`: name -> a function starting that system's Worker. On a CPU the workers run in lock-step
+    (run_lockstep); under --gpu one after the other, each alone on the GPU from its start to its exit, so that
+    neither's memory (two ~1B PPO setups at once would not fit an 80 GiB card) nor its queued kernels touch the
+    other's numbers."""
+    if not on_gpu():
+        return run_lockstep([start() for start in make.values()], warmup, iters, log)
+    results = {}
+    for name, start in make.items():
+        log(f"  {name}, alone on the GPU:")
+        results.update(run_lockstep([start()], warmup, iters, log))
+    return results
+
+
 def run_comparisons(args, prefix: str, comparisons, print_table) -> list[dict]:
     """The timed part of a TRL comparison's main: the machine line, `--quick` (1 warm-up + at most 4 measured
     iterations), `comparisons(tmp)` (a list of table rows, run in a temporary folder), the table and `--json`."""
     import tempfile
 
     print(machine_line(args.threads), flush=True)
+    if on_gpu():
+        flops, gbps = gpu_rates()
+        print(f"GPU measured: bf16 matmul {flops / 1e3:.0f} TFLOP/s, memory read {gbps:.0f} GB/s", flush=True)
     if args.quick:
         args.iters, args.warmup = min(args.iters, 4), 1
     with tempfile.TemporaryDirectory(prefix=prefix) as tmp:

@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# The GPU comparisons of benchmarks/RESULTS.md ("One GPU"), as one command on a CUDA machine that has torch but no
+# network: SFT and RM (bench_sft.py --gpu) and PPO (bench_ppo.py --gpu) on a ~1B random-init Llama in bf16
+# mixed precision, rlhfkit against TRL 1.16.0 (SFT, RM) and TRL 1.12.0 (PPO).
+#
+#   bash benchmarks/gpu_run.sh [OUT_DIR]
+#
+# The Python packages the machine lacks come as wheels fetched beforehand on a machine with the package index
+# (pure-Python wheels, so any x86-64 Linux works; the tokenizers and hf-xet wheels are abi3):
+#   pip download --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux2014_x86_64 -d .whl \
+#       transformers==5.24.0 huggingface_hub==2.4.0 httpx2==2.16.2 httpcore2==2.16.2 truststore==0.10.5 \
+#       tokenizers==0.23.3 datasets==5.2.0 dill==0.4.1 \
+#       multiprocess==0.70.19 peft==0.21.2 hf-xet==1.8.0 fsspec==2026.9.0
+#   pip download ... -d .whl-trl112 trl==1.12.0;   pip download ... -d .whl-trl116 trl==1.16.0
+# Each step has its own time limit, so one that fails or hangs leaves the others their time; logs go to OUT_DIR.
+set -u
+OUT_DIR=${1:-${OUT:-/tmp/gpu-out}}
+mkdir -p "$OUT_DIR"
+cd "$(dirname "$0")/.."
+start=$SECONDS
+install() {  # install <wheel folder> <target>
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$2" "$1"/*.whl
+}
+install .whl /tmp/site && install .whl-trl112 /tmp/trl112 && install .whl-trl116 /tmp/trl116 || exit 1
+export PYTHONPATH=$PWD/src:/tmp/site PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 \
+    TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+for v in 112 116; do  # an interpreter that sees TRL $v ahead of the rest
+    printf '#!/bin/sh\nPYTHONPATH=/tmp/trl%s:$PYTHONPATH exec python3 "$@"\n' $v > /tmp/python-trl$v
+    chmod +x /tmp/python-trl$v
+done
+nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv | tee "$OUT_DIR/gpu.txt"
+python3 -c "import torch, transformers, datasets; print('torch', torch.__version__, 'transformers',
+    transformers.__version__, 'datasets', datasets.__version__)" | tee -a "$OUT_DIR/gpu.txt"
+/tmp/python-trl112 -c "import trl; print('trl', trl.__version__)" | tee -a "$OUT_DIR/gpu.txt"
+/tmp/python-trl116 -c "import trl; print('trl', trl.__version__)" | tee -a "$OUT_DIR/gpu.txt"
+
+step() {  # step <name> <seconds> <command...>: run it under a time limit, its output to OUT_DIR/<name>.log
+    local name=$1 limit=$2
+    shift 2
+    echo "== $name (at ${SECONDS}s, limit ${limit}s): $*"
+    timeout "$limit" "$@" > "$OUT_DIR/$name.log" 2>&1
+    echo "== $name: exit $? after $((SECONDS - start))s"
+    pkill -9 -f "benchmarks/bench_" 2> /dev/null  # workers a timed-out step left behind hold GPU memory
+    tail -n 25 "$OUT_DIR/$name.log"
+}
+step sft 150 python3 benchmarks/bench_sft.py --gpu --sizes 1B --rows 64 --micro 8 --threads 4 --iters 4 \
+    --warmup 1 --trl-python /tmp/python-trl116 --json "$OUT_DIR/sft.json"
+step ppo 180 python3 benchmarks/bench_ppo.py --gpu --sizes 1B --shapes "${PPO_SHAPES:-16:128}" --threads 4 \
+    --iters 3 --warmup 1 --trl-python /tmp/python-trl112 --json "$OUT_DIR/ppo.json"
+echo "== done after $((SECONDS - start))s"
