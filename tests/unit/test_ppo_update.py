@@ -374,3 +374,26 @@ def test_rows_left_out_of_the_update_do_not_dilute_kl_or_lengths():
     steps = SimpleNamespace(models=SimpleNamespace(reward=None), cfg=ppo_config(), kl_ctl=FixedKLController(0.05))
     metrics = PPOSteps.rollout_metrics(steps, scored)
     assert metrics["response_length"] == 3.0 and metrics["response/masked_truncated"] == 1.0
+
+
+def test_reward_and_kl_statistics_pool_every_ranks_values():
+    """reward/mean, reward/std and kl are the statistics of all ranks' judged (kept) rows, not the mean over ranks
+    of each rank's: two ranks that judged 1 and 3 responses give the 4 values' mean and unbiased std."""
+    from rlhfkit.stages.ppo_steps import moments, pool_moments
+
+    ranks = [torch.tensor([4.0]), torch.tensor([0.0, 1.0, 2.0])]
+    kls = [torch.tensor([2.0, 2.0, 2.0]), torch.tensor([8.0])]
+    local = [{**moments("reward", r, squares=True), **moments("kl", k), "score/mean": 1.0} for r, k in zip(ranks, kls)]
+    averaged = {key: sum(m[key] for m in local) / 2 for key in local[0]}  # what engine.reduce_mean returns
+    pooled = pool_moments(averaged, world_size=2)
+    everything = torch.cat(ranks)
+    assert pooled["reward/mean"] == pytest.approx(everything.mean().item())  # 1.75, not (4 + 1) / 2
+    assert pooled["reward/std"] == pytest.approx(everything.std().item())  # 1.708, not the mean of 0 and 1
+    assert pooled["kl"] == pytest.approx(3.5)  # (2 + 2 + 2 + 8) / 4, not (2 + 8) / 2
+    assert pooled["score/mean"] == 1.0 and not any("/_" in key for key in pooled)
+    one = pool_moments({**moments("reward", ranks[1], squares=True), **moments("kl", kls[0])}, world_size=1)
+    assert one["reward/mean"] == pytest.approx(1.0) and one["reward/std"] == pytest.approx(1.0)
+    none = pool_moments({**moments("reward", torch.zeros(0), squares=True), **moments("kl", torch.zeros(0))}, 1)
+    assert none["reward/mean"] == none["reward/std"] == none["kl"] == 0.0
+    single = pool_moments(moments("reward", torch.tensor([3.0]), squares=True), 1)
+    assert single["reward/mean"] == 3.0 and single["reward/std"] == 0.0

@@ -210,13 +210,16 @@ def add_rewards(batch: RolloutBatch, scores: torch.Tensor, kl_coef: float, cfg: 
     return replace(batch, scores=scores, kl=kl, rewards=shape_rewards(scores, kl, mask, kl_coef, cfg.score_clip))
 
 
-def kl_per_sequence(batch: RolloutBatch, kept: torch.Tensor | None = None) -> float:
-    """This rank's mean over rows of the summed per-token KL (`add_rewards`): nats per sequence, what the
-    adaptive KL controller targets. `kept` (B,) bool: only the rows the update keeps (the others' masks are
-    zero, and counting them would understate the KL); 0 when none is kept."""
+def kl_rows(batch: RolloutBatch, kept: torch.Tensor | None = None) -> torch.Tensor:
+    """(K,) the summed per-token KL (`add_rewards`) of each row, nats per sequence. `kept` (B,) bool: only the rows
+    the update keeps (the others' masks are zero, and counting them would understate the KL)."""
     per_row = (batch.kl * batch.response_mask).sum(-1)
-    if kept is not None:
-        per_row = per_row[kept.to(per_row.device)]
+    return per_row[kept.to(per_row.device)] if kept is not None else per_row
+
+
+def kl_per_sequence(batch: RolloutBatch, kept: torch.Tensor | None = None) -> float:
+    """This rank's mean of `kl_rows`: what the adaptive KL controller targets; 0 when no row is kept."""
+    per_row = kl_rows(batch, kept)
     return per_row.mean().item() if per_row.numel() else 0.0
 
 

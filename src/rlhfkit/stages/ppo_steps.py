@@ -28,7 +28,7 @@ from rlhfkit.rollout.batch import RolloutBatch
 from rlhfkit.rollout.estimators import ESTIMATORS
 from rlhfkit.rollout.evaluate import evaluate_policy, generate_all, reward_on_device
 from rlhfkit.rollout.experience import (add_model_outputs, add_rewards, adjust_scores, ended_with_eos,
-                                        finish_advantages, kl_per_sequence, sort_by_length)
+                                        finish_advantages, kl_rows, sort_by_length)
 from rlhfkit.rollout.generate import eos_token_ids
 from rlhfkit.stages.guard import resume_state
 from rlhfkit.stages.ppo_setup import PPOModels
@@ -68,6 +68,37 @@ def updates_per_iteration(cfg: PPOConfig) -> int:
 
 # the rollout metrics that count responses or groups (the others are means and fractions)
 COUNTS = frozenset({"reward/unjudged", "group/filtered", "response/masked_truncated"})
+
+
+def moments(name: str, values: torch.Tensor, squares: bool = False) -> dict:
+    """This rank's count and sum (and sum of squares) of `values`, under private keys that `pool_moments` turns
+    into the statistics of every rank's values once `engine.reduce_mean` has averaged them: the mean over ranks of
+    each rank's mean (or standard deviation) is not the batch's when the ranks hold different numbers of values
+    (judged responses, kept rows). Sums in float64."""
+    v = values.detach().double()
+    out = {f"{name}/_n": float(v.numel()), f"{name}/_sum": float(v.sum())}
+    if squares:
+        out[f"{name}/_sumsq"] = float((v * v).sum())
+    return out
+
+
+def pool_moments(metrics: dict, world_size: int) -> dict:
+    """`metrics` (averaged over ranks) with the `moments` of the reward and the KL replaced by `reward/mean`,
+    `reward/std` (unbiased, as `torch.std`) and `kl`, over every rank's values (0 where there are none)."""
+    metrics = dict(metrics)
+    for name in ("reward", "kl"):
+        if f"{name}/_n" not in metrics:
+            continue
+        n = metrics.pop(f"{name}/_n") * world_size
+        total = metrics.pop(f"{name}/_sum") * world_size
+        mean = total / n if n > 0 else 0.0
+        if name == "kl":
+            metrics["kl"] = mean
+            continue
+        squares = metrics.pop(f"{name}/_sumsq") * world_size
+        variance = max(0.0, squares - total * mean) / (n - 1) if n > 1 else 0.0
+        metrics["reward/mean"], metrics["reward/std"] = mean, variance ** 0.5
+    return metrics
 
 
 def fill_unjudged(raw: torch.Tensor, judged: torch.Tensor, group: torch.Tensor) -> torch.Tensor:
@@ -169,7 +200,7 @@ class PPOSteps:
                                       old_from_sampling=not self.recompute_old,
                                       timer=timer)
         batch = add_rewards(batch, scored.scores, self.kl_ctl.value, cfg.ppo)
-        metrics = {**self.rollout_metrics(scored), "kl": kl_per_sequence(batch, scored.kept)}
+        metrics = {**self.rollout_metrics(scored), **moments("kl", kl_rows(batch, scored.kept))}
         if not self.fused:
             batch, advantage_metrics = finish_advantages(batch, *self.estimator.advantages(batch, cfg.ppo), cfg.ppo,
                                                          self.estimator.whiten, engine)
@@ -177,22 +208,20 @@ class PPOSteps:
         if self.estimator.group:  # groups whose samples all scored the same carry no learning signal
             alike = equal_group_rows(batch.scores, batch.group.to(batch.scores.device), cfg.ppo.n_samples_per_prompt)
             metrics["group/all_equal"] = alike.float().mean().item()
-        metrics = engine.reduce_mean(metrics)
+        metrics = pool_moments(engine.reduce_mean(metrics), engine.world_size)
         for key in COUNTS.intersection(metrics):  # counts of the whole batch: the sum over ranks
             metrics[key] *= engine.world_size
         return Experience(batch, metrics["kl"], metrics, pending=self.fused)
 
     def rollout_metrics(self, scored: Scored) -> dict:
-        """What the rollout looked like: reward (as returned), score (after normalisation/penalty), lengths."""
-        raw = scored.raw
+        """What the rollout looked like: reward (as returned, over the judged responses: `moments`, pooled over ranks
+        into reward/mean and reward/std), score (after normalisation/penalty), lengths."""
         parts = getattr(self.models.reward, "last", {})
         named = {f"reward/{name}": value for name, value in parts.items()} if len(parts) > 1 else {}
         judged = scored.judged
-        raw = raw[judged] if judged.any() else raw.new_zeros(1)
         # kl_coef: the reward's KL coefficient, none where the estimator keeps the KL in the loss
         coef = {} if self.cfg.ppo.advantage_estimator in KL_IN_LOSS else {"kl_coef": self.kl_ctl.value}
-        return {"reward/mean": raw.mean().item(), "reward/std": raw.std().item() if raw.numel() > 1 else 0.0,
-                **named, "reward/unjudged": float((~judged).sum()), **scored.dropped,
+        return {**moments("reward", scored.raw[judged], squares=True), **named, "reward/unjudged": float((~judged).sum()), **scored.dropped,
                 "score/mean": scored.scores.mean().item(), **coef,
                 "response_length": scored.lengths.float().mean().item(),
                 "response/finished": scored.finished.float().mean().item()}
