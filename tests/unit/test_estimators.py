@@ -117,6 +117,38 @@ def test_unjudged_responses_and_weighted_parts():
     assert filled.tolist() == [2.5, 2.5, 0.0]
 
 
+def test_a_reward_functions_result_is_checked_whatever_its_container():
+    """A generator or a map is read once and checked like a list (its NaN is an error, not "unjudged"); a string, a
+    dict or a bare number is refused rather than read as characters, keys or nothing; an int too large for a float
+    is a non-finite score; a NumPy array of numbers is fine, one of strings is refused."""
+    import numpy as np
+    import pytest
+
+    from rlhfkit.errors import ModelError
+    from rlhfkit.models.reward_fn import FunctionReward
+
+    b = batch([0.0] * 3, [0, 1, 2], [[1]] * 3)
+    b.response_texts = ["a", "bb", "ccc"]
+
+    def reward(result):
+        return FunctionReward(lambda prompts, responses: result(), "r")(b)
+
+    assert reward(lambda: (float(len(x)) for x in "abc")).tolist() == [1.0, 1.0, 1.0]
+    assert reward(lambda: np.array([1.0, 0.5, 0.0])).tolist() == [1.0, 0.5, 0.0]
+    assert reward(lambda: torch.tensor([1.0, 2.0, 3.0])).tolist() == [1.0, 2.0, 3.0]
+    for result in (lambda: (x for x in [1.0, float("inf"), float("nan")]), lambda: map(float, ["1", "inf", "2"])):
+        with pytest.raises(ModelError, match=r"reward 'r' returned inf for response 1 \('bb'\)"):
+            reward(result)
+    with pytest.raises(ModelError, match=r"reward 'r' returned inf for response 0"):
+        reward(lambda: [10 ** 400, 0, 0])
+    for result, kind in ((lambda: "101", "str"), (lambda: {"1": 0, "2": 0, "3": 0}, "dict"), (lambda: 1.0, "float"),
+                         (lambda: torch.tensor(1.0), "Tensor")):
+        with pytest.raises(ModelError, match=rf"reward 'r' returned a {kind} \(.*\): return a list of numbers"):
+            reward(result)
+    with pytest.raises(ModelError, match=r"returned a string \('1'\) for response 0"):
+        reward(lambda: np.array(["1", "0", "1"]))
+
+
 def test_rows_of_groups_that_scored_alike():
     from rlhfkit.stages.ppo_steps import equal_group_rows
 

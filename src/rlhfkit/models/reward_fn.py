@@ -13,6 +13,7 @@ import math
 import os
 import sys
 from pathlib import Path
+from collections.abc import Mapping
 from typing import Callable
 
 import torch
@@ -129,13 +130,23 @@ class FunctionReward:
         except Exception as exc:  # the user's code: one clear error naming it, not a traceback from our loop
             raise ModelError(f"reward '{self.spec}' raised {type(exc).__name__}: {exc} "
                              f"({raised_at(exc, self.fn)})") from exc
-        text = next(((i, s) for i, s in enumerate(scores) if isinstance(s, (str, bytes))), None) \
-            if isinstance(scores, (list, tuple)) else None
+        listed = None
+        if not isinstance(scores, (str, bytes, bytearray, Mapping)):
+            try:
+                listed = list(scores)  # a generator or a map is read once: every check below sees the same values
+            except TypeError:  # not iterable (a number, a 0-d tensor)
+                pass
+        if listed is None:
+            raise ModelError(f"reward '{self.spec}' returned a {type(scores).__name__} ({scores!r:.80}): return a list "
+                             f"of numbers, one per response (None for a response it cannot judge)")
+        scores = listed
+        text = next(((i, s) for i, s in enumerate(scores) if isinstance(s, (str, bytes))), None)
         if text:  # float() would read "1" as 1.0: a label or a parsed answer passed on by mistake
-            raise ModelError(f"reward '{self.spec}' returned a string ({text[1]!r:.40}) for response {text[0]}: "
+            shown = text[1] if isinstance(text[1], bytes) else str(text[1])  # NumPy's str_ as a plain str
+            raise ModelError(f"reward '{self.spec}' returned a string ({shown!r:.40}) for response {text[0]}: "
                              f"return a number, or None for a response it cannot judge")
         try:  # None: a response the function cannot judge (NaN here; left out of the update, counted)
-            values = [math.nan if s is None else float(s) for s in scores]
+            values = [math.nan if s is None else _number(s) for s in scores]
         except (TypeError, ValueError):
             raise ModelError(f"reward '{self.spec}' must return a list of numbers (or None), got {scores!r:.200}") \
                 from None
@@ -148,6 +159,14 @@ class FunctionReward:
                              f"({batch.response_texts[bad[0]]!r:.80}) and {len(bad) - 1} more non-finite values: "
                              f"return a finite number, or None for a response it cannot judge")
         return torch.tensor(values, dtype=torch.float32)
+
+
+def _number(value) -> float:
+    """float(value), an int too large for a float as inf (reported as a non-finite score, not a type error)."""
+    try:
+        return float(value)
+    except OverflowError:
+        return math.inf if value > 0 else -math.inf
 
 
 def raised_at(exc: BaseException, fn: Callable) -> str:
