@@ -18,6 +18,8 @@ CHATML = "<|im_start|>user\nWhat is 5 + 7?<|im_end|>\n<|im_start|>assistant\n"
     ("5 + 7 = 13", 0.0), ("10, 11, 12", 0.0), ("What a classic problem!", 0.0), ("5 and 7", 0.0),
     ("5 + 5 = 10", 0.0),  # the second 5 is not an operand any more
     ("-12", 0.0), ("12 or 13", 1.0),
+    ("12.5", 0.0), ("5 + 7 = 12.9", 0.0), ("12/5", 0.0), ("12,5", 0.0), ("12,000", 0.0), ("12.0", 1.0),
+    ("5.0 + 7 = 12", 1.0), ("1" * 5000, 0.0),
 ])
 def test_arithmetic_answer_is_the_first_number_that_is_not_an_operand(response, expected):
     assert arithmetic_correct(CHATML, response) == expected

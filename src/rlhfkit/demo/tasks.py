@@ -20,7 +20,8 @@ from dataclasses import dataclass
 from typing import Callable
 
 _QUESTION = re.compile(r"What is (\d+) \+ (\d+)\?")
-_NUMBER = re.compile(r"-?\d+")
+_NUMBER = re.compile(r"-?\d+(?:[.,/]\d+)*")  # a number as written: 12, -3, 12.5, 12,000, 12/5
+_INTEGER = re.compile(r"-?\d{1,18}(?:\.0+)?")  # one that is an integer: 12, 12.0
 
 
 def arithmetic_prompts(seed: int, heldout: int = 21) -> tuple[list[str], list[str]]:
@@ -32,7 +33,8 @@ def arithmetic_prompts(seed: int, heldout: int = 21) -> tuple[list[str], list[st
 
 
 def arithmetic_correct(prompt: str, response: str) -> float:
-    """1.0 when the first number of `response` that is not an operand equals A + B, else 0.0.
+    """1.0 when the first number of `response` that is not an operand equals A + B, else 0.0. Numbers are read
+    whole: "12.5", "12,000" and "12/5" are not 12.
 
     `prompt` may be the rendered chat prompt: the last "What is A + B?" in it is the question."""
     found = _QUESTION.findall(prompt)
@@ -41,8 +43,8 @@ def arithmetic_correct(prompt: str, response: str) -> float:
     a, b = (int(x) for x in found[-1])
     operands = [a, b]
     for token in _NUMBER.findall(response):
-        number = int(token)
-        if number in operands:
+        number = int(token.split(".")[0]) if _INTEGER.fullmatch(token) else None
+        if number is not None and number in operands:
             operands.remove(number)  # restating the question ("5 + 7 = ...") is allowed, once per operand
             continue
         return float(number == a + b)
