@@ -47,6 +47,9 @@ def world(tiny_model_dir, tmp_path_factory) -> dict:
     config = AutoConfig.from_pretrained(tiny_model_dir, num_labels=2)
     two = AutoModelForSequenceClassification.from_config(config)
     save_model_folder(two, tok, root / "two-label-rm")
+    one = AutoModelForSequenceClassification.from_config(AutoConfig.from_pretrained(tiny_model_dir, num_labels=1))
+    one.config.update({"rlhfkit_reward_mean": 0.25, "rlhfkit_reward_std": 0.0})  # scores that did not vary
+    save_model_folder(one, tok, root / "flat-rm")
     other = build_tokenizer([f"Human: tell {n}\nBot: {n}" for n in NAMES] * 3, vocab_size=300)
     save_model_folder(build_tiny_llama(len(other)), other, root / "other-vocab")
     damaged = root / "damaged-weights"  # a copy cut short (a disk that filled up, an interrupted transfer)
@@ -194,6 +197,19 @@ def two_label_head_as_ppo_reward(tmp, w):
         f"exactly 1: train one with `rlhfkit rm`")
 
 
+def reward_model_whose_scores_did_not_vary(tmp, w):
+    folder = w["root"] / "flat-rm"
+    return "ppo", ppo_args(tmp, w, reward=folder, **{"ppo.normalize_reward": "true"}), (
+        f"ppo.normalize_reward is true but '{folder}/config.json' has rlhfkit_reward_std 0.0 (its scores did not "
+        f"vary when measured): dividing by it would blow every score up; set ppo.normalize_reward=false")
+
+
+def one_sample_for_the_reward_std(tmp, w):
+    path = write_jsonl(tmp / "pairs.jsonl", pairs())
+    return "rm", [f"data.train={path}", "rm.norm_samples=1"], (
+        "config key 'rm.norm_samples': must be 0 (skip) or >= 2 (a standard deviation needs two scores), got 1")
+
+
 def not_a_causal_lm(folder) -> str:
     return (f"'{folder}' is a reward model or critic (a scalar head: LlamaForSequenceClassification), not a causal "
             f"LM: train or chat from an sft / dpo / ppo final/ folder or a base model")
@@ -318,7 +334,8 @@ CASES = {fn.__name__: fn for fn in (
     every_prompt_too_long, text_rows_for_rm, sft_rows_for_rm, empty_file, non_utf8_file, preset_without_local_copy,
     split_index_out_of_range, model_folder_missing, folder_without_tokenizer, damaged_weights,
     tokenizer_without_pad_or_eos,
-    two_label_head_for_rm, two_label_head_as_ppo_reward, reward_model_as_sft_model, reward_model_as_ppo_actor,
+    two_label_head_for_rm, two_label_head_as_ppo_reward, reward_model_whose_scores_did_not_vary,
+    one_sample_for_the_reward_std, reward_model_as_sft_model, reward_model_as_ppo_actor,
     reward_function_without_its_column, critic_with_another_vocabulary,
     dpo_reference_with_another_vocabulary_under_force, wandb_missing_under_force,
     chat_template_the_tokenizer_lacks, lora_target_matching_no_layer, prompts_of_the_wrong_kind, yaml_unknown_key,

@@ -279,8 +279,9 @@ class RewardOptions:
     def validate(self, prefix: str = "") -> None:
         if self.margin < 0:
             raise ConfigError(f"config key '{prefix}margin': must be >= 0")
-        if self.norm_samples < 0:
-            raise ConfigError(f"config key '{prefix}norm_samples': must be >= 0")
+        if self.norm_samples < 0 or self.norm_samples == 1:
+            raise ConfigError(f"config key '{prefix}norm_samples': must be 0 (skip) or >= 2 (a standard deviation "
+                              f"needs two scores), got {self.norm_samples}")
 
 
 @dataclass

@@ -78,6 +78,10 @@ def load_one_reward(spec: str, cfg: PPOConfig, actor_tok, engine):
     if cfg.ppo.normalize_reward and reward.stats is None:
         raise RunError(f"ppo.normalize_reward is true but '{spec}/config.json' has no rlhfkit_reward_mean/"
                        f"rlhfkit_reward_std; set ppo.normalize_reward=false")
+    if cfg.ppo.normalize_reward and not reward.stats["std"] >= 1e-6:  # also NaN
+        raise RunError(f"ppo.normalize_reward is true but '{spec}/config.json' has rlhfkit_reward_std "
+                       f"{reward.stats['std']} (its scores did not vary when measured): dividing by it would blow "
+                       f"every score up; set ppo.normalize_reward=false")
     return reward, rm_tok
 
 
