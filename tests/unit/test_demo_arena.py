@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from rlhfkit.demo.arena import ALGOS, GROUP, arena_configs, arena_rows, arena_table, parse_algos
+from rlhfkit.demo.arena import ALGOS, GROUP, arena_configs, arena_rows, arena_table, gain_in_se, parse_algos
 from rlhfkit.demo.run import SIZES, Demo, merged_pipeline
 from rlhfkit.errors import ConfigError
 from rlhfkit.report import write_report
@@ -43,6 +43,23 @@ def test_arena_configs_keep_ppos_budget_and_change_only_the_estimator(tmp_path):
     assert dpo.dpo.loss == "sigmoid" and dpo.train.epochs == SIZES["full"]["dpo_epochs"] and dpo.train.seed == 5
 
 
+def test_the_arena_gives_every_algorithm_ppos_samples_when_ppo_samples_several_per_prompt(tmp_path):
+    """PPO overridden to 2 samples for each of 24 prompts: 48 samples per iteration, so GRPO and RLOO get 12
+    groups of 4 and REINFORCE++ 48 prompts (not 24 // 4 = 6 groups and 24 prompts); a budget that does not
+    split into groups is refused."""
+    overrides = ["ppo.train.batch_size=24", "ppo.ppo.n_samples_per_prompt=2", "ppo.train.micro_batch_size=2"]
+    demo = Demo(tmp_path, SIZES["full"], 3, overrides, algos=parse_algos("grpo,rloo,reinforce_pp"))
+    configs = arena_configs(demo, merged_pipeline(demo))
+    for algo in ("grpo", "rloo"):
+        assert configs[algo][1].train.batch_size * configs[algo][1].ppo.n_samples_per_prompt == 48
+    assert configs["reinforce_pp"][1].train.batch_size == 48
+    assert configs["reinforce_pp"][1].ppo.n_samples_per_prompt == 1
+    odd = Demo(tmp_path, SIZES["full"], 3, ["ppo.train.batch_size=18", "ppo.train.micro_batch_size=2",
+                                            "ppo.ppo.mini_batch_size=6"], algos=["ppo", "grpo"])
+    with pytest.raises(ConfigError, match="grpo: PPO's 18 samples per iteration .* do not split into groups of 4"):
+        arena_configs(odd, merged_pipeline(odd))
+
+
 def test_a_bad_override_fails_in_the_arenas_configs_too(tmp_path):
     demo = Demo(tmp_path, SIZES["quick"], 0, ["ppo.ppo.kl_coeff=0.1"], algos=["ppo", "grpo"])
     with pytest.raises(ConfigError, match="kl_coeff"):
@@ -69,6 +86,16 @@ def test_every_algorithm_has_its_bar_and_a_line_in_the_table():
     assert lines[0].split()[:2] == ["policy", "gold"] and lines[1].split()[:4] == ["sft", "0.300", "±", "0.050"]
     assert lines[2].split() == ["ppo", "1.100", "±", "0.050", "11.3", "0.90", "0.20", "120", "3840", "samples"]
     assert lines[3].split() == ["dpo", "0.400", "±", "0.050", "1.4", "2.50", "0.10", "?", "8768", "pairs"]
+
+
+def test_a_gain_without_any_spread_passes_no_bar():
+    """SFT and a policy that both score a constant have no standard error: the gain is +-inf or 0 of them, and
+    the bar (>= 3 standard errors) is not passed on that, as the demo's own PPO bar does not."""
+    assert gain_in_se(0.0, 0.0) == 0.0 and gain_in_se(0.5, 0.0) == float("inf")
+    assert gain_in_se(-0.5, 0.0) == float("-inf") and gain_in_se(0.3, 0.1) == pytest.approx(3.0)
+    flat = {**ARENA, "algos": {"ppo": {**ARENA["algos"]["ppo"], "gain": 0.0, "gain_se": gain_in_se(0.0, 0.0)},
+                               "rloo": {**ARENA["algos"]["ppo"], "gain": 0.2, "gain_se": gain_in_se(0.2, 0.0)}}}
+    assert [r["passed"] for r in arena_rows(flat)] == [False, False]
 
 
 def test_the_report_shows_the_arena_table_and_its_plot(tmp_path):

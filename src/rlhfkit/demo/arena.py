@@ -55,9 +55,19 @@ def rl_config(ppo_section: dict, out: Path, algo: str) -> dict:
     ppo, train = section["ppo"], section["train"]
     estimator = RL_ESTIMATORS[algo]
     ppo["advantage_estimator"] = estimator
+    samples = train["batch_size"] * ppo.get("n_samples_per_prompt", 1)  # PPO's samples per iteration: the budget
     if estimator in ("grpo", "rloo"):
+        if samples % GROUP:
+            from rlhfkit.errors import ConfigError
+
+            raise ConfigError(f"{algo}: PPO's {samples} samples per iteration (train.batch_size x "
+                              f"ppo.n_samples_per_prompt) do not split into groups of {GROUP}; the arena gives every "
+                              f"algorithm PPO's budget: use a multiple of {GROUP}")
         ppo.update(n_samples_per_prompt=GROUP, kl_loss_coef=ppo.get("kl_coef", 0.0), kl_coef=0.0)
-        train["batch_size"] = max(1, train["batch_size"] // GROUP)
+        train["batch_size"] = samples // GROUP
+    else:  # REINFORCE++: one sample per prompt, as many prompts as PPO has samples
+        ppo["n_samples_per_prompt"] = 1
+        train["batch_size"] = samples
     train.update(save_every=0, eval_every=0)
     train.pop("keep_checkpoints", None)
     section.update(actor=str(out / "sft" / "final"), reward=str(out / "rm" / "final"),
@@ -156,7 +166,7 @@ def run_arena(demo, world: W.World, merged: dict) -> dict:
         gold, kl = mean_stderr(ev.gold), mean_stderr(ev.kl)
         se = math.sqrt(gold["stderr"] ** 2 + sft_gold["stderr"] ** 2)
         gain = gold["mean"] - sft_gold["mean"]
-        results[algo] = {"gold": gold, "gain": gain, "gain_se": gain / se if se > 0 else math.inf,
+        results[algo] = {"gold": gold, "gain": gain, "gain_se": gain_in_se(gain, se),
                          "kl": kl["mean"], "exploit": W.flaw_rates(prompts, ev.texts)["exploit"],
                          "seconds": info["seconds"], "used": info["used"], "folder": str(info["folder"])}
         print(f"demo: arena: {algo}: gold {gold['mean']:.3f} ± {gold['stderr']:.3f}, gain {gain:+.3f} "
@@ -164,12 +174,21 @@ def run_arena(demo, world: W.World, merged: dict) -> dict:
     return {"sft": sft_gold, "algos": results, "samples": len(prompts), "best": W.BEST_GOLD}
 
 
+def gain_in_se(gain: float, se: float) -> float:
+    """The gain in standard errors; with no spread on either side (se 0) there is no standard error to count it
+    in: +-inf, or 0 for no gain, and `arena_rows` passes neither."""
+    if se > 0:
+        return gain / se
+    return math.copysign(math.inf, gain) if gain else 0.0
+
+
 def arena_rows(arena: dict) -> list[dict]:
     """The bar of each algorithm (gain >= GAIN_TARGET standard errors) in the summary's row format."""
     rows = []
     for algo, r in arena["algos"].items():
         rows.append({"name": f"arena: {algo} gold gain over SFT, in standard errors", "value": r["gain_se"],
-                     "target": f">= {GAIN_TARGET:g}", "passed": r["gain_se"] >= GAIN_TARGET})
+                     "target": f">= {GAIN_TARGET:g}",
+                     "passed": math.isfinite(r["gain_se"]) and r["gain_se"] >= GAIN_TARGET})
     return rows
 
 
