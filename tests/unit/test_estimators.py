@@ -42,6 +42,39 @@ def test_rloo_and_score_clipping():
     torch.testing.assert_close(adv[:, 0], torch.tensor([5 - 0.5, 0 - 3.0, 1 - 2.5]))
 
 
+def test_group_statistics_count_the_judged_rows_only():
+    """Groups [1, 0, unjudged, unjudged] (filled with the judged mean 0.5, as fill_unjudged does) and [1, 0, 1, 0],
+    rows interleaved: each group's mean, GRPO's std and RLOO's k / (k - 1) come from its judged rows, so the first
+    group's judged rows get the advantages a group of just [1, 0] gets (+-0.7071; RLOO +-1), not ones inflated by
+    the filler rows (GRPO +-1.2247, RLOO +-0.667); the unjudged rows get 0, and a lone judged row too."""
+    n = 4
+    group = [0, 1, 0, 1, 0, 1, 0, 1]
+    scores = [1.0, 1.0, 0.0, 0.0, 0.5, 1.0, 0.5, 0.0]
+    judged = torch.tensor([True, True, True, True, False, True, False, True])
+    mask = [[1]] * 8
+    b = batch(scores, group, mask)
+    b.judged = judged
+    grpo, _ = ESTIMATORS["grpo"].advantages(b, PPOSection(advantage_estimator="grpo", n_samples_per_prompt=n,
+                                                          score_clip=None))
+    pair = 0.5 / (0.5 ** 0.5 + 1e-6)  # [1, 0]: mean 0.5, unbiased std 0.7071
+    full = 0.5 / (torch.tensor([1.0, 0.0, 1.0, 0.0]).std().item() + 1e-6)  # the all-judged group, as before
+    torch.testing.assert_close(grpo[:, 0], torch.tensor([pair, full, -pair, -full, 0.0, full, 0.0, -full]))
+    rloo, _ = ESTIMATORS["rloo"].advantages(b, PPOSection(advantage_estimator="rloo", n_samples_per_prompt=n,
+                                                          score_clip=None))
+    torch.testing.assert_close(rloo[:, 0], torch.tensor([1.0, 2 / 3, -1.0, -2 / 3, 0.0, 2 / 3, 0.0, -2 / 3]))
+    b.judged = torch.tensor([True, True, False, True, False, True, False, True])  # group 0: one judged row
+    lone, _ = ESTIMATORS["rloo"].advantages(b, PPOSection(advantage_estimator="rloo", n_samples_per_prompt=n,
+                                                          score_clip=None))
+    assert lone[[0, 2, 4, 6], 0].tolist() == [0.0, 0.0, 0.0, 0.0]
+    b.judged = torch.ones(8, dtype=torch.bool)  # all judged: exactly the plain statistics
+    every, _ = ESTIMATORS["grpo"].advantages(b, PPOSection(advantage_estimator="grpo", n_samples_per_prompt=n,
+                                                           score_clip=None))
+    b.judged = None
+    plain, _ = ESTIMATORS["grpo"].advantages(b, PPOSection(advantage_estimator="grpo", n_samples_per_prompt=n,
+                                                           score_clip=None))
+    assert torch.equal(every, plain)
+
+
 def test_reinforce_pp_baseline_subtracts_the_group_mean_at_the_score_token_then_sums_returns():
     cfg = PPOSection(advantage_estimator="reinforce_pp_baseline", n_samples_per_prompt=2, gamma=1.0, score_clip=None)
     # shaped rewards: -0.1 KL on each token, the score (2 or 0; group mean 1) on the last valid token

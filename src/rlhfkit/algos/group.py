@@ -44,8 +44,16 @@ def _require_two_samples(n: int, name: str) -> None:
         raise ValueError(f"{name} needs at least 2 samples per prompt to form a baseline, got n={n}")
 
 
+def _judged_groups(scores: torch.Tensor, n: int, judged: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """(G, n) scores, (G, n) 1.0 on judged samples, (G, 1) judged count k and (G, 1) mean of the judged scores."""
+    groups = group_view(_as_float(scores), n)
+    weight = group_view(judged.to(groups.dtype), n)
+    k = weight.sum(dim=1, keepdim=True)
+    return groups, weight, k, (groups * weight).sum(dim=1, keepdim=True) / k.clamp(min=1)
+
+
 def grpo_advantages(
-    scores: torch.Tensor, n: int, scale_by_std: bool = True, eps: float = 1e-6
+    scores: torch.Tensor, n: int, scale_by_std: bool = True, eps: float = 1e-6, judged: torch.Tensor | None = None
 ) -> torch.Tensor:
     """GRPO outcome advantages, A_i = (r_i - mean(r_group)) / (std(r_group) + eps).
 
@@ -59,11 +67,20 @@ def grpo_advantages(
         n: samples per prompt, at least 2.
         scale_by_std: divide by the group std (GRPO) or not (Dr.GRPO).
         eps: added to the std; a group of equal scores then gets 0 advantages, not NaN.
+        judged: ``(B,)`` bool, the samples the reward judged (None: all): each group's mean and std are over its
+            k judged samples only, and the others get 0 (a group with one judged sample: 0 everywhere).
 
     Returns:
         ``(B,)`` advantages, without gradient. The caller broadcasts them to tokens (``broadcast_to_tokens``).
     """
     _require_two_samples(n, "grpo")
+    if judged is not None:
+        groups, weight, k, mean = _judged_groups(scores, n, judged)
+        centred = (groups - mean) * weight
+        if scale_by_std:
+            std = ((centred ** 2).sum(dim=1, keepdim=True) / (k - 1).clamp(min=1)).sqrt()
+            centred = centred / (std + eps)
+        return centred.reshape(-1)
     groups = group_view(_as_float(scores), n)  # (G, n)
     centred = groups - groups.mean(dim=1, keepdim=True)  # (G, n)
     if scale_by_std:
@@ -71,7 +88,7 @@ def grpo_advantages(
     return centred.reshape(-1)
 
 
-def rloo_advantages(scores: torch.Tensor, n: int) -> torch.Tensor:
+def rloo_advantages(scores: torch.Tensor, n: int, judged: torch.Tensor | None = None) -> torch.Tensor:
     """REINFORCE leave-one-out advantages, A_i = r_i - mean_{j != i} r_j = n / (n - 1) * (r_i - mean(r_group)).
 
     Ahmadian et al. 2024, "Back to Basics: Revisiting REINFORCE Style Optimization for Learning from Human
@@ -81,11 +98,17 @@ def rloo_advantages(scores: torch.Tensor, n: int) -> torch.Tensor:
     Args:
         scores: ``(B,)`` outcome score of each sample, ``n`` consecutive samples per prompt.
         n: samples per prompt, at least 2.
+        judged: ``(B,)`` bool, the samples the reward judged (None: all): the others are left out of every
+            baseline (k judged samples: k / (k - 1) * (r_i - their mean)) and get 0, as does a lone judged one.
 
     Returns:
         ``(B,)`` advantages, without gradient.
     """
     _require_two_samples(n, "rloo")
+    if judged is not None:
+        groups, weight, k, mean = _judged_groups(scores, n, judged)
+        factor = torch.where(k > 1, k / (k - 1).clamp(min=1), torch.zeros_like(k))
+        return (factor * (groups - mean) * weight).reshape(-1)
     groups = group_view(_as_float(scores), n)  # (G, n)
     return (n / (n - 1) * (groups - groups.mean(dim=1, keepdim=True))).reshape(-1)
 

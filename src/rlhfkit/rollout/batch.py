@@ -32,6 +32,8 @@ class RolloutBatch:
     #                                       prompt, ppo.n_samples_per_prompt of them, share it; any row order)
     groups_share_prompts: bool = False  # the run samples groups (n_samples_per_prompt > 1): forwards compute a
     #                                     prompt once per group (models/prefix.py: shared_prefix_logits)
+    judged: Optional[torch.Tensor] = None  # (B,) bool: the reward judged the row (None: every row); the group
+    #                                        estimators' statistics count judged rows only
     # ---- experience (rollout/experience.py); None until filled
     old_logprobs: Optional[torch.Tensor] = None  # (B, R) log pi_old(token) under the sampling temperature
     ref_logprobs: Optional[torch.Tensor] = None  # (B, R) log pi_ref(token), same temperature

@@ -43,12 +43,16 @@ def clipped_scores(batch: RolloutBatch, cfg: PPOSection) -> torch.Tensor:
     return scores.clamp(-cfg.score_clip, cfg.score_clip) if cfg.score_clip is not None else scores
 
 
-def per_group(fn, scores: torch.Tensor, group: torch.Tensor, n: int) -> torch.Tensor:
-    """`fn(scores in groups of n consecutive rows, n)` for rows in any order: rows are put in group order, the
-    function applied, and the results put back in the batch's order."""
-    order = torch.argsort(group, stable=True)
+def per_group(fn, scores: torch.Tensor, group: torch.Tensor, n: int, judged: torch.Tensor | None = None,
+              **kwargs) -> torch.Tensor:
+    """`fn(scores in groups of n consecutive rows, n, **kwargs)` for rows in any order: rows are put in group order,
+    the function applied, and the results put back in the batch's order. `judged` (B,) bool, where some row is
+    unjudged: passed to `fn` in the same order."""
+    order = torch.argsort(group.to(scores.device), stable=True)
+    if judged is not None and not bool(judged.all()):
+        kwargs["judged"] = judged.to(scores.device)[order]
     out = torch.empty_like(scores)
-    out[order] = fn(scores[order], n)
+    out[order] = fn(scores[order], n, **kwargs)
     return out
 
 
@@ -60,15 +64,15 @@ def gae(batch: RolloutBatch, cfg: PPOSection) -> tuple[torch.Tensor, torch.Tenso
 def grpo(batch: RolloutBatch, cfg: PPOSection) -> tuple[torch.Tensor, torch.Tensor]:
     """(r - group mean) / (group std + eps) on every response token (ppo.grpo_scale_by_std=false: Dr.GRPO's
     r - group mean)."""
-    adv = per_group(lambda s, n: grpo_advantages(s, n, scale_by_std=cfg.grpo_scale_by_std),
-                    clipped_scores(batch, cfg), batch.group, cfg.n_samples_per_prompt)
+    adv = per_group(grpo_advantages, clipped_scores(batch, cfg), batch.group, cfg.n_samples_per_prompt, batch.judged,
+                    scale_by_std=cfg.grpo_scale_by_std)
     tokens = broadcast_to_tokens(adv, batch.response_mask)
     return tokens, tokens
 
 
 def rloo(batch: RolloutBatch, cfg: PPOSection) -> tuple[torch.Tensor, torch.Tensor]:
     """r - the mean of the other n - 1 samples of the prompt, on every response token."""
-    adv = per_group(rloo_advantages, clipped_scores(batch, cfg), batch.group, cfg.n_samples_per_prompt)
+    adv = per_group(rloo_advantages, clipped_scores(batch, cfg), batch.group, cfg.n_samples_per_prompt, batch.judged)
     tokens = broadcast_to_tokens(adv, batch.response_mask)
     return tokens, tokens
 

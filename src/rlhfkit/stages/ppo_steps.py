@@ -200,6 +200,8 @@ class PPOSteps:
                                       old_from_sampling=not self.recompute_old,
                                       timer=timer)
         batch = add_rewards(batch, scored.scores, self.kl_ctl.value, cfg.ppo)
+        if not scored.judged.all():  # the group statistics leave the unjudged rows out
+            batch = replace(batch, judged=scored.judged.to(batch.scores.device))
         metrics = {**self.rollout_metrics(scored), **moments("kl", kl_rows(batch, scored.kept))}
         if not self.fused:
             batch, advantage_metrics = finish_advantages(batch, *self.estimator.advantages(batch, cfg.ppo), cfg.ppo,
@@ -221,7 +223,8 @@ class PPOSteps:
         judged = scored.judged
         # kl_coef: the reward's KL coefficient, none where the estimator keeps the KL in the loss
         coef = {} if self.cfg.ppo.advantage_estimator in KL_IN_LOSS else {"kl_coef": self.kl_ctl.value}
-        return {**moments("reward", scored.raw[judged], squares=True), **named, "reward/unjudged": float((~judged).sum()), **scored.dropped,
+        return {**moments("reward", scored.raw[judged], squares=True), **named,
+                "reward/unjudged": float((~judged).sum()), **scored.dropped,
                 "score/mean": scored.scores.mean().item(), **coef,
                 "response_length": scored.lengths.float().mean().item(),
                 "response/finished": scored.finished.float().mean().item()}
