@@ -183,3 +183,23 @@ def test_a_deepspeed_json_reaches_the_frozen_models_but_for_its_training_keys():
     assert (frozen["train_micro_batch_size_per_gpu"], frozen["train_batch_size"]) == (1, 2)
     assert "gradient_clipping" not in frozen and frozen["communication_data_type"] == "fp32"
     assert ds_config.eval_config(cfg, 3, 2) == ds_config.eval_config(cfg, 3, 2, {})
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_the_zero3_export_twin_keeps_the_models_generation_config(tiny_model_dir, lora):
+    """ZeRO-3 exports load the gathered weights into `clone_for_export`'s twin: it keeps the model's generation
+    config (its end-of-turn tokens and sampling defaults), not a default one derived from config.json, which
+    would make the exported folder's chat and generate() run past the end of a turn."""
+    from rlhfkit.models import load_causal_lm
+    from rlhfkit.models.lora import base_model, clone_for_export
+
+    model = load_causal_lm(str(tiny_model_dir))
+    model.generation_config.update(eos_token_id=[2, 5], temperature=0.6, top_p=0.9, do_sample=True)
+    if lora:
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    twin = base_model(clone_for_export(model))
+    assert twin.generation_config.eos_token_id == [2, 5]
+    assert (twin.generation_config.temperature, twin.generation_config.top_p) == (0.6, 0.9)
+    assert twin.generation_config is not base_model(model).generation_config  # a copy: the export may change it

@@ -131,6 +131,8 @@ def clone_for_export(model) -> torch.nn.Module:
     plain = base_model(model)
     config = copy.deepcopy(plain.config)
     twin = type(plain)._from_config(config, dtype=getattr(plain, "dtype", torch.float32))
+    if getattr(plain, "generation_config", None) is not None:  # its stop tokens and sampling defaults: _from_config
+        twin.generation_config = copy.deepcopy(plain.generation_config)  # would derive a default from config.json
     if is_peft_model(model):
         from peft import get_peft_model
 
