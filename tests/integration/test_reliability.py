@@ -356,3 +356,30 @@ def test_ppo_resume_applies_changed_kl_and_ema_settings_and_drops_later_samples(
     for k in checkpoint:
         if k in ema:
             torch.testing.assert_close(ema[k], checkpoint[k], atol=moved * 1e-3, rtol=0)
+
+
+def test_a_stop_at_a_save_step_writes_that_checkpoint_once(tmp_path, monkeypatch):
+    """A signal that lands on a train.save_every step: the step's checkpoint is written once, then the run stops
+    (writing it again rewrote the folder `latest` names, doubling the time left in a preemption's grace period);
+    at another step the stop writes the checkpoint itself."""
+    from rlhfkit.config.schema import TrainConfig
+    from rlhfkit.engine import LocalEngine
+    from rlhfkit.errors import RunStopped
+    from rlhfkit.stages.loop import TrainLoop
+
+    class Log:  # the loop's logger, for the lines it writes
+        def log(self, *a, **kw):
+            pass
+
+        def advance(self):
+            pass
+
+    engine, saves = LocalEngine(), []
+    monkeypatch.setattr(engine, "save_checkpoint", lambda folder, step, *a: saves.append(step))
+    for step, expected in ((2, [2]), (3, [3])):
+        saves.clear()
+        with TrainLoop(engine, tmp_path, "sft", 10, TrainConfig(save_every=2), Log(), {}) as loop:
+            loop.guard._on_signal(signal.SIGTERM, None)
+            with pytest.raises(RunStopped, match=f"stopped by SIGTERM after step {step}"):
+                loop.end_step(step, {})
+        assert saves == expected

@@ -181,3 +181,31 @@ def test_listing_verifies_each_checkpoint_and_use_then_resume_continues_the_curv
     # the damaged step-4 checkpoint was replaced by the resumed run's own, which verifies
     assert cli_main(["checkpoints", str(run)]) == 0
     assert "DAMAGED" not in capsys.readouterr().out
+
+
+def test_replacing_a_folder_moves_the_old_one_aside_until_the_new_one_is_in_place(tmp_path, monkeypatch):
+    """replace_folder never deletes the old folder before the new one has its name (a kill in that gap lost the
+    checkpoint `latest` named); a `.old` left by a kill between the two renames is no checkpoint."""
+    import os
+
+    from rlhfkit.engine import storage
+    from rlhfkit.engine.manifest import checkpoint_folders
+
+    target, tmp = tmp_path / "step-00000004", tmp_path / "step-00000004.tmp"
+    target.mkdir()
+    (target / "w").write_text("old")
+    tmp.mkdir()
+    (tmp / "w").write_text("new")
+    seen = []
+    real = os.replace
+
+    def replace(src, dst):  # at each rename, one of the two folders holds a complete checkpoint
+        seen.append(sorted(p.name for p in tmp_path.iterdir()))
+        real(src, dst)
+
+    monkeypatch.setattr(storage.os, "replace", replace)
+    storage.replace_folder(tmp, target)
+    assert (target / "w").read_text() == "new" and sorted(p.name for p in tmp_path.iterdir()) == ["step-00000004"]
+    assert all("step-00000004" in names or "step-00000004.old" in names for names in seen)
+    (tmp_path / "step-00000002.old").mkdir()
+    assert [p.name for p in checkpoint_folders(tmp_path)] == ["step-00000004"]

@@ -56,7 +56,7 @@ from rlhfkit.config.schema import EngineConfig, TrainConfig
 from rlhfkit.engine import ds_config
 from rlhfkit.engine.local import configured_hyperparameters, float32_weights, lr_lambda, moved_to, param_groups
 from rlhfkit.engine.manifest import seal, verified_latest
-from rlhfkit.engine.storage import (fsync_dir, publish_checkpoint, rank_state, rng_state, saved_world_size,
+from rlhfkit.engine.storage import (publish_checkpoint, rank_state, replace_folder, rng_state, saved_world_size,
                                     write_hf_folder)
 from rlhfkit.errors import ConfigError, RunError
 from rlhfkit.models.lora import clone_for_export
@@ -511,9 +511,7 @@ class DeepSpeedEngine:
         seal(tmp, self.checkpoint_info(step, trainables), (self.rank, self.world_size), self._gather,
              write=self.is_main)
         if self.is_main:
-            shutil.rmtree(target, ignore_errors=True)
-            os.replace(tmp, target)
-            fsync_dir(folder)
+            replace_folder(tmp, target)
             publish_checkpoint(folder, target, keep)
         self.barrier()
         return target

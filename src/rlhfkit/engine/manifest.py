@@ -144,7 +144,7 @@ def step_of(folder: Path) -> Optional[int]:
 
 def checkpoint_folders(folder: Path) -> list[Path]:
     """The complete checkpoint folders (step-N, not step-N.tmp), oldest first."""
-    found = [p for p in folder.glob("step-*") if p.is_dir() and not p.name.endswith(".tmp")]
+    found = [p for p in folder.glob("step-*") if p.is_dir() and not p.name.endswith((".tmp", ".old"))]
     return sorted(found, key=lambda p: (step_of(p) is None, step_of(p) or 0, p.name))
 
 

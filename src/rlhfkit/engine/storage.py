@@ -64,6 +64,19 @@ def fsync_dir(path: Path) -> None:
             os.close(fd)
 
 
+def replace_folder(tmp: Path, target: Path) -> None:
+    """Rename the complete folder `tmp` to `target`. An existing `target` is renamed aside first and removed only
+    after the new one is in place, so at no moment is there neither (deleting it first left a window, as long as
+    the deletion, in which a kill lost the checkpoint `latest` named)."""
+    old = target.with_name(target.name + ".old")
+    shutil.rmtree(old, ignore_errors=True)
+    if target.exists():
+        os.replace(target, old)
+    os.replace(tmp, target)
+    fsync_dir(target.parent)
+    shutil.rmtree(old, ignore_errors=True)
+
+
 def atomic_folder(target: Path):
     """Write a folder under a temporary name and rename it into place, so a crash never leaves it half-written."""
 
@@ -78,10 +91,7 @@ def atomic_folder(target: Path):
                 if f.is_file():
                     with open(f, "rb") as fh:
                         os.fsync(fh.fileno())
-            if target.exists():
-                shutil.rmtree(target)
-            os.replace(tmp, target)
-            fsync_dir(target.parent)
+            replace_folder(tmp, target)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
@@ -97,7 +107,7 @@ def publish_checkpoint(folder: Path, target: Path, keep: int) -> None:
     pointer = folder / "latest.tmp"
     pointer.write_text(target.name)
     os.replace(pointer, folder / "latest")
-    done = sorted(p for p in folder.glob("step-*") if p.is_dir() and not p.name.endswith(".tmp"))
+    done = sorted(p for p in folder.glob("step-*") if p.is_dir() and not p.name.endswith((".tmp", ".old")))
     older, newer = [p for p in done if p.name <= target.name], [p for p in done if p.name > target.name]
     for stale in newer + (older[:-keep] if keep > 0 else []):
         shutil.rmtree(stale, ignore_errors=True)

@@ -100,9 +100,10 @@ class RunGuard:
             raise RunError(f"{self.stage}: cannot write the checkpoint of step {step} in '{self.out / 'checkpoints'}': "
                            f"{exc.strerror or exc}; {kept}") from None
 
-    def stop(self, step: int, trainables: dict, state: dict, keep: int) -> None:
-        """Save and raise RunStopped (called when stop_requested())."""
-        self.save(step, trainables, state, keep)
+    def stop(self, step: int, trainables: dict, state: dict, keep: int, saved: bool = False) -> None:
+        """Save (unless step `step` was `saved` already) and raise RunStopped (called when stop_requested())."""
+        if not saved:
+            self.save(step, trainables, state, keep)
         name = signal.Signals(self.signum).name if self.signum else "a signal on another rank"
         raise RunStopped(f"{self.stage}: stopped by {name} after step {step}; checkpoint saved in "
                          f"'{self.out / 'checkpoints'}'. Resume with: {resume_command(self.stage)}",

@@ -65,7 +65,8 @@ class TrainLoop:
             self.log.log(done, metrics, show=self.show)
         self.log.advance()
         keep = self.train.keep_checkpoints
-        if self.due(self.train.save_every, done) and not last:
+        saved = self.due(self.train.save_every, done) and not last
+        if saved:
             self.guard.save(done, self.trainables, self.state(), keep)
-        if self.guard.stop_requested() and not last:
-            self.guard.stop(done, self.trainables, self.state(), keep)
+        if self.guard.stop_requested() and not last:  # a step just saved is not written a second time
+            self.guard.stop(done, self.trainables, self.state(), keep, saved=saved)
