@@ -383,3 +383,24 @@ def test_a_stop_at_a_save_step_writes_that_checkpoint_once(tmp_path, monkeypatch
             with pytest.raises(RunStopped, match=f"stopped by SIGTERM after step {step}"):
                 loop.end_step(step, {})
         assert saves == expected
+
+
+def test_resume_refuses_another_stages_checkpoints(tmp_path, stage_args, capsys):
+    """`rlhfkit dpo --resume` in an SFT run's folder (same model, its data read as pairs): refused before anything
+    is loaded into training or written, naming the stage that wrote the checkpoints; the SFT run's files are
+    untouched (its metrics after the checkpoint were dropped before)."""
+    from rlhfkit.cli import main as cli_main
+
+    out = tmp_path / "sft"
+    pairs = next(a for a in stage_args["rm"] if a.startswith("data.train="))  # SFT reads them as prompt + chosen
+    sft = [a for a in stage_args["sft"] if not a.startswith(("train.max_steps", "train.eval_every", "data.train"))]
+    assert cli_main(["sft", *sft, pairs, "train.max_steps=3", "train.eval_every=0", f"output_dir={out}"]) == 0
+    before = {p: p.read_bytes() for p in sorted(out.rglob("*")) if p.is_file()}
+    model = next(a for a in stage_args["sft"] if a.startswith("model="))
+    code = cli_main(["dpo", model, pairs, "train.batch_size=8", "train.max_steps=3", "log.tensorboard=false",
+                     f"output_dir={out}", "--resume"])
+    assert code == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        f"rlhfkit dpo: error: --resume: the checkpoints in '{out / 'checkpoints'}' were written by `rlhfkit sft`, "
+        f"not `rlhfkit dpo`; resume that run with `rlhfkit sft`, or pass --force to start a new dpo run there")
+    assert {p: p.read_bytes() for p in sorted(out.rglob("*")) if p.is_file()} == before

@@ -422,7 +422,7 @@ def run_dpo(cfg: DPOConfig, resume: bool = False, force: bool = False) -> dict:
     chunked = choose_head_logprobs(policy.module, cfg.dpo.chunked_logprobs, cfg.engine.precision, engine)
     with undone_if_bad_input_at_start(out, not resume, engine.is_main):
         reference = setup_reference(cfg, data, policy, engine, tokenizer, fresh=not resume, say=engine.say)
-    resumed = resume_state(engine, out, {"model": policy}, total) if resume else {}
+    resumed = resume_state(engine, out, {"model": policy}, total, "dpo") if resume else {}
     start = resumed_from(cfg, out, resumed["step"], engine.is_main) if resume else 0
     pad_id, device, micro_size = tokenizer.pad_token_id, engine.device, cfg.train.micro_batch_size
     loss_fn = LossFn(cfg.dpo)

@@ -67,8 +67,9 @@ class RunGuard:
         return self.engine.reduce_sum(1.0 if self.signum else 0.0) > 0
 
     def state_dict(self) -> dict:
-        """The counts a checkpoint keeps: a resumed run goes on counting the non-finite steps in a row."""
-        return {"bad_in_a_row": self.bad_in_a_row, "skipped": self.skipped}
+        """The counts a checkpoint keeps (a resumed run goes on counting the non-finite steps in a row) and the
+        stage that wrote it (`resume_state` refuses another stage's)."""
+        return {"bad_in_a_row": self.bad_in_a_row, "skipped": self.skipped, "stage": self.stage}
 
     def load_state_dict(self, state: dict) -> None:
         self.bad_in_a_row, self.skipped = int(state.get("bad_in_a_row", 0)), int(state.get("skipped", 0))
@@ -110,11 +111,18 @@ class RunGuard:
                          self.signum or signal.SIGTERM)
 
 
-def resume_state(engine, out: Path, trainables: dict, total: int) -> dict:
+def resume_state(engine, out: Path, trainables: dict, total: int, stage: str) -> dict:
     """Load checkpoints/latest into `trainables` (and RNG states); drop metric and sample rows logged after it.
     A checkpoint past this run's `total` steps is an error (the run would end at the checkpoint's weights,
-    rolled back from what it had made, with nothing said)."""
+    rolled back from what it had made, with nothing said), and so is one another `stage` wrote (a DPO run resumed
+    in an SFT run's folder would train on from its weights and optimizer state, its metrics appended to the
+    SFT run's)."""
     state = engine.load_checkpoint(out / "checkpoints", trainables)
+    saved = (state.get("guard") or {}).get("stage")
+    if saved is not None and saved != stage:
+        raise RunError(f"--resume: the checkpoints in '{out / 'checkpoints'}' were written by `rlhfkit {saved}`, not "
+                       f"`rlhfkit {stage}`; resume that run with `rlhfkit {saved}`, or pass --force to start a new "
+                       f"{stage} run there")
     if state["step"] > total:
         raise RunError(f"--resume: the checkpoint in '{out / 'checkpoints'}' is at step {state['step']}, past this "
                        f"run's {total} steps (train.max_steps / train.epochs); resume with at least "

@@ -293,7 +293,7 @@ class PPOSteps:
     def restore(self, out) -> dict:
         """Models, optimizers, schedules, RNG, KL coefficient and EMA from checkpoints/latest; returns the loaded
         state (its "step", the loop's "guard" counts)."""
-        state = resume_state(self.engine, out, self.trainables(), self.cfg.train.max_steps)
+        state = resume_state(self.engine, out, self.trainables(), self.cfg.train.max_steps, "ppo")
         self.kl_ctl.load_state_dict(state["kl_ctl"])
         if self.ema is not None:
             if state.get("ema") is not None:

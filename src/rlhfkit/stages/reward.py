@@ -156,7 +156,7 @@ def run_rm(cfg: RMConfig, resume: bool = False, force: bool = False) -> dict:
     # gradients kept allocated between steps on a CPU only (see stages/sft.py)
     rm = engine.prepare(model, cfg.train, total, role="reward_model", keep_grads=engine.device.type == "cpu")
     onednn = use_fast_cpu_linear_for_training(rm.module, engine.device)  # Zen 5: every GEMM faster in oneDNN
-    resumed = resume_state(engine, out, {"model": rm}, total) if resume else {}
+    resumed = resume_state(engine, out, {"model": rm}, total, "rm") if resume else {}
     start = resumed_from(cfg, out, resumed["step"], engine.is_main) if resume else 0
     pad_id, device, micro_size = tokenizer.pad_token_id, engine.device, cfg.train.micro_batch_size
     margin = cfg.rm.margin or None

@@ -149,7 +149,7 @@ def run_sft(cfg: SFTConfig, resume: bool = False, force: bool = False) -> dict:
     # GPU they are freed, so the forward's activation peak does not hold them too
     actor = engine.prepare(model, cfg.train, total, keep_grads=engine.device.type == "cpu")
     onednn = use_fast_cpu_linear_for_training(actor.module, engine.device)  # Zen 5: ~1.7x faster steps
-    resumed = resume_state(engine, out, {"model": actor}, total) if resume else {}
+    resumed = resume_state(engine, out, {"model": actor}, total, "sft") if resume else {}
     start = resumed_from(cfg, out, resumed["step"], engine.is_main) if resume else 0
     pad_id, device, micro = tokenizer.pad_token_id, engine.device, cfg.train.micro_batch_size
     rtol, probe = (1e-4 if cfg.engine.precision == "fp32" else 2e-2), probe_rows(data.train)
