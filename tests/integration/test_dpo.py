@@ -294,6 +294,27 @@ def test_lora_reference_equals_the_frozen_copy(tiny_model_dir):
     assert (own[:6] - lora_ref[0]).abs().max() > 1e-2  # the adapter is active outside the reference's block
 
 
+def test_a_resumed_runs_reference_has_the_fresh_runs_precision(tiny_model_dir):
+    """load.dtype=bfloat16: a fresh run's reference is the policy before its first step, float32 (a trained model
+    keeps float32 weights); a resumed run without cached log-probs loads a copy in its place, which must be float32
+    too, or its reference log-probs (and so every later step) differ from the uninterrupted run's."""
+    from rlhfkit.config import DPOConfig, load_config
+    from rlhfkit.config.schema import TrainConfig
+    from rlhfkit.engine import LocalEngine
+    from rlhfkit.stages.dpo import reference_model
+
+    cfg = load_config(DPOConfig, None, [f"model={tiny_model_dir}", "data.train=unused.jsonl", "load.dtype=bfloat16"])
+    tok = load_tokenizer(str(tiny_model_dir))
+    engine = LocalEngine()
+    policy = engine.prepare(load_causal_lm(str(tiny_model_dir), cfg.load, tok), TrainConfig(), 1)
+    fresh = reference_model(cfg, policy, engine, tok, fresh=True)
+    resumed = reference_model(cfg, policy, engine, tok, fresh=False)
+    assert fresh.model is policy.module and "before its first step" in fresh.note
+    assert {p.dtype for p in resumed.model.parameters()} == {torch.float32}
+    for a, b in zip(resumed.model.parameters(), policy.module.parameters()):
+        assert torch.equal(a, b)  # the same values: the loaded bf16 weights, upcast
+
+
 def test_cached_reference_logprobs_equal_on_the_fly(tiny_model_dir, rule_data, tmp_path):
     """Run 1 precomputes and caches, run 2 reads the cache (same numbers to the bit), run 3 runs a frozen copy
     in every micro-batch (the same up to float rounding); the cached values are the frozen copy's."""

@@ -280,7 +280,10 @@ def reference_model(cfg: DPOConfig, policy, engine, tokenizer, fresh: bool) -> R
     if same and fresh and cfg.dpo.precompute_reference:
         return Reference(policy.module, note="the policy before its first step")
     name = cfg.reference or cfg.model
-    model = engine.prepare_frozen(load_causal_lm(name, cfg.load, tokenizer), role="reference")
+    model = load_causal_lm(name, cfg.load, tokenizer)
+    if same and cfg.dpo.precompute_reference:  # a resumed run's stand-in for the policy before its first step: at
+        model.to(next(policy.module.parameters()).dtype)  # that policy's precision (float32 over a half load.dtype)
+    model = engine.prepare_frozen(model, role="reference")
     use_fast_cpu_linear_for_training(model, engine.device)  # the policy's GEMMs: rewards 0 before any step
     choose_head_logprobs(model, cfg.dpo.chunked_logprobs, cfg.engine.precision, engine)
     return Reference(model, note=f"a frozen copy of {name}", on_device=engine.on_device)
