@@ -4,8 +4,9 @@
     python benchmarks/bench_ppo.py --quick    # one config, fewer iterations
     python benchmarks/bench_ppo.py --full     # batch {16, 64} x response {32, 64} for both sizes
     python benchmarks/bench_ppo.py --zero3    # 2 ranks, ZeRO-3: gather-once vs per-token generation (and TRL)
-    python benchmarks/bench_ppo.py --bf16     # both in bf16 mixed precision (TRL's bf16=True, rlhfkit's
-                                              # engine.precision=bf16) instead of float32
+    python benchmarks/bench_ppo.py --bf16     # both in bf16 mixed precision instead of float32: rlhfkit's
+                                              # engine.precision=bf16; TRL bf16=True, which its PPOTrainer
+                                              # ignores, so bf16 autocast around each of its models' forwards
     python benchmarks/bench_ppo.py --sizes SmolLM2 --shapes 8:64,16:64 --threads 2
                                               # SmolLM2-135M-Instruct (rlhfkit fetch) and its scalar-head twin
     python benchmarks/bench_ppo.py --gpu --sizes 1B --shapes 16:128,64:128 --trl-python PY
@@ -115,12 +116,14 @@ def trl_worker(args) -> None:
                        bf16=args.bf16, gradient_checkpointing=False, report_to=[], save_strategy="no",
                        logging_steps=1, disable_tqdm=True, seed=1234, use_cpu=not harness.on_gpu(),
                        dataloader_num_workers=0)
-    trainer = PPOTrainer(
-        args=config, processing_class=tok, model=AutoModelForCausalLM.from_pretrained(policy),
-        ref_model=AutoModelForCausalLM.from_pretrained(policy),
-        reward_model=AutoModelForSequenceClassification.from_pretrained(reward, num_labels=1),
-        value_model=AutoModelForSequenceClassification.from_pretrained(reward, num_labels=1),
-        train_dataset=data, eval_dataset=data, callbacks=[Timing()])
+    models = {"model": AutoModelForCausalLM.from_pretrained(policy),
+              "ref_model": AutoModelForCausalLM.from_pretrained(policy),
+              "reward_model": AutoModelForSequenceClassification.from_pretrained(reward, num_labels=1),
+              "value_model": AutoModelForSequenceClassification.from_pretrained(reward, num_labels=1)}
+    if args.bf16:  # PPOTrainer ignores bf16=True (harness.autocast_forwards): every forward under bf16 autocast,
+        harness.autocast_forwards(models.values())  # as rlhfkit's engine.precision=bf16 runs its models
+    trainer = PPOTrainer(args=config, processing_class=tok, **models, train_dataset=data, eval_dataset=data,
+                         callbacks=[Timing()])
     trainer.train()
     if args.free_run and trainer.accelerator.is_main_process:
         seconds = [b - a for a, b in zip(ticks, ticks[1:])]
@@ -163,13 +166,14 @@ def compare(world: Path, trl_python: Path, size: str, batch: int, response: int,
     row = {"size": size, "batch": batch, "response": response, "threads": args.threads, "rlhfkit": mine,
            "trl": theirs, "time_ratio": mine["seconds"] / theirs["seconds"],
            "memory_ratio": mine["peak_mb"] / theirs["peak_mb"]}
-    row["floor"] = floor(world, size, batch, response, args.gflops, mine["phases"], args.gbps)
+    row["floor"] = floor(world, size, batch, response, args.gflops, mine["phases"], args.gbps, args.bf16)
     row["floor_ratio"] = mine["seconds"] / row["floor"]["iteration"]
     print_row(row)
     return row
 
 
-def floor(world: Path, size: str, batch: int, response: int, gflops: float, phases: dict, gbps: float) -> dict:
+def floor(world: Path, size: str, batch: int, response: int, gflops: float, phases: dict, gbps: float,
+          bf16: bool = False) -> dict:
     """The iteration's floor (harness.ppo_floor) for the phases rlhfkit ran: the policy folder is actor and
     reference, its scalar twin reward model and critic; the prompts are the benchmark's own. With it, under
     `generate_memory`, generation's bound when its decode steps' memory reads count too
@@ -181,7 +185,8 @@ def floor(world: Path, size: str, batch: int, response: int, gflops: float, phas
                             phases=[k for k in PHASES if k in phases])
     if "generate" in row:
         row["generate_memory"] = harness.generate_memory_bound(
-            policy, harness.kv_floats_per_position(world / size / "policy"), batch, prompt, response, gflops, gbps)
+            policy, harness.kv_floats_per_position(world / size / "policy"), batch, prompt, response, gflops, gbps,
+            element_bytes=2 if bf16 else 4)  # bf16: the rollout reads bf16 copies of the weights and a bf16 cache
         row["gbps"] = gbps
     return row
 

@@ -376,16 +376,17 @@ def kv_floats_per_position(folder: Path) -> int:
 
 
 def generate_memory_bound(policy: dict, kv_floats: int, batch: int, prompt: float, response: int, gflops: float,
-                          gbps: float) -> float:
+                          gbps: float, element_bytes: int = 4) -> float:
     """Seconds the generate phase of `ppo_floor` takes at best when memory is counted too: the prefill at its
     FLOP floor, then each of the R - 1 decode steps at the larger of its FLOP time and the time to read, once,
-    every linear layer's float32 weights (body and head) and the batch's cached keys and values (`kv_floats`
-    per position, `kv_floats_per_position`) at `gbps`. A decode step multiplies one row per sequence by every
+    every linear layer's weights (body and head) and the batch's cached keys and values (`kv_floats` per
+    position, `kv_floats_per_position`) at `gbps`, `element_bytes` each (4: float32; 2 under bf16 autocast, whose
+    rollout reads bf16 copies of the weights and writes a bf16 cache). A decode step multiplies one row per sequence by every
     weight, so below ~100 rows it waits on memory, not on arithmetic, on a CPU."""
     seconds = 2 * (policy["body"] * prompt + policy["head"]) * batch / (gflops * 1e9)  # prefill, the head on its last row
     for step in range(1, response):
         flops = 2 * (policy["body"] + policy["head"]) * batch
-        read = 4 * (policy["body"] + policy["head"] + kv_floats * batch * (prompt + step))
+        read = element_bytes * (policy["body"] + policy["head"] + kv_floats * batch * (prompt + step))
         seconds += max(flops / (gflops * 1e9), read / (gbps * 1e9))
     return seconds
 
@@ -473,9 +474,38 @@ def uncache_libraries(*venvs: Path) -> int:
 # ------------------------------------------------------------------------------------------ worker side
 
 
+def autocast_forwards(models, dtype_name: str = "bfloat16") -> None:
+    """Run every forward of each of `models` (and of its base model and score head, which TRL's PPO calls
+    directly for the value and reward passes) under `torch.autocast` of its device and `dtype_name`: a forward
+    pre-hook enters the context, a forward hook (also on errors) leaves it. For TRL 1.12's PPOTrainer, which builds
+    its own Accelerator without a mixed-precision setting and so ignores `bf16=True`: without this its whole
+    iteration runs in float32 (checked: accelerate's mixed_precision "no", autocast off in every forward)."""
+    import torch
+
+    dtype = getattr(torch, dtype_name)
+    stack = []
+
+    def enter(module, _args):
+        device = next(module.parameters()).device.type
+        context = torch.autocast(device, dtype=dtype)
+        context.__enter__()
+        stack.append(context)
+
+    def leave(_module, _args, _output):
+        if stack:
+            stack.pop().__exit__(None, None, None)
+
+    for model in models:
+        base = getattr(model, getattr(model, "base_model_prefix", ""), None)
+        for module in (model, base, getattr(model, "score", None)):
+            if isinstance(module, torch.nn.Module):
+                module.register_forward_pre_hook(enter)
+                module.register_forward_hook(leave, always_call=True)
+
+
 def peak_memory_mb() -> float:
-    """The peak memory a worker reports: its peak RSS, or under --gpu its peak GPU allocation (the memory torch's
-    allocator handed out; a model's weights, gradients, optimizer state and activations all live there)."""
+    """The peak memory a worker reports: its peak RSS (since it started), or under --gpu its peak GPU allocation in
+    the iteration (the memory torch's allocator handed out: weights, gradients, optimizer state, activations)."""
     if on_gpu():
         import torch
 
@@ -502,6 +532,11 @@ class Lockstep:
         line = sys.stdin.readline()
         if line.strip() != "go":
             sys.exit(0)  # the parent is done with us
+        if on_gpu():  # each iteration's own peak (loading and one-off checks left out; summarise takes the max)
+            import torch
+
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
         self.started = time.perf_counter()
         self.cpu_started = time.process_time()
 
