@@ -137,12 +137,28 @@ class Conversation:
         self.histories = [list(start) for _ in self.models]
 
     def ask(self, text: str, args) -> list[str]:
+        """Each model's answer to `text`. A turn that fails or is interrupted (Ctrl-C) leaves every history as it
+        was; a conversation the chat template refuses is a ModelError naming the model."""
+        from rlhfkit.errors import ModelError, TemplateRefused
+
+        lengths = [len(history) for history in self.histories]
         answers = []
-        for model, history in zip(self.models, self.histories):
-            history.append({"role": "user", "content": text})
-            answer = model.reply(history, args)
-            history.append({"role": "assistant", "content": answer})
-            answers.append(answer)
+        try:
+            for model, history in zip(self.models, self.histories):
+                history.append({"role": "user", "content": text})
+                try:
+                    answer = model.reply(history, args)
+                except TemplateRefused as exc:
+                    system = " (it may not take --system's system message)" if self.system else ""
+                    why = str(exc).removeprefix("the chat template refuses this conversation: ")
+                    raise ModelError(f"the chat template of '{model.name}' refuses this conversation{system}: "
+                                     f"{why}") from None
+                history.append({"role": "assistant", "content": answer})
+                answers.append(answer)
+        except BaseException:
+            for history, n in zip(self.histories, lengths):
+                del history[n:]
+            raise
         return answers
 
 
@@ -155,7 +171,10 @@ def show(models: list[ChatModel], answers: list[str], out) -> None:
 
 
 def interact(conv: Conversation, args, read=input, out=sys.stdout) -> None:
-    """The read-answer loop: /reset, /quit, Ctrl-D; an empty line is ignored."""
+    """The read-answer loop: /reset, /quit, Ctrl-D; an empty line is ignored; Ctrl-C while a model answers drops
+    that turn and goes on, as does a turn the chat template refuses (its error printed)."""
+    from rlhfkit.errors import ModelError
+
     print("chat: /reset forgets the conversation, /quit leaves", file=out)
     while True:
         try:
@@ -171,7 +190,12 @@ def interact(conv: Conversation, args, read=input, out=sys.stdout) -> None:
             conv.reset()
             print("(conversation reset)", file=out)
             continue
-        show(conv.models, conv.ask(text, args), out)
+        try:
+            show(conv.models, conv.ask(text, args), out)
+        except KeyboardInterrupt:
+            print("(interrupted: that turn is dropped)", file=out)
+        except ModelError as exc:
+            print(f"rlhfkit chat: error: {exc}", file=sys.stderr)
 
 
 def main(args) -> int:
@@ -200,4 +224,7 @@ def main(args) -> int:
     except USER_ERRORS as exc:
         print(f"rlhfkit chat: error: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("rlhfkit chat: interrupted", file=sys.stderr)
+        return 130
     return 0

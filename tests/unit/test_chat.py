@@ -130,3 +130,45 @@ def test_side_by_side_titles_stay_on_one_line_and_keep_their_ends():
     assert lines[0] == "…" + left[-19:] + " | " + "…" + right[-19:]  # "…0/chat0/sft/final" against ".../ppo/final"
     assert lines[1] == "-" * col + " | " + "-" * col
     assert lines[2].split(" | ") == ["one" + " " * (col - 3), "two"]
+
+
+def test_a_template_without_system_messages_is_one_error_and_a_stopped_turn_is_dropped(echo_model, tmp_path):
+    """--system with a chat template that refuses system messages (as Gemma's does): one error line and exit 2,
+    not a traceback; interactively, a turn that the template refuses or that Ctrl-C stops is dropped from the
+    history and the conversation goes on."""
+    import shutil
+
+    from rlhfkit.models import load_tokenizer
+
+    folder = tmp_path / "no-system"
+    shutil.copytree(echo_model, folder)
+    tok = load_tokenizer(str(folder))
+    tok.chat_template = ("{% for m in messages %}{% if m['role'] == 'system' %}{{ raise_exception('System role not "
+                         "supported') }}{% endif %}{{ m['role'] + ': ' + m['content'] + '\\n' }}{% endfor %}"
+                         "{% if add_generation_prompt %}assistant: {% endif %}")
+    tok.save_pretrained(folder)
+    res = run_cli("chat", str(folder), "--prompt", "hi", "--system", "be brief", "--template", "chat", "--greedy",
+                  "--max-new-tokens", "4")
+    assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr
+    assert res.stderr.strip().splitlines()[-1] == (
+        f"rlhfkit chat: error: the chat template of '{folder}' refuses this conversation (it may not take --system's "
+        f"system message): System role not supported")
+
+    model = ChatModel(str(echo_model))
+    reply, calls = model.reply, []
+
+    def flaky(messages, args):  # the second question is stopped by Ctrl-C while it is being answered
+        calls.append(len(messages))
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return reply(messages, args)
+
+    model.reply = flaky
+    conv = Conversation([model], system=None)
+    typed = iter(["say river", "say stone", "say apple", "/quit"])
+    out = io.StringIO()
+    interact(conv, GREEDY, read=lambda _prompt: next(typed), out=out)
+    assert "(interrupted: that turn is dropped)" in out.getvalue()
+    # the stopped turn left nothing behind: the third question follows the first answer
+    assert [m["content"] for m in conv.histories[0]][:3] == ["say river", "river river river", "say apple"]
+    assert len(conv.histories[0]) == 4 and calls == [1, 3, 3]
