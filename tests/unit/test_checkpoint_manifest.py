@@ -163,6 +163,8 @@ def test_listing_verifies_each_checkpoint_and_use_then_resume_continues_the_curv
 
     assert cli_main(["checkpoints", str(run), "--use", "step-00000004"]) == 2  # a damaged one is not chosen
     assert "rlhfkit checkpoints: error: checkpoint" in capsys.readouterr().err
+    assert cli_main(["checkpoints", str(run), "--use", "step-00000006.tmp"]) == 2  # nor an unfinished save
+    assert "'step-00000006.tmp' in" in capsys.readouterr().err and (folder / "latest").read_text() == "step-00000004"
     # the switch succeeded, so exit 0 (`... --use 2 && rlhfkit sft --resume ...` goes on); still lists the damaged
     assert cli_main(["checkpoints", str(run), "--use", "2"]) == 0
     out = capsys.readouterr().out
@@ -209,3 +211,12 @@ def test_replacing_a_folder_moves_the_old_one_aside_until_the_new_one_is_in_plac
     assert all("step-00000004" in names or "step-00000004.old" in names for names in seen)
     (tmp_path / "step-00000002.old").mkdir()
     assert [p.name for p in checkpoint_folders(tmp_path)] == ["step-00000004"]
+
+
+def test_a_manifest_with_malformed_entries_lists_as_damaged(run, capsys):
+    """A manifest.json that is JSON but whose 'files' entries are not {path, size, sha256}: a DAMAGED row (and
+    --resume's refusal), not a TypeError."""
+    (run / "checkpoints" / "step-00000004" / MANIFEST).write_text(json.dumps({"files": ["model.bin"]}))
+    assert cli_main(["checkpoints", str(run), "--quick"]) == 1
+    assert "DAMAGED: manifest.json: not a checkpoint manifest (a 'files' entry without a path and a size" in \
+        capsys.readouterr().out

@@ -96,6 +96,11 @@ def read_manifest(folder: Path) -> Optional[dict]:
         raise ValueError(f"{MANIFEST}: unreadable ({exc})") from None
     if not isinstance(manifest, dict) or not isinstance(manifest.get("files"), list):
         raise ValueError(f"{MANIFEST}: not a checkpoint manifest (no 'files' list)")
+    bad = next((e for e in manifest["files"] if not (isinstance(e, dict) and isinstance(e.get("path"), str)
+                                                    and type(e.get("size")) is int)), None)
+    if bad is not None:
+        raise ValueError(f"{MANIFEST}: not a checkpoint manifest (a 'files' entry without a path and a size: "
+                         f"{bad!r:.80})")
     return manifest
 
 
@@ -271,6 +276,9 @@ def use_checkpoint(folder: Path, name: str) -> str:
     target = _named(folder, name)
     if not target.is_dir():
         raise RunError(f"no checkpoint '{target.name}' in '{folder}'")
+    if target not in checkpoint_folders(folder):  # step-N.tmp (a save that did not finish), step-N.old
+        raise RunError(f"'{target.name}' in '{folder}' is not a complete checkpoint (a save that did not finish); "
+                       f"choose a step-N folder")
     manifest, problems = problems_of(target)
     if problems:
         raise RunError(f"checkpoint '{target}' is damaged: {'; '.join(problems[:4])}; choose another one")
