@@ -100,6 +100,9 @@ def main(argv: list[str] | None = None) -> int:
     stray = [x for x in extra if x.startswith("-") or "=" not in x]
     if stray:
         parser.error(f"unrecognized arguments: {' '.join(stray)}")
+    if extra and not hasattr(args, "overrides"):  # chat, score, report, fetch, checkpoints take no key=value
+        parser.error(f"unrecognized arguments: {' '.join(extra)} (rlhfkit {args.verb} takes no key=value "
+                     f"overrides; see rlhfkit {args.verb} --help)")
     if extra:
         args.overrides = list(getattr(args, "overrides", []) or []) + extra
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

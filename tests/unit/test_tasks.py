@@ -98,3 +98,27 @@ def test_task_demo_algorithms_are_valid_configs_with_the_documented_settings(tmp
                      cfg.ppo.kl_coef, cfg.ppo.kl_loss_coef)
     assert got == {"ppo": ("gae", 16, 0.05, 0.0), "grpo": ("grpo", 32, 0.0, 0.05), "rloo": ("rloo", 32, 0.0, 0.05),
                    "reinforce_pp": ("reinforce_pp", 32, 0.05, 0.0)}
+
+
+def test_fetch_into_a_cache_that_cannot_be_written_is_one_error(tmp_path, capsys):
+    """--cache naming a file (or a folder without write permission): one error line and exit 2, not a traceback."""
+    from rlhfkit.cli import main as cli_main
+
+    blocker = tmp_path / "cachefile"
+    blocker.write_text("x")
+    assert cli_main(["fetch", "smollm2-135m-instruct", "--cache", str(blocker)]) == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last.startswith("rlhfkit fetch: error: cannot write the cache '") and str(blocker) in last
+
+
+@pytest.mark.parametrize("argv", [["report", "RUN", "title=X"], ["checkpoints", "RUN", "keep=1"],
+                                  ["fetch", "smollm2-135m-instruct", "cache=/tmp"]])
+def test_commands_without_overrides_refuse_key_value_words(argv, tmp_path, capsys):
+    """A key=value word given to a command that reads none (it used to be taken silently and do nothing)."""
+    from rlhfkit.cli import main as cli_main
+
+    with pytest.raises(SystemExit) as done:
+        cli_main([str(tmp_path) if a == "RUN" else a for a in argv])
+    assert done.value.code == 2
+    assert f"unrecognized arguments: {argv[-1]} (rlhfkit {argv[0]} takes no key=value overrides" in \
+        capsys.readouterr().err

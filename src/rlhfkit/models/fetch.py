@@ -165,5 +165,9 @@ def main(args) -> int:
     except ModelError as exc:
         print(f"rlhfkit fetch: error: {exc}", file=sys.stderr)
         return 2
+    except OSError as exc:  # the cache cannot be written: a file in the way, no permission, a full disk
+        where = f" '{exc.filename}'" if exc.filename else ""
+        print(f"rlhfkit fetch: error: cannot write the cache{where}: {exc.strerror or exc}", file=sys.stderr)
+        return 2
     print(path)
     return 0
