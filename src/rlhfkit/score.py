@@ -27,6 +27,8 @@ data kinds (detected from the first row, or set with --format):
   prompt/response rows ({prompt, response}, {messages}, Alpaca)
       -> --output FILE (required) gets {"source", "line", "prompt", "response", "score"} per row
          (score is null for a row whose prompt alone exceeds --max-length); prints a summary line
+  rows with nothing to score (an empty response, chosen the same as rejected, ...) are left out of both and
+  counted in the summary's "skipped", by reason
 
 examples:
   rlhfkit score runs/rm/final --data data/eval_pairs.jsonl
@@ -191,6 +193,8 @@ def run_score(args) -> dict:
 
     if args.batch_size < 1:
         raise DataError(f"--batch-size must be >= 1, got {args.batch_size}")
+    if args.max_length is not None and args.max_length < 1:
+        raise DataError(f"--max-length must be >= 1, got {args.max_length}")
     # 1. the data first (cheap), so a wrong file fails before a model is loaded
     fields = _fields(args.field)
     source = resolve_source(args.data, 1.0, None, args.local_dir)
@@ -200,15 +204,22 @@ def run_score(args) -> dict:
     task = _task(rows, fields, fmt)
     if task == "sft" and not args.output:
         raise DataError(f"{args.data}: prompt/response rows get one score each: pass --output FILE for them")
+    stats = {}
     try:
-        examples = (to_preference_examples if task == "preference" else to_sft_examples)(rows, fields or None, fmt)
+        examples = (to_preference_examples if task == "preference" else to_sft_examples)(rows, fields or None, fmt,
+                                                                                          stats=stats)
     except DataError as exc:
         raise _with_field_flags(exc) from None
+    skipped = {k: v for k, v in stats.items() if v and k != "empty_rejected"}  # rows left out, by reason
+    if not examples:
+        what = "pairs" if task == "preference" else "prompt/response rows"
+        raise DataError(f"{args.data}: none of its {len(rows)} rows is one of the {what} there are to score "
+                        f"(skipped: {', '.join(f'{k} {v}' for k, v in skipped.items()) or 'none'})")
+    if not Path(args.rm_dir).is_dir():  # before --output's folder is made
+        raise ModelError(f"RM_DIR '{args.rm_dir}' is not a folder: pass an `rlhfkit rm` run's final/ folder")
     _check_output(args.output)
 
     # 2. the reward model with its own tokenizer; refuse anything without a trained scalar head
-    if not Path(args.rm_dir).is_dir():
-        raise ModelError(f"RM_DIR '{args.rm_dir}' is not a folder: pass an `rlhfkit rm` run's final/ folder")
     tokenizer = load_tokenizer(args.rm_dir)
     model = load_scalar_model(args.rm_dir, LoadConfig(), tokenizer)
     if not any("SequenceClassification" in a for a in (model.config.architectures or [])):
@@ -234,7 +245,7 @@ def run_score(args) -> dict:
             _write_jsonl(args.output, [{"source": ex.source, "line": ex.line, "chosen_score": s and s[0],
                                         "rejected_score": s and s[1]} for ex, s in zip(examples, scores)])
         return {**summary, "split": split, "template": template.name, "max_length": max_length,
-                **({"output": args.output} if args.output else {})}
+                **({"skipped": skipped} if skipped else {}), **({"output": args.output} if args.output else {})}
     scores = score_responses(model, tokenizer, template, examples, max_length, args.batch_size, device)
     if all(score is None for score in scores):
         raise DataError(f"{args.data}: none of its {len(examples)} rows could be scored within max_length "
@@ -244,7 +255,8 @@ def run_score(args) -> dict:
     valid = torch.tensor([s for s in scores if s is not None], dtype=torch.float64)
     return {"rows": len(examples), "split": split, "scored": len(valid),
             "mean": valid.mean().item() if len(valid) else None, "std": valid.std().item() if len(valid) > 1 else None,
-            "template": template.name, "max_length": max_length, "output": args.output}
+            "template": template.name, "max_length": max_length, **({"skipped": skipped} if skipped else {}),
+            "output": args.output}
 
 
 def main(args) -> int:

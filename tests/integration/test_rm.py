@@ -177,6 +177,26 @@ def test_score_agrees_with_training_eval(rule_run, rule_data, tmp_path, capsys):
         f"rlhfkit score: error: --output '{tmp_path}' is a folder: name a file, e.g. {tmp_path / 'scores.jsonl'}")
     assert "Loading weights" not in err  # refused before the model loaded
 
+    # rows with nothing to score are counted by reason, not dropped unsaid; none at all is its own error
+    mixed = write_jsonl(tmp_path / "mixed.jsonl", [{"prompt": rows[0]["prompt"], "response": rows[0]["chosen"]},
+                                                  {"prompt": rows[1]["prompt"], "response": ""},
+                                                  {"prompt": rows[2]["prompt"], "response": "  "}])
+    code, summary, err = score_in_process(capsys, str(out / "final"), "--data", str(mixed), "--output",
+                                          str(tmp_path / "m.jsonl"))
+    assert code == 0, err
+    assert summary["rows"] == 1 and summary["skipped"] == {"empty_response": 2}
+    empty = write_jsonl(tmp_path / "empty.jsonl", [{"prompt": rows[1]["prompt"], "response": ""}])
+    code, _, err = score_in_process(capsys, str(out / "final"), "--data", str(empty), "--output",
+                                    str(tmp_path / "e.jsonl"))
+    assert code == 2 and err.strip().splitlines()[-1] == (
+        f"rlhfkit score: error: {empty}: none of its 1 rows is one of the prompt/response rows there are to score "
+        f"(skipped: empty_response 1)")
+    code, _, err = score_in_process(capsys, str(out / "final"), "--data", str(rule_data[1]), "--max-length", "0")
+    assert code == 2 and "--max-length must be >= 1, got 0" in err
+    code, _, err = score_in_process(capsys, str(tmp_path / "missing-rm"), "--data", str(rule_data[1]), "--output",
+                                    str(tmp_path / "new" / "x.jsonl"))
+    assert code == 2 and not (tmp_path / "new").exists()  # no folder left behind by a refused run
+
 
 def test_lora_rm_exports_a_merged_plain_folder(tiny_model_dir, rule_data, tmp_path):
     out = tmp_path / "lora"
