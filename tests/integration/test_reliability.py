@@ -404,3 +404,20 @@ def test_resume_refuses_another_stages_checkpoints(tmp_path, stage_args, capsys)
         f"rlhfkit dpo: error: --resume: the checkpoints in '{out / 'checkpoints'}' were written by `rlhfkit sft`, "
         f"not `rlhfkit dpo`; resume that run with `rlhfkit sft`, or pass --force to start a new dpo run there")
     assert {p: p.read_bytes() for p in sorted(out.rglob("*")) if p.is_file()} == before
+
+
+def test_resume_on_changed_data_says_so(tmp_path, tiny_model_dir, capsys):
+    """The data file rewritten between the kill and the resume (same path, other rows): the resumed run says that
+    its rows now come in another order than the killed run's; on the same data it says nothing of the kind."""
+    from rlhfkit.cli import main as cli_main
+
+    data = write_jsonl(tmp_path / "train.jsonl", sft_rows())
+    args = [f"model={tiny_model_dir}", f"data.train={data}", f"output_dir={tmp_path / 'out'}", "train.batch_size=8",
+            "train.save_every=1", "train.eval_every=0", "data.eval_fraction=0", "log.tensorboard=false"]
+    assert cli_main(["sft", *args, "train.max_steps=2"]) == 0
+    assert cli_main(["sft", *args, "train.max_steps=3", "--resume"]) == 0
+    assert "rows come in another order" not in capsys.readouterr().err
+    write_jsonl(data, sft_rows()[:60])
+    assert cli_main(["sft", *args, "train.max_steps=4", "--resume"]) == 0
+    assert ("resume: the training data has 60 rows, the checkpointed run's had 80: from here on the rows come in "
+            "another order than that run's") in capsys.readouterr().err

@@ -28,8 +28,12 @@ class TrainLoop:
         self.engine, self.total, self.train, self.log = engine, total, train, log
         self.trainables, self.evaluate, self.show = trainables, evaluate, show
         self.guard = RunGuard(engine, out, stage)
-        self.guard.load_state_dict((resumed or {}).get("guard") or {})
-        self.state = lambda: {**state(), "guard": self.guard.state_dict()}
+        saved = (resumed or {}).get("guard") or {}
+        self.guard.load_state_dict(saved)
+        # the training rows' count, kept with the checkpoint: a resumed run on other data says so (the data order
+        # is a permutation of the rows, so from there on it is not the killed run's)
+        self.rows, self.resumed_rows = None, saved.get("rows")
+        self.state = lambda: {**state(), "guard": {**self.guard.state_dict(), "rows": self.rows}}
         self.last_eval: dict = {}
 
     def __enter__(self) -> "TrainLoop":
@@ -43,6 +47,10 @@ class TrainLoop:
         the same global batch (a seeded permutation per epoch) and keeps its own slice. With `length` (a row's
         length) the global batch is ordered longest first before it is split (`common.longest_first`), so every
         rank's micro-batches hold rows of similar length, the same ones on any number of ranks."""
+        if self.rows is None and self.resumed_rows is not None and self.resumed_rows != len(rows):
+            self.engine.say(f"resume: the training data has {len(rows)} rows, the checkpointed run's had "
+                            f"{self.resumed_rows}: from here on the rows come in another order than that run's")
+        self.rows = len(rows)
         for step, epoch, idx in batches(len(rows), self.train.batch_size, self.train.seed, start):
             if step >= self.total:
                 return
