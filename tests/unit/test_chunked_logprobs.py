@@ -214,3 +214,48 @@ def test_the_chunked_head_multiplies_at_the_forwards_precision(tiny_model_dir):
     assert count == int(keep.sum())
     torch.testing.assert_close(loss, by_hand[torch.bfloat16], atol=1e-4, rtol=1e-5)
     assert abs(float(loss - by_hand[torch.float32])) > 1e-3
+
+
+@pytest.mark.parametrize("fn", ["loss_sum", "token_logprobs"])
+def test_under_bf16_autocast_every_head_matmul_runs_in_bf16(fn):
+    """Under bf16 autocast the chunked head's three GEMMs (logits, d hidden, d weight) all multiply bf16 operands,
+    as autocast runs the model's own head: the weight gradient (V, H) too, added into its float32 buffer (it was a
+    float32 GEMM, without tensor cores on a GPU); float32 outside autocast, with the same values to bf16 rounding."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from rlhfkit.algos.logprobs import linear_lm_loss_sum, linear_token_logprobs
+
+    V, H, K = 96, 16, 40
+
+    class Matmuls(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.seen = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.addmm_,
+                                       torch.ops.aten.linear, torch.ops.aten.bmm):
+                tensors = [a for a in args if isinstance(a, torch.Tensor)]
+                if any(V in a.shape for a in tensors):  # the head's GEMMs (the vocabulary on one side)
+                    self.seen.append({a.dtype for a in tensors[-2:]})
+            return func(*args, **(kwargs or {}))
+
+    def run(autocast: bool):
+        g = torch.Generator().manual_seed(0)
+        hidden = torch.randn(K, H, generator=g, requires_grad=True)
+        weight = torch.randn(V, H, generator=g, requires_grad=True)
+        labels = torch.randint(V, (K,), generator=g)
+        spy = Matmuls()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast), spy:
+            out = linear_lm_loss_sum(hidden, weight, labels) if fn == "loss_sum" else \
+                linear_token_logprobs(hidden, weight, labels)[0].sum()
+        with spy:
+            out.backward()
+        return spy.seen, hidden.grad, weight.grad
+
+    seen, dh, dw = run(True)
+    assert len(seen) == 3 and all(s == {torch.bfloat16} for s in seen), seen
+    seen32, dh32, dw32 = run(False)
+    assert all(s == {torch.float32} for s in seen32) and dw.dtype == torch.float32
+    torch.testing.assert_close(dw, dw32, rtol=0.05, atol=0.05 * dw32.abs().max().item())
+    torch.testing.assert_close(dh, dh32, rtol=0.05, atol=0.05 * dh32.abs().max().item())

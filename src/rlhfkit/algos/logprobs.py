@@ -83,6 +83,16 @@ def lm_loss_sum(
 _CHUNK_ELEMENTS = 1 << 24
 
 
+def _add_weight_grad(grad_weight: torch.Tensor, dz: torch.Tensor, h: torch.Tensor) -> None:
+    """grad_weight (V, H) float32 += dz.T @ h for a chunk: (c, V) float32 logit gradients, (c, H) hidden states.
+    With `h` in a half dtype (the head under bf16 autocast) the product runs in that dtype, as autocast runs the
+    model's own head's weight gradient, and is added in float32; with float32 `h`, in float32 throughout."""
+    if h.dtype in _FULL_PRECISION:
+        grad_weight.addmm_(dz.T, h.float())
+    else:
+        grad_weight.add_(dz.T.to(h.dtype) @ h)
+
+
 class _LinearCrossEntropySum(torch.autograd.Function):
     """sum_k CE(hidden_k @ weight.T, label_k), in chunks of rows, never holding (K, V) logits.
 
@@ -111,7 +121,7 @@ class _LinearCrossEntropySum(torch.autograd.Function):
             if grad_hidden is not None:
                 grad_hidden[start:start + chunk] = dz.to(w.dtype) @ w
             if grad_weight is not None:
-                grad_weight.addmm_(dz.T, h.float())
+                _add_weight_grad(grad_weight, dz, h)
         ctx.save_for_backward(grad_hidden, grad_weight)
         ctx.weight_dtype = weight.dtype
         return total
@@ -215,7 +225,7 @@ class _LinearTokenLogprobs(torch.autograd.Function):
             if need_hidden:
                 grad_hidden[start:start + ctx.chunk] = ctx.linear(dz.to(w.dtype), w.t())  # dz @ W
             if need_weight:
-                grad_weight.addmm_(dz.T, h_all[start:start + ctx.chunk].float())
+                _add_weight_grad(grad_weight, dz, h_all[start:start + ctx.chunk])
             probs[i] = None
         if into is not None:
             grad_weight = None  # added into the parameter's .grad already
