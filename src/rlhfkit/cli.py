@@ -74,6 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
                                      "PNGs beside it, a pipeline's steps in order), with no scripts or network "
                                      "(a finished run writes it by itself; this redraws it, e.g. during a run)")
     rep.add_argument("run_dir", metavar="RUN_DIR", help="a run's output_dir (one stage's, or a pipeline's)")
+    rep.add_argument("--title", help="the page's title (default: summary.json's, else the folder's name)")
     ckpt = sub.add_parser("checkpoints", help="list a run's checkpoints and verify them against their manifests",
                           description="list a run's checkpoints (step, ranks, ZeRO stage, size) and verify each "
                                       "against its manifest.json (sizes and sha256); exit 1 when one is damaged")
@@ -109,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.verb == "report":
         from rlhfkit.report import main as report_main
 
-        return report_main([args.run_dir])
+        return report_main([args.run_dir] + (["--title", args.title] if args.title else []))
     if args.verb == "score":
         return _load("rlhfkit.score:main")(args)
     if args.verb == "fetch":

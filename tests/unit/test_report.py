@@ -175,6 +175,10 @@ def test_title_argument_and_unknown_stage(tmp_path):
     html = write_report(tmp_path, title="My <run>").read_text()
     assert "<h1>My &lt;run&gt;</h1>" in html
     _assert_valid_png(tmp_path / "plots" / "curves_dpo.png")
+    from rlhfkit.cli import main as cli_main  # the command line takes it too
+
+    assert cli_main(["report", str(tmp_path), "--title", "From the CLI"]) == 0
+    assert "<h1>From the CLI</h1>" in (tmp_path / "report.html").read_text()
 
 
 def test_empty_metrics_file_gives_a_section_without_plot(tmp_path):
