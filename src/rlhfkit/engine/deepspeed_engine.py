@@ -124,6 +124,13 @@ def init_process_group(timeout_s: float = 300.0) -> None:
     if "RANK" not in os.environ:
         os.environ.update({"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
                            "MASTER_PORT": str(_free_port())})
+    if torch.cuda.is_available():  # this rank's GPU before anything touches CUDA (NCCL binds to it at init)
+        local = int(os.environ.get("LOCAL_RANK", 0))
+        if local >= torch.cuda.device_count():
+            raise ConfigError(f"LOCAL_RANK {local} but this process sees {torch.cuda.device_count()} GPU(s): launch "
+                              f"with one process per visible GPU (deepspeed --num_gpus N, torchrun "
+                              f"--nproc_per_node N), not one GPU per process with node-wide ranks")
+        torch.cuda.set_device(local)
     backend = get_accelerator().communication_backend_name()
     timeout = timedelta(seconds=timeout_s)
     deepspeed.init_distributed(dist_backend=backend, verbose=False, timeout=timeout)
@@ -135,8 +142,6 @@ def init_process_group(timeout_s: float = 300.0) -> None:
 
     if dist.get_world_size() > 1 and getattr(groups, "_WORLD_GROUP", "gone") is None:
         groups._WORLD_GROUP = dist.new_group(ranks=list(range(dist.get_world_size())), timeout=timeout)
-    if torch.cuda.is_available():
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
 
 
 def _partition(param: torch.nn.Parameter) -> torch.Tensor:
@@ -355,7 +360,8 @@ class DeepSpeedEngine:
                 lr: float | None = None, keep_grads: bool = False) -> DeepSpeedTrainable:
         # keep_grads: DeepSpeed owns the gradient buffers (ZeRO-1/2 keep flat ones anyway)
         stage = ds_config.stage_of(self.cfg, role)
-        float32_weights(model, self.say)  # DeepSpeed's bf16 / fp16 modes keep float32 masters of these
+        if self.cfg.precision not in ("bf16", "fp16"):  # a half load.dtype trained in float32: upcast (under bf16 /
+            float32_weights(model, self.say)  # fp16 DeepSpeed casts the module to 16 bits and keeps float32 masters)
         groups = param_groups(model, train.weight_decay)
         peak = train.lr if lr is None else lr
         if self.cfg.offload_optimizer and stage > 0:
@@ -561,7 +567,7 @@ class DeepSpeedEngine:
     def _refuse_sharded_state(self, target: Path, saved: int) -> None:
         """The loop state rlhfkit can carry to another number of ranks is global; PPO's EMA under ZeRO-3 is not
         (each rank averages its own parameter partition, `models/ema.py`), so that resume is refused."""
-        state = torch.load(target / "state-rank0.pt", weights_only=True)
+        state = torch.load(target / "state-rank0.pt", weights_only=True, map_location="cpu")
         if self.cfg.zero_stage == 3 and state.get("ema") is not None:
             raise RunError(f"--resume: checkpoint '{target}' was saved at {saved} rank(s) and this run has "
                            f"{self.world_size}: its EMA weights (ema.enabled) are per-rank ZeRO-3 partitions, which "

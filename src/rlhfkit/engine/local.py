@@ -316,7 +316,7 @@ class LocalEngine:
         target = verified_latest(folder, self.checkpoint_info(0, trainables), self.say)
         for name, trainable in trainables.items():
             trainable.load(target, name)
-        state = torch.load(target / "state.pt", weights_only=True)
+        state = torch.load(target / "state.pt", weights_only=True, map_location="cpu")
         set_rng_state(state.pop("rng"))
         return state
 

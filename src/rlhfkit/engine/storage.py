@@ -16,17 +16,24 @@ from rlhfkit.models.lora import base_model, is_lora, merged
 
 
 def rng_state() -> dict:
+    """The RNG states a checkpoint keeps: torch's CPU generator, Python's, and this rank's own GPU's (only the
+    current device's: a rank resumed on a node with fewer GPUs has no generator for another's)."""
     state = {"torch": torch.get_rng_state(), "python": random.getstate()}
     if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
+        state["cuda"] = torch.cuda.get_rng_state()
     return state
 
 
 def set_rng_state(state: dict) -> None:
     torch.set_rng_state(state["torch"])
     random.setstate(state["python"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+    cuda = state.get("cuda")
+    if cuda is not None and torch.cuda.is_available():
+        if isinstance(cuda, (list, tuple)):  # saved by an older version: every visible GPU's state
+            index = torch.cuda.current_device()
+            cuda = cuda[index] if index < len(cuda) else None
+        if cuda is not None:
+            torch.cuda.set_rng_state(cuda)
 
 
 def saved_world_size(target: Path) -> int:
@@ -42,7 +49,7 @@ def rank_state(target: Path, rank: int, saved: int) -> dict:
     states of saved ranks beyond this run's are dropped. (Rows move between ranks when their number changes, so
     sampling that draws per row, as PPO's rollouts do, takes other draws than the run that was not resized.)"""
     own = rank < saved
-    state = torch.load(target / f"state-rank{rank if own else 0}.pt", weights_only=True)
+    state = torch.load(target / f"state-rank{rank if own else 0}.pt", weights_only=True, map_location="cpu")
     rng = state.pop("rng")
     set_rng_state(rng)
     if not own:

@@ -50,4 +50,6 @@ class EMA:
     def load_state_dict(self, state: dict) -> None:
         """The averaged parameters from the checkpoint; beta stays the configured one (`ema.beta` may change on a
         resume)."""
-        self.shadow = {k: v.float() for k, v in state["shadow"].items()}
+        # each shadow on the device of the parameter it averages (a checkpoint's tensors load on the CPU)
+        self.shadow = {k: v.float().to(self.shadow[k].device if k in self.shadow else v.device)
+                       for k, v in state["shadow"].items()}
