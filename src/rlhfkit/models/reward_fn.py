@@ -12,8 +12,8 @@ import inspect
 import math
 import os
 import sys
-from pathlib import Path
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Callable
 
 import torch
