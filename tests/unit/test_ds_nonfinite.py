@@ -1,6 +1,6 @@
 """The DeepSpeed engine's handling of a step whose gradient is not finite, without launching DeepSpeed: the
-optimizer it gives DeepSpeed at ZeRO-0 fp32, and how a step DeepSpeed took is reported. The multi-rank runs are
-in tests/integration/test_ds_faults.py."""
+optimizer it gives DeepSpeed at ZeRO-0 fp32, and how a step DeepSpeed took is reported; and which failed
+collectives it reports as a lost rank. The multi-rank runs are in tests/integration/test_ds_faults.py."""
 
 from types import SimpleNamespace
 
@@ -59,3 +59,32 @@ def test_an_update_with_a_non_finite_gradient_stops_the_run():
         with pytest.raises(RunError, match=r"updated the weights with a non-finite gradient \(ZeRO-2\), so the "
                                            r"weights can no longer be trusted. Resume from the last checkpoint"):
             after_step(True, norm).step()
+
+
+def test_a_local_nccl_fault_is_not_reported_as_a_dead_rank(monkeypatch):
+    """On a multi-rank run, a collective error that names a peer's loss (gloo's transport, NCCL's remote error or
+    watchdog timeout) becomes the one-line "another rank died ... --resume" message; NCCL errors of this rank's
+    own making (a CUDA fault, two ranks on one GPU, a network set-up problem) do not: resuming would meet them
+    again, and their traceback says more."""
+    import torch.distributed as dist
+
+    from rlhfkit.engine import deepspeed_engine as D
+
+    monkeypatch.setattr(D.dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(D.dist, "get_world_size", lambda group=None: 2)
+    monkeypatch.setattr(D.dist, "get_rank", lambda group=None: 1)
+    lost = [RuntimeError("[../gloo/transport/tcp/pair.cc:534] Connection closed by peer [10.0.0.2]:1234"),
+            dist.DistBackendError("NCCL error in: ProcessGroupNCCL.cpp:1970, remote process exited or there was a "
+                                  "network error, NCCL version 2.21.5 ncclRemoteError"),
+            RuntimeError("[Rank 1] Watchdog caught collective operation timeout: WorkNCCL(SeqNum=7, OpType=ALLREDUCE)")]
+    for exc in lost:
+        assert "another rank died or stopped responding" in D.lost_rank_message(exc), exc
+    local = [dist.DistBackendError("NCCL error in: ProcessGroupNCCL.cpp:1970, unhandled cuda error (run with "
+                                   "NCCL_DEBUG=INFO for details), NCCL version 2.21.5"),
+             dist.DistBackendError("NCCL error in: ProcessGroupNCCL.cpp:1970, invalid usage (run with NCCL_DEBUG=WARN "
+                                   "for details), NCCL version 2.21.5 ncclInvalidUsage: Duplicate GPU detected"),
+             dist.DistBackendError("NCCL error in: ProcessGroupNCCL.cpp:1970, unhandled system error (run with "
+                                   "NCCL_DEBUG=INFO for details)")]
+    for exc in local:
+        assert D.lost_rank_message(exc) is None, exc
+    assert D.lost_rank_message(ValueError("a bug of ours")) is None

@@ -638,6 +638,11 @@ class DeepSpeedEngine:
 # what gloo / NCCL / the TCP store say when a peer died or a collective timed out
 _LOST_PEER = re.compile(r"gloo/transport|Connection (reset|closed) by peer|Broken pipe|Timed out waiting|"
                         r"NCCL (error|communicator)|Watchdog caught collective|Socket Timeout", re.IGNORECASE)
+# NCCL errors of this rank's own making (a CUDA fault, two ranks on one GPU, a network set-up problem): no peer
+# died, and resuming would meet them again; unless NCCL also names a remote failure
+_LOCAL_NCCL = re.compile(r"unhandled cuda error|invalid usage|invalid argument|unhandled system error|"
+                         r"ncclInternalError|out of memory", re.IGNORECASE)
+_REMOTE_NCCL = re.compile(r"ncclRemoteError|remote process exited|Watchdog caught collective", re.IGNORECASE)
 
 
 def lost_rank_message(exc: BaseException, output_dir: str | None = None) -> str | None:
@@ -647,6 +652,9 @@ def lost_rank_message(exc: BaseException, output_dir: str | None = None) -> str 
         return None
     if not (isinstance(exc, dist.DistError) or _LOST_PEER.search(str(exc))):
         return None
+    text = str(exc)
+    if "nccl" in text.lower() and _LOCAL_NCCL.search(text) and not _REMOTE_NCCL.search(text):
+        return None  # this rank's own fault: its traceback says more than "another rank died"
     detail = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
     detail = re.sub(r"^\[[^\]]*\] ", "", detail).split(". ")[0][:200]  # no gloo source path, first sentence
     latest = Path(output_dir) / "checkpoints" / "latest" if output_dir else None
