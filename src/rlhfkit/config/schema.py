@@ -274,7 +274,7 @@ class RewardOptions:
     margin: float = option(0.0, "ask for r_chosen - r_rejected > margin, loss -log sigmoid(gap - margin) "
                                 "(Llama 2 eq. 2); 0 = off")
     norm_samples: int = option(512, "after training, the reward's mean/std over this many training responses "
-                                    "(chosen and rejected) is saved in final/config.json for PPO; 0 = skip")
+                                    "(chosen and rejected) is saved in final/config.json for PPO; 0 = skip, else >= 2")
 
     def validate(self, prefix: str = "") -> None:
         if self.margin < 0:
