@@ -11,6 +11,7 @@ between them) and both see the same background load over the run, iteration by i
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import random
@@ -283,9 +284,11 @@ def machine_line(threads: int = 1) -> str:
     return f"machine: {name}{family}, {os.cpu_count()} cores; float32 matmul, {threads} thread(s): {rates} GFLOP/s"
 
 
+@functools.lru_cache(maxsize=1)
 def gpu_rates() -> tuple[float, float]:
     """The GPU's measured bf16 matmul rate (8192^3, GFLOP/s) and memory read rate (a 2 GiB float32 sum, GB/s):
-    medians of 10 timed runs after warm-up, timed with CUDA events."""
+    medians of 10 timed runs after warm-up, timed with CUDA events; measured once per process (the floor's rate,
+    its read rate and the printed line all use it)."""
     import torch
 
     def timed(fn) -> float:
