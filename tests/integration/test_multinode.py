@@ -264,3 +264,26 @@ def test_sigterm_to_the_launcher_reaches_both_ranks_which_save_once(tmp_path, sf
     manifest = json.loads((out / "checkpoints" / f"step-{step:08d}" / "manifest.json").read_text())
     assert manifest["step"] == step and manifest["world_size"] == 2
     assert not (out / "final").exists()
+
+
+def test_rank0_exporting_for_longer_than_the_collective_timeout_does_not_fail_the_others(tmp_path, sft_setup):
+    """Rank 0 writes the ZeRO-3 export alone (here slowed by 8 s, standing for a large model) while rank 1 waits
+    with a 3 s collective timeout: the wait is not a training collective, and the run ends well."""
+    from safetensors.torch import load_file
+
+    base, _ = sft_setup
+    out = tmp_path / "run"
+    args = [a for a in base if not a.startswith(("train.max_steps", "train.save_every", "train.eval_every"))]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
+           str(ROOT / "tests" / "integration" / "slow_rank0.py"), "sft", *args, f"output_dir={out}",
+           "train.max_steps=2", "train.save_every=1", "train.eval_every=0", "engine.backend=deepspeed",
+           "engine.zero_stage=3", "engine.collective_timeout_s=3"]
+    res = subprocess.run(cmd, env={**ENV, "SLOW_EXPORT_S": "8"}, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
+    # the export is whole: the gathered weights, tied embeddings stored once, loadable by plain transformers
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(out / "final")
+    saved = load_file(out / "final" / "model.safetensors")
+    assert model.get_input_embeddings().weight is model.get_output_embeddings().weight
+    assert set(saved) == {k for k in model.state_dict() if k != "lm_head.weight"}

@@ -203,3 +203,34 @@ def test_the_zero3_export_twin_keeps_the_models_generation_config(tiny_model_dir
     assert twin.generation_config.eos_token_id == [2, 5]
     assert (twin.generation_config.temperature, twin.generation_config.top_p) == (0.6, 0.9)
     assert twin.generation_config is not base_model(model).generation_config  # a copy: the export may change it
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_the_zero3_export_twin_takes_the_gathered_tensors_without_initialising_its_own(tiny_model_dir, lora,
+                                                                                      monkeypatch):
+    """The twin is built without random initialisation (a 7B model's takes about a minute on rank 0 while the
+    others wait) and holds the gathered tensors themselves (no second copy of the model in rank 0's memory),
+    its tied embeddings one parameter again; its outputs are the model's."""
+    from transformers import PreTrainedModel
+
+    from rlhfkit.models import load_causal_lm
+    from rlhfkit.models.lora import base_model, clone_for_export
+
+    model = load_causal_lm(str(tiny_model_dir)).eval()
+    if lora:
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
+    # the gathered state as the engine makes it: CPU copies, tied names sharing one tensor
+    copies = {}
+    state = {name: copies.setdefault(id(v), v.detach().clone()) for name, v in model.state_dict(keep_vars=True).items()}
+    calls = []
+    monkeypatch.setattr(PreTrainedModel, "_init_weights", lambda self, module: calls.append(module))
+    twin = clone_for_export(model, state)
+    assert calls == []  # nothing initialised
+    assert all(twin.state_dict()[k].data_ptr() == v.data_ptr() for k, v in state.items())  # the tensors themselves
+    inner = base_model(twin)
+    assert inner.get_input_embeddings().weight is inner.get_output_embeddings().weight
+    ids = torch.tensor([[1, 5, 9, 13, 2]])
+    with torch.no_grad():
+        assert torch.equal(twin.eval()(ids).logits, model(ids).logits)

@@ -183,10 +183,11 @@ class EngineConfig:
                                        "operators); same values to float rounding, ~8% faster SFT steps at 20M; "
                                        "on CPUs with AVX-512 also the rollout's decode-step linear layers "
                                        "(one stream over each weight; ~45% less time than MKL at 8 rows)")
-    collective_timeout_s: float = option(300.0, "deepspeed: seconds a rank waits in a collective (all-reduce, "
-                                                "barrier) for the others before it fails with an error: how long a "
-                                                "run can hang on a dead or stuck rank; must exceed the longest time "
-                                                "rank 0 works alone (the HF export of a very large model)")
+    collective_timeout_s: float = option(300.0, "deepspeed: seconds a rank waits in a training collective "
+                                                "(all-reduce, barrier) for the others before it fails with an "
+                                                "error: how long a run can hang on a dead or stuck rank. Waits for "
+                                                "rank 0's file work alone (the HF export, checkpoint conversion) "
+                                                "are bounded by 2 hours, or this if longer")
 
     def validate(self, prefix: str = "") -> None:
         if not self.collective_timeout_s > 0:

@@ -13,10 +13,12 @@ subclassing), so the training loops run unchanged. Decisions:
   with separate train / eval configs.
 - Generation under ZeRO-3 gathers the parameters once per rollout (`gathered`), not once per token, and
   runs the plain HF model without DeepSpeed's hooks.
-- HF export gathers ZeRO-3 parameters and rank 0 writes the folder (LoRA merged).
+- HF export gathers ZeRO-3 parameters one at a time (no device holds the whole model) and rank 0 writes the
+  folder (LoRA merged).
 - Faults: the process group is created with `engine.collective_timeout_s`, so a rank waiting in a collective
   for a dead or hung one fails after that long (a killed peer over gloo/TCP is noticed at once), and
-  `lost_rank_message` turns that failure into one line. Checkpoints carry a manifest (`manifest.py`), written
+  `lost_rank_message` turns that failure into one line. Waits for rank 0's file work alone (export, checkpoint
+  conversion) run over a gloo group of their own with a longer bound (`RANK0_WORK_TIMEOUT_S`). Checkpoints carry a manifest (`manifest.py`), written
   by rank 0 from every rank's hashes, in a folder all ranks must share. A checkpoint saved at another number of
   ranks is resharded through DeepSpeed's universal checkpoint (`to_universal`, `_load_resharded`).
 - Non-finite steps: a step whose loss or gradient is not finite on any rank is skipped on every rank (no update,
@@ -89,6 +91,13 @@ def _free_port() -> int:
 
 
 _timeout_s = None  # the process group's collective timeout, for the lost-rank message
+# The ranks' waits for rank 0's file work alone (the HF export, converting a checkpoint to reshard it, clearing an
+# old unfinished one): over a gloo group of their own with this bound (or collective_timeout_s, if longer), not the
+# world group, whose collective_timeout_s is sized for training steps, and whose NCCL watchdog aborts a waiting
+# process outright. A rank 0 that dies is noticed at once (gloo sees the connection drop); only one that hangs
+# is waited for this long.
+RANK0_WORK_TIMEOUT_S = 2 * 3600.0
+_rank0_group = None
 
 
 def _destroy_process_group() -> None:
@@ -100,6 +109,8 @@ def _destroy_process_group() -> None:
 
         from deepspeed.utils import groups
 
+        global _rank0_group
+        _rank0_group = None
         gc.collect()  # engines and optimizers left in reference cycles hold process groups of their own
         with contextlib.suppress(Exception):
             dist.destroy_process_group()
@@ -118,7 +129,7 @@ def init_process_group(timeout_s: float = 300.0) -> None:
 
     A plain `python -m rlhfkit` run becomes a group of one, so the same code path is used everywhere.
     """
-    global _timeout_s
+    global _timeout_s, _rank0_group
     if dist.is_initialized():
         return
     if "RANK" not in os.environ:
@@ -142,6 +153,9 @@ def init_process_group(timeout_s: float = 300.0) -> None:
 
     if dist.get_world_size() > 1 and getattr(groups, "_WORLD_GROUP", "gone") is None:
         groups._WORLD_GROUP = dist.new_group(ranks=list(range(dist.get_world_size())), timeout=timeout)
+    if dist.get_world_size() > 1:
+        _rank0_group = dist.new_group(ranks=list(range(dist.get_world_size())), backend="gloo",
+                                      timeout=timedelta(seconds=max(timeout_s, RANK0_WORK_TIMEOUT_S)))
 
 
 def _partition(param: torch.nn.Parameter) -> torch.Tensor:
@@ -483,6 +497,12 @@ class DeepSpeedEngine:
     def barrier(self) -> None:
         dist.barrier()
 
+    def _await_rank0(self) -> None:
+        """The barrier after work rank 0 does alone, which may take longer than a training collective may wait
+        (`RANK0_WORK_TIMEOUT_S`)."""
+        if self.world_size > 1:
+            dist.barrier(group=_rank0_group)
+
     def _comm_device(self):
         return self.device if self.device.type != "cpu" else torch.device("cpu")
 
@@ -516,10 +536,10 @@ class DeepSpeedEngine:
         self.barrier()
         seal(tmp, self.checkpoint_info(step, trainables), (self.rank, self.world_size), self._gather,
              write=self.is_main)
-        if self.is_main:
+        if self.is_main:  # may delete older checkpoints (large folders) as well
             replace_folder(tmp, target)
             publish_checkpoint(folder, target, keep)
-        self.barrier()
+        self._await_rank0()
         return target
 
     def _check_shared(self, tmp: Path) -> None:
@@ -529,8 +549,8 @@ class DeepSpeedEngine:
         marker = tmp / ".shared-by-all-ranks"
         if self.is_main:
             marker.write_text(token[0])
-        if self.world_size > 1:
-            dist.broadcast_object_list(token, src=0)
+        if self.world_size > 1:  # rank 0 may have cleared a large unfinished save first
+            dist.broadcast_object_list(token, src=0, group=_rank0_group)
         sees = False
         for _ in range(10):  # a network filesystem may show a new file a moment late
             with contextlib.suppress(OSError):
@@ -591,7 +611,7 @@ class DeepSpeedEngine:
                     to_universal(target / name, universal / name)
             except Exception as exc:  # every rank must hear of it, or the others wait at the barrier
                 failure = f"{type(exc).__name__}: {exc}"
-        failure = self._broadcast(failure)
+        failure = self._broadcast(failure, after_rank0_work=True)
         if failure:
             raise RunError(f"--resume: checkpoint '{target}' was saved at {saved} rank(s) and this run has "
                            f"{self.world_size}; converting it to a universal checkpoint to reshard it failed "
@@ -606,33 +626,50 @@ class DeepSpeedEngine:
             self.barrier()
             if self.is_main:
                 shutil.rmtree(universal, ignore_errors=True)
+            self._await_rank0()
 
-    def _broadcast(self, value):
-        """Rank 0's `value` on every rank (a collective)."""
+    def _broadcast(self, value, after_rank0_work: bool = False):
+        """Rank 0's `value` on every rank (a collective; `after_rank0_work`: rank 0 may come to it long after
+        the others, see `RANK0_WORK_TIMEOUT_S`)."""
         if self.world_size == 1:
             return value
         box = [value]
-        dist.broadcast_object_list(box, src=0)
+        dist.broadcast_object_list(box, src=0, group=_rank0_group if after_rank0_work else None)
         return box[0]
 
     # -- export ----------------------------------------------------------------------------------------
     def export_hf(self, model: torch.nn.Module, tokenizer, target: Path, in_place: bool = True) -> Path:
-        """Gather ZeRO-3 shards, then rank 0 writes a plain transformers folder (LoRA merged)."""
+        """Rank 0 writes a plain transformers folder (LoRA merged); under ZeRO-3 from the gathered shards
+        (`_gathered_state`) in a CPU twin of the model. The other ranks wait for it without a training
+        collective's time limit (`_await_rank0`)."""
         module = getattr(model, "module", model) if isinstance(model, deepspeed.DeepSpeedEngine) else model
         if not self._is_zero3(module):
             if self.is_main:
                 write_hf_folder(module, tokenizer, target, in_place)
-            self.barrier()
+            self._await_rank0()
             return target
-        with deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=None):
-            state = {k: v.detach().to("cpu", copy=True) for k, v in module.state_dict().items()} \
-                if self.is_main else None
+        state = self._gathered_state(module)
         if self.is_main:
-            plain = clone_for_export(module)  # same class and adapters, ordinary CPU tensors
-            plain.load_state_dict(state)
+            plain = clone_for_export(module, state)  # same class and adapters, ordinary CPU tensors
+            del state
             write_hf_folder(plain, tokenizer, target, in_place=True)
-        self.barrier()
+        self._await_rank0()
         return target
+
+    def _gathered_state(self, module: torch.nn.Module) -> dict | None:
+        """`module`'s state dict as CPU tensors on rank 0 (None on the others), its ZeRO-3 parameters gathered
+        one at a time (a collective): no device ever holds the whole model, which under ZeRO-3 may not fit on
+        one, and rank 0's memory holds one copy of it. Names tied to one parameter share one tensor."""
+        copies, state = {}, {}
+        for name, value in module.state_dict(keep_vars=True).items():
+            if id(value) not in copies:
+                if hasattr(value, "ds_id"):
+                    with deepspeed.zero.GatheredParameters([value], modifier_rank=None):
+                        copies[id(value)] = value.detach().to("cpu", copy=True) if self.is_main else None
+                else:
+                    copies[id(value)] = value.detach().to("cpu", copy=True) if self.is_main else None
+            state[name] = copies[id(value)]
+        return state if self.is_main else None
 
 
 # what gloo / NCCL / the TCP store say when a peer died or a collective timed out
