@@ -74,6 +74,15 @@ def run_cli(*args: str, cwd: Path | None = None, timeout: int = 600, env: dict |
                           text=True, timeout=timeout)
 
 
+def assert_bars_passed(res, summary: dict) -> None:
+    """A demo's bars all passed, but its wall-time bar, which the tests do not hold it to (time is measured in
+    benchmarks/, and a loaded machine may be slow): the demo then exits 1 for that bar alone."""
+    failed = [r["name"] for r in summary["rows"] if r["passed"] is False]
+    assert set(failed) <= {"wall time, seconds"}, (failed, res.stdout[-3000:], res.stderr[-3000:])
+    assert res.returncode == (1 if failed else 0), res.stdout[-3000:] + res.stderr[-3000:]
+    assert bool(failed) != ("rlhfkit demo: every bar passed" in res.stdout)
+
+
 def read_metrics(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 

@@ -156,11 +156,14 @@ def test_weighted_rewards_are_logged_by_name_and_unjudged_responses_are_left_out
 
 def test_dapo_dynamic_sampling_and_overlong_masking_are_counted_and_still_learn(ppo_world):
     proc = run(ppo_world, "cf_dapo", "ppo.advantage_estimator=grpo", "ppo.filter_equal_groups=true",
-               "ppo.mask_truncated=true", "gen.max_new_tokens=4", "ppo.clip_eps_high=0.28", "train.max_steps=15")
+               "ppo.mask_truncated=true", "gen.max_new_tokens=8", "ppo.clip_eps_high=0.28", "train.max_steps=15")
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [r for r in read_metrics(ppo_world / "cf_dapo" / "metrics.jsonl") if "reward/mean" in r]
-    # 4 tokens: "NAME NAME NAME NAME" (8 tokens with spaces) cannot finish, so truncated answers are common
+    # 8 tokens: "NAME NAME NAME NAME" (8 tokens with spaces) and its end cannot both fit, so truncated answers are
+    # common (at 4 tokens nothing could finish and nothing was learned: 0.46 -> 0.49 in 15 iterations)
     assert sum(r["response/masked_truncated"] for r in rows) > 0
-    assert all(0 <= r["group/filtered"] <= 8 for r in rows)
+    # groups whose rewards are all alike are filtered out and counted (8 prompts a batch)
+    assert any(r["group/filtered"] > 0 for r in rows)
+    assert all(r["group/filtered"] == int(r["group/filtered"]) and 0 <= r["group/filtered"] <= 8 for r in rows)
     result = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert result["eval/reward_end"] > result["eval/reward_start"], result
+    assert result["eval/reward_end"] > result["eval/reward_start"] + 0.1, result  # measured 0.68 -> 0.85

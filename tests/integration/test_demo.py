@@ -3,7 +3,10 @@
 import json
 import os
 
-from conftest import read_metrics, run_cli
+import torch
+from transformers import AutoModelForCausalLM
+
+from conftest import assert_bars_passed, read_metrics, run_cli
 
 from rlhfkit.demo.run import MAX_THREADS
 
@@ -14,16 +17,13 @@ EXPLOIT = "exploit rate: PPO held-out samples with an exploit"
 def test_quick_demo_learns_what_the_gold_reward_stands_for(tmp_path):
     out = tmp_path / "demo"
     res = run_cli("demo", "--quick", "--output", str(out), timeout=900)
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    # its time is the demo's own wall-time bar (<= 600 s), not a bound here: 150 s measured on 2 cores of an
-    # AVX-512 host, 298 s on an AVX2 one
-    assert "every bar passed" in res.stdout
-
     summary = json.loads((out / "summary.json").read_text())
+    # every bar but its time, the demo's own wall-time bar (<= 600 s), which is not a bound here: 150 s measured
+    # on 2 cores of an AVX-512 host, 298 s on an AVX2 one
+    assert_bars_passed(res, summary)
     # the threads the environment gives (OMP_NUM_THREADS: 1 unless set, tests/conftest.py), capped
     assert summary["threads"] == min(int(os.environ["OMP_NUM_THREADS"]), MAX_THREADS)
     rows = {r["name"]: r for r in summary["rows"]}
-    assert all(r["passed"] for r in summary["rows"] if r["passed"] is not None)
     # the reward model generalises to unseen (topic, mood) combinations, on pairs labelled by the gold without noise
     assert rows["RM accuracy, held-out gold-labelled pairs"]["value"] >= 0.8  # measured 0.81
     gold = json.loads((out / "gold.json").read_text())
@@ -86,8 +86,18 @@ def test_quick_demo_learns_what_the_gold_reward_stands_for(tmp_path):
     rows = {r["name"]: r for r in json.loads((out / "summary.json").read_text())["rows"]}
     assert rows["wall time, seconds"]["passed"] is None and "reused" in rows["wall time, seconds"]["target"]
     assert rows["early stopping: PPO iteration kept (best validation gold)"]["value"] == rerun["best_step"]
-    if rerun["best_step"] not in (0, 100):  # a checkpoint: exported as a plain model folder
-        assert (out / "early-stop" / "config.json").is_file()
+    # a checkpoint is exported as a plain model folder; the SFT start and the final policy have folders already
+    assert (out / "early-stop" / "config.json").is_file() == (rerun["best_step"] not in (0, 100))
+    # (whichever the seed picked) a checkpoint's export holds that iteration's actor, neither SFT's nor the final's
+    from safetensors.torch import load_file
+
+    from rlhfkit.demo.overoptimisation import export_policy
+
+    folder = export_policy(out / "sft" / "final", out / "ppo", 40, 100, tmp_path / "step40")
+    weights = [load_file(f / "model.safetensors") for f in (folder, out / "sft" / "final", out / "ppo" / "final")]
+    AutoModelForCausalLM.from_pretrained(folder)
+    for other in weights[1:]:
+        assert any(not torch.equal(weights[0][k], other[k]) for k in weights[0])
 
 
 def test_a_stopped_demo_says_one_line_and_that_rerunning_it_continues(tmp_path):

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
@@ -66,6 +67,7 @@ def test_ppo_raises_held_out_reward_within_kl_budget_and_kl_coef_holds_it_back(w
 
 def test_ppo_learns_in_bf16_mixed_precision_and_exports_float32(world):
     result, _ = ppo(world, "bf16", "train.max_steps=40", "ppo.kl_coef=0.05", "engine.precision=bf16")
+    assert yaml.safe_load((world / "bf16" / "config.yaml").read_text())["engine"]["precision"] == "bf16"
     assert result["eval/reward_end"] > result["eval/reward_start"] + 0.2, result
     assert result["eval/kl_end"] < 5.0, result
     actor = AutoModelForCausalLM.from_pretrained(world / "bf16" / "final")
@@ -136,8 +138,11 @@ def test_ppo_end_to_end_on_stories260k_with_sft_and_reward_model_outputs(tmp_pat
     """The real chain: SFT of stories260K -> `rlhfkit rm` on Anthropic HH -> PPO with that RM (normalised)."""
     common = ["log.tensorboard=false", "train.batch_size=8", "train.micro_batch_size=8"]
     sft = run_cli("sft", f"model={STORIES}", f"data.train={ALPACA}", "data.max_rows=64",
-                  "data.max_length=128", "train.max_steps=3", f"output_dir={tmp_path / 'sft'}", *common)
+                  "data.max_length=128", "train.max_steps=3", "train.lr=1e-3", f"output_dir={tmp_path / 'sft'}",
+                  *common)
     assert sft.returncode == 0, sft.stderr[-3000:]
+    sft_eval = [m["eval/loss"] for m in read_metrics(tmp_path / "sft" / "metrics.jsonl") if "eval/loss" in m]
+    assert sft_eval[-1] < sft_eval[0] - 0.2  # it learned Alpaca's answers: measured 4.17 -> 3.67
     rm = run_cli("rm", f"model={tmp_path / 'sft' / 'final'}", f"data.train={HH}", "data.max_rows=64",
                  "data.max_length=128", "data.eval_max_rows=8", "train.max_steps=3", "rm.norm_samples=16",
                  f"output_dir={tmp_path / 'rm'}", *common)

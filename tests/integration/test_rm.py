@@ -218,18 +218,22 @@ def test_lora_rm_exports_a_merged_plain_folder(tiny_model_dir, rule_data, tmp_pa
 
 @needs_shared
 def test_rm_on_real_hh_pairs_with_a_real_backbone(tmp_path):
+    """A 260K-parameter model learns no human preference in seconds, but it must fit the HH pairs it trains on:
+    evaluated on those same pairs (data.eval = the training file), from chance to all of them."""
     out = tmp_path / "hh"
-    proc = run_cli("rm", f"model={STORIES}", f"data.train={HH}", f"output_dir={out}", "data.max_length=256",
-                   "data.max_rows=160", "data.eval_fraction=0.1", "train.batch_size=8", "train.micro_batch_size=4",
-                   "train.max_steps=6", "train.lr=1e-3", "train.eval_every=0", "log.tensorboard=false",
-                   "rm.norm_samples=64")
+    proc = run_cli("rm", f"model={STORIES}", f"data.train={HH}", f"data.eval={HH}", f"output_dir={out}",
+                   "data.max_length=256", "data.max_rows=64", "data.eval_max_rows=64", "train.batch_size=8",
+                   "train.micro_batch_size=4", "train.max_steps=24", "train.lr=3e-3", "train.eval_every=0",
+                   "log.tensorboard=false", "rm.norm_samples=64")
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert result["template"] == "chat" and result["eval_rows"] >= 20  # stories260K has a chat template
+    assert result["template"] == "chat"  # stories260K has a chat template
+    assert result["eval_rows"] == result["train_rows"] >= 12  # the same pairs (17: most are over 256 tokens)
     assert "pairs" in proc.stderr and "dropped" in proc.stderr  # the data summary a user sees
     evals = [m for m in read_metrics(out / "metrics.jsonl") if "eval/accuracy" in m]
-    assert [m["step"] for m in evals] == [0, 6]
-    assert 0.0 <= evals[-1]["eval/accuracy"] <= 1.0 and evals[-1]["eval/loss"] > 0
+    assert [m["step"] for m in evals] == [0, 24]
+    assert evals[0]["eval/accuracy"] <= 0.7 and evals[-1]["eval/accuracy"] >= 0.95  # measured 0.41 -> 1.0
+    assert evals[-1]["eval/loss"] < 0.2 * evals[0]["eval/loss"]  # measured 0.72 -> 0.001
     config = json.loads((out / "final" / "config.json").read_text())
     assert config["rlhfkit_reward_std"] > 0 and config["rlhfkit_template"] == "chat"
     assert AutoModelForSequenceClassification.from_pretrained(out / "final").config.num_labels == 1

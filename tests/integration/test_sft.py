@@ -55,7 +55,7 @@ def test_sft_cli_learns_and_exports(tmp_path, tiny_model_dir):
 
 def test_sft_in_bf16_mixed_precision_learns_like_float32(tmp_path, tiny_model_dir):
     data = write_jsonl(tmp_path / "train.jsonl", sft_rows())
-    finals = {}
+    finals, losses = {}, {}
     for precision in ("fp32", "bf16"):
         out = tmp_path / precision
         res = run_cli("sft", f"model={tiny_model_dir}", f"data.train={data}", f"output_dir={out}",
@@ -64,6 +64,9 @@ def test_sft_in_bf16_mixed_precision_learns_like_float32(tmp_path, tiny_model_di
                       f"engine.precision={precision}")
         assert res.returncode == 0, res.stderr
         finals[precision] = eval_losses(read_metrics(out / "metrics.jsonl"))
+        losses[precision] = [m["loss"] for m in read_metrics(out / "metrics.jsonl") if "loss" in m]
+    # bf16 did compute in bf16: its curve is not float32's (which it would be, were the setting lost)
+    assert max(abs(a - b) for a, b in zip(losses["bf16"], losses["fp32"])) > 1e-3
     (_, start), (_, end) = finals["bf16"]
     assert end < 0.6 * start, finals  # measured 5.77 -> 3.04
     assert abs(end - finals["fp32"][-1][1]) < 0.05 * finals["fp32"][-1][1], finals  # float32: 3.05

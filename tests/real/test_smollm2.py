@@ -10,6 +10,7 @@ a score is padding-invariant, a run resumes): 135M parameters cost seconds per s
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 from pathlib import Path
@@ -17,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import ALPACA, HH, ROOT, needs_shared, read_metrics, run_cli, write_jsonl
+from conftest import ALPACA, HH, ROOT, assert_bars_passed, needs_shared, read_metrics, run_cli, write_jsonl
 
 pytestmark = [pytest.mark.real, needs_shared]
 MODEL_NAME = "smollm2-135m-instruct"
@@ -141,7 +142,8 @@ def test_rm_trains_on_hh_and_reports_held_out_accuracy_and_its_end_token(rm_run,
     rows = read_metrics(run / "metrics.jsonl")
     accuracies = [r["eval/accuracy"] for r in rows if "eval/accuracy" in r]
     assert [r["step"] for r in rows if "eval/accuracy" in r] == [0, 4] and all(0 <= a <= 1 for a in accuracies)
-    assert len([r for r in rows if "loss" in r]) == 4 and all(r["loss"] == r["loss"] for r in rows if "loss" in r)
+    losses = [r["loss"] for r in rows if "loss" in r]
+    assert len(losses) == 4 and all(isinstance(v, float) and math.isfinite(v) for v in losses)  # null if not
     # it trained: the backbone moved away from the instruct model's weights
     before = load_file(smollm2 / "model.safetensors")["model.layers.0.self_attn.q_proj.weight"]
     after = load_file(run / "final" / "model.safetensors")["model.layers.0.self_attn.q_proj.weight"]
@@ -338,7 +340,7 @@ def test_ppo_with_a_python_reward_logs_reward_and_kl_and_resumes_after_kill_9(sm
     cli_json(*ppo_args(smollm2, task_files, ref, reward, *steps))
     reference = read_metrics(ref / "metrics.jsonl")
     rows = [r for r in reference if "reward/mean" in r]
-    assert len(rows) == 4 and all(0.0 <= r["reward/mean"] <= 1.0 and r["kl"] == r["kl"] for r in rows)
+    assert len(rows) == 4 and all(0.0 <= r["reward/mean"] <= 1.0 and math.isfinite(r["kl"]) for r in rows)
     assert any(r["response/finished"] > 0 for r in rows)  # some responses end at <|im_end|> within 12 tokens
 
     out = tmp_path / "killed"
@@ -377,9 +379,16 @@ def test_grpo_on_the_real_model_trains_without_a_critic(smollm2, task_files, tmp
                        "train.batch_size=2", "train.micro_batch_size=8", "ppo.advantage_estimator=grpo",
                        "ppo.n_samples_per_prompt=4", "ppo.kl_coef=0", "ppo.kl_loss_coef=0.05", "train.save_every=0"))
     rows = [r for r in read_metrics(out / "metrics.jsonl") if "reward/mean" in r]
-    assert len(rows) == 2 and all(0.0 <= r["group/all_equal"] <= 1.0 and "value_loss" not in r for r in rows)
-    assert all(r["kl_loss"] == r["kl_loss"] and abs(r["policy_loss"]) < 10 for r in rows)
+    # 2 prompts a batch: the share of groups whose 4 rewards are all equal is 0, 1/2 or 1
+    assert len(rows) == 2 and all(r["group/all_equal"] * 2 in (0, 1, 2) and "value_loss" not in r for r in rows)
+    assert all(math.isfinite(r["kl_loss"]) and math.isfinite(r["policy_loss"]) for r in rows)
     assert (out / "final" / "config.json").is_file() and not (out / "final-critic").exists()
+    # it trained: the policy moved away from the instruct model
+    from safetensors.torch import load_file
+
+    key = "model.layers.0.self_attn.q_proj.weight"
+    before, after = (load_file(folder / "model.safetensors")[key] for folder in (smollm2, out / "final"))
+    assert not torch.equal(before, after)
 
 
 def test_ppo_zero3_on_two_ranks(smollm2, task_files, tmp_path):
@@ -427,6 +436,6 @@ def test_task_demo_quick_learns_arithmetic(tmp_path):
                    env=TWO_THREADS)
     summary = json.loads((tmp_path / "demo" / "summary.json").read_text())
     rows = {r["name"]: r for r in summary["rows"]}
-    assert proc.returncode == 0, (proc.stderr[-3000:], rows)
+    assert_bars_passed(proc, summary)  # every bar but its time (measured in benchmarks/)
     assert rows["held-out accuracy gain"]["value"] >= 0.2
     assert (tmp_path / "demo" / "report.html").is_file() and (tmp_path / "demo" / "samples.jsonl").is_file()

@@ -208,6 +208,7 @@ def test_replacing_a_folder_moves_the_old_one_aside_until_the_new_one_is_in_plac
     monkeypatch.setattr(storage.os, "replace", replace)
     storage.replace_folder(tmp, target)
     assert (target / "w").read_text() == "new" and sorted(p.name for p in tmp_path.iterdir()) == ["step-00000004"]
+    assert len(seen) == 2  # the old folder aside, the new one into place
     assert all("step-00000004" in names or "step-00000004.old" in names for names in seen)
     (tmp_path / "step-00000002.old").mkdir()
     assert [p.name for p in checkpoint_folders(tmp_path)] == ["step-00000004"]

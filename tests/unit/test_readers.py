@@ -4,10 +4,15 @@ from __future__ import annotations
 
 import gzip
 import json
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
+
+from conftest import ROOT
 
 from rlhfkit.errors import DataError, where
 from rlhfkit.data.readers import Row, read_rows
@@ -191,21 +196,19 @@ def test_hub_id_offline_says_how_to_pass_a_local_copy(monkeypatch, variable):
     assert str(info.value) == expected
 
 
-def test_hub_connection_failure_is_reported_as_offline(monkeypatch):
-    import datasets
-
-    monkeypatch.delenv("HF_DATASETS_OFFLINE", raising=False)
-    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
-
-    def no_network(name, split):
-        try:
-            raise OSError("Network is unreachable")
-        except OSError as exc:  # the hub client wraps socket errors like this
-            raise ConnectionError("Couldn't reach 'owner/name' on the Hub") from exc
-
-    monkeypatch.setattr(datasets, "load_dataset", no_network)
-    with pytest.raises(DataError, match=r"^cannot fetch dataset 'owner/name' \(offline\): download it elsewhere"):
-        read_rows("owner/name")
+def test_hub_connection_failure_is_reported_as_offline(tmp_path):
+    """The real datasets / huggingface_hub stack, online but with no hub to reach (a closed local port): what it
+    raises after its retries (~25 s of back-off, no work) is read as "offline". In a subprocess: the hub client
+    reads its endpoint when imported."""
+    env = {k: v for k, v in os.environ.items() if k not in ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE")}
+    env.update(HF_ENDPOINT="http://127.0.0.1:9", HF_HOME=str(tmp_path / "hf"), HF_HUB_ETAG_TIMEOUT="2",
+               HF_HUB_DOWNLOAD_TIMEOUT="2", PYTHONPATH=str(ROOT / "src"))
+    code = ("from rlhfkit.data.readers import read_rows\n"
+            "from rlhfkit.errors import DataError\n"
+            "try:\n    read_rows('owner/name')\nexcept DataError as exc:\n    print('DataError:', exc)\n")
+    res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=180)
+    assert res.stdout.startswith("DataError: cannot fetch dataset 'owner/name' (offline): download it elsewhere"), \
+        res.stdout + res.stderr[-2000:]
 
 
 def test_hub_rows_come_from_load_dataset(monkeypatch):

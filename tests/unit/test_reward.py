@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import random
 import shutil
 
@@ -87,8 +88,10 @@ def test_micro_batch_times_accumulation_is_invariant(tiny_model_dir, tmp_path):
     assert runs[8]["step"] == runs[1]["step"] == 1
     for key in ("loss", "grad_norm", "accuracy", "margin", "chosen", "rejected"):
         assert runs[1][key] == pytest.approx(runs[8][key], rel=1e-5, abs=1e-6), key
-    # the untrained head: loss near -log sigmoid(0 - 0.5) = 0.974077 (scores are small at init)
-    assert runs[8]["loss"] == pytest.approx(0.974077, abs=0.2)
+    # the margin is in the loss: the mean of -log sigmoid(r_c - r_r - 0.5) over pairs whose mean r_c - r_r is
+    # the logged margin; near a linear function over small score gaps, so within Jensen's gap of the value at the
+    # mean (measured 0.99344 against 0.99317; without the margin the loss would be ~0.71)
+    assert runs[8]["loss"] == pytest.approx(math.log1p(math.exp(0.5 - runs[8]["margin"])), abs=0.01)
 
 
 def test_resume_continues_to_the_same_model(tiny_model_dir, tmp_path):

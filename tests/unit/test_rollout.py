@@ -15,7 +15,7 @@ from rlhfkit.models import ModelError, load_causal_lm, load_scalar_model, load_t
 from rlhfkit.models.reward_fn import FunctionReward, ModelReward, is_function_spec, load_reward_function
 from rlhfkit.rollout import (RolloutBatch, add_advantages, add_model_outputs, adjust_scores, cat_rollouts,
                              ended_with_eos, generate_rollout, response_mask)
-from rlhfkit.rollout.experience import response_logprobs
+from rlhfkit.rollout.experience import response_logprobs, response_values
 from rlhfkit.rollout.generate import ignored_generation_settings
 
 
@@ -112,6 +112,7 @@ def test_logprobs_and_values_ignore_padding_and_post_eos_tokens(tiny, tiny_model
         n = int(alone.response_mask.sum())
         expected = response_logprobs(model, alone, temperature=0.7)[0, :n]
         torch.testing.assert_close(full.old_logprobs[i, :n], expected, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(full.values[i, :n], response_values(critic, alone)[0, :n], atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("top_k, top_p", [(0, 1.0), (5, 0.8)])
