@@ -133,6 +133,9 @@ def rows_file(world: Path, stage: str, n: int, length: int = 0, size: str = "5M"
     return target
 
 
+EXTRA: list[str] = []  # `--rlhfkit-set` settings (e.g. packing=false), after the identical work's own
+
+
 def rlhfkit_overrides(stage: str, model: Path, data: Path, out, batch: int, steps: int = 100000) -> list[str]:
     """The `rlhfkit sft` / `rlhfkit rm` settings of the identical work (see the module docstring)."""
     common = [f"model={model}", f"data.train={data}", "data.eval_fraction=0", "data.template=plain",
@@ -142,7 +145,7 @@ def rlhfkit_overrides(stage: str, model: Path, data: Path, out, batch: int, step
               "train.save_every=0", "train.eval_every=0", "train.log_every=1", "log.tensorboard=false",
               "log.progress=false"]
     return common + (["rm.norm_samples=0"] if stage == "rm" else []) + \
-        (["engine.precision=bf16"] if harness.on_gpu() else [])
+        (["engine.precision=bf16"] if harness.on_gpu() else []) + EXTRA
 
 
 def rlhfkit_rows(stage: str, world: Path, size: str, data: Path) -> list[dict]:
@@ -313,7 +316,7 @@ def worker_cmd(system: str, python: Path, world: Path, size: str, stage: str, ar
     return [str(python), str(Path(__file__).resolve()), "--worker", system, "--world", str(world), "--size", size,
             "--stage", stage, "--rows", str(args.rows), "--threads", str(args.threads), "--out", str(out),
             "--spec", str(spec), "--trl-batches", args.trl_batches, "--length", str(args.length),
-            "--micro", str(MICRO)]
+            "--micro", str(MICRO), *(f"--rlhfkit-set={item}" for item in EXTRA)]
 
 
 def write_spec(stage: str, world: Path, size: str, args, tmp: Path) -> tuple[list[dict], Path]:
@@ -331,7 +334,8 @@ def compare(world: Path, trl_python: Path, size: str, stage: str, args, tmp: Pat
     print(f"\n== {stage}, {size} model: {args.rows} {what} per step in micro-batches of {MICRO}, {tokens} real tokens "
           f"per step ({padding_share(stage, rows):.0%} of a padded micro-batch would be padding), max length "
           f"{MAX_LENGTH}; TRL {'padding-free' if stage == 'sft' and args.trl_batches == 'padding_free' else 'padded'}"
-          f" ({args.warmup} warm-up + {args.iters} measured iterations each, {args.threads} thread(s))", flush=True)
+          f" ({args.warmup} warm-up + {args.iters} measured iterations each, {args.threads} thread(s))"
+          f"{'; rlhfkit with ' + ' '.join(EXTRA) if EXTRA else ''}", flush=True)
     harness.uncache_libraries(Path(sys.prefix), trl_python.parent.parent)  # the same start for both (peak RSS)
 
     def starter(name: str, py: Path):
@@ -433,12 +437,16 @@ def main() -> None:
     p.add_argument("--trl-python", help="an interpreter that imports TRL 1.16.0 (instead of "
                                         "benchmarks/.venv-trl-grpo)")
     p.add_argument("--json", help="also write the results here")
+    p.add_argument("--rlhfkit-set", action="append", default=[], metavar="KEY=VALUE",
+                   help="an rlhfkit setting beyond the identical work's (repeatable), e.g. packing=false to time "
+                        "its padded batches")
     # worker mode (internal)
     p.add_argument("--worker", choices=("rlhfkit", "trl", "rlhfkit-check", "trl-check"))
     p.add_argument("--world"), p.add_argument("--size"), p.add_argument("--stage"), p.add_argument("--out")
     p.add_argument("--spec")
     args = p.parse_args()
     MICRO = args.micro
+    EXTRA[:] = args.rlhfkit_set
     if args.worker:
         {"rlhfkit": rlhfkit_worker, "trl": trl_worker, "rlhfkit-check": rlhfkit_check,
          "trl-check": trl_check}[args.worker](args)

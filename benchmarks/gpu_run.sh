@@ -43,8 +43,19 @@ step() {  # step <name> <seconds> <command...>: run it under a time limit, its o
     pkill -9 -f "benchmarks/bench_" 2> /dev/null  # workers a timed-out step left behind hold GPU memory
     tail -n 25 "$OUT_DIR/$name.log"
 }
-step sft 150 python3 benchmarks/bench_sft.py --gpu --sizes 1B --rows 64 --micro 8 --threads 4 --iters 4 \
-    --warmup 1 --trl-python /tmp/python-trl116 --json "$OUT_DIR/sft.json"
-step ppo 180 python3 benchmarks/bench_ppo.py --gpu --sizes 1B --shapes "${PPO_SHAPES:-16:128}" --threads 4 \
-    --iters 3 --warmup 1 --trl-python /tmp/python-trl112 --json "$OUT_DIR/ppo.json"
+# STEPS picks and orders them (default: all, the ones without a like-for-like number yet first). rm-padded times
+# rlhfkit's RM with packing off (padded micro-batches, one attention call per layer, as TRL's) against the packed
+# default, whose attention runs once per packed sequence: which of the two belongs on CUDA.
+SFT_RM=(--gpu --sizes 1B --rows 64 --micro 8 --threads 4 --warmup 1 --trl-python /tmp/python-trl116)
+for name in ${STEPS:-ppo rm rm-padded sft}; do
+    case $name in
+        ppo) step ppo 180 python3 benchmarks/bench_ppo.py --gpu --sizes 1B --shapes "${PPO_SHAPES:-16:128}" \
+                 --threads 4 --iters 3 --warmup 1 --trl-python /tmp/python-trl112 --json "$OUT_DIR/ppo.json" ;;
+        rm) step rm 120 python3 benchmarks/bench_sft.py "${SFT_RM[@]}" --stages rm --iters 3 --json "$OUT_DIR/rm.json" ;;
+        rm-padded) step rm-padded 120 python3 benchmarks/bench_sft.py "${SFT_RM[@]}" --stages rm --iters 3 \
+                       --rlhfkit-set packing=false --json "$OUT_DIR/rm-padded.json" ;;
+        sft) step sft 120 python3 benchmarks/bench_sft.py "${SFT_RM[@]}" --stages sft --iters 4 --json "$OUT_DIR/sft.json" ;;
+        *) echo "unknown step $name" ;;
+    esac
+done
 echo "== done after $((SECONDS - start))s"
