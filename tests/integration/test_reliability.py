@@ -425,3 +425,10 @@ def test_resume_on_changed_data_says_so(tmp_path, tiny_model_dir, capsys):
     assert cli_main(["sft", *args, "train.max_steps=4", "--resume"]) == 0
     assert ("resume: the training data has 60 rows, the checkpointed run's had 80: from here on the rows come in "
             "another order than that run's") in capsys.readouterr().err
+    # as many rows, one of them edited
+    rows = sft_rows()[:60]
+    rows[7] = {**rows[7], "response": rows[7]["response"] + " again"}
+    write_jsonl(data, rows)
+    assert cli_main(["sft", *args, "train.max_steps=5", "--resume"]) == 0
+    assert ("resume: the training data's 60 rows are not the checkpointed run's (as many, other contents): from "
+            "here on the steps see other rows than that run's") in capsys.readouterr().err

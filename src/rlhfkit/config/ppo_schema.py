@@ -23,7 +23,8 @@ class PPODataConfig(SourceOptions):
                                 "preference format, or {prompt}), or a list of {path, weight} to mix")
     ptx: Optional[str] = option(None, "PPO-ptx pretraining text: a .txt file (documents split by <|endoftext|> "
                                       "or blank lines) or rows with a `text` field; used when ptx.coef > 0")
-    eval_prompts: Optional[str] = option(None, "held-out prompts for eval/reward; default: a split of prompts")
+    eval_prompts: Optional[str] = option(None, "held-out prompts for eval/reward; default: the source's own eval "
+                                               "split when it has one, else data.eval_fraction of prompts")
     max_prompt_length: int = option(256, "prompt tokens; a longer prompt loses its middle: it keeps the template's "
                                          "opening (BOS, system turn, first header) and its end")
     # the two shared options whose default differs for prompts

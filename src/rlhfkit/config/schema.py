@@ -45,7 +45,7 @@ class SourceOptions:
     cache: bool = option(True, "cache tokenised rows under data.cache_dir; a re-run with the same data, tokenizer "
                                "and data options skips reading and tokenising")
     cache_dir: Optional[str] = option(None, "tokenised-data cache folder; default: $RLHFKIT_CACHE_DIR, else "
-                                            "~/.cache/rlhfkit")
+                                            "$XDG_CACHE_HOME/rlhfkit, else ~/.cache/rlhfkit")
 
     def validate(self, prefix: str = "") -> None:
         if not 0 <= self.eval_fraction < 1:
@@ -64,7 +64,9 @@ def source_options(cfg: SourceOptions) -> dict:
 class DataConfig(SourceOptions):
     train: Any = option(None, "training data: a .jsonl/.json/.parquet/.csv file, a save_to_disk folder, a hub "
                               "name, or a list of {path, weight} to mix")
-    eval: Optional[str] = option(None, "evaluation data (same kinds as train); default: a split of train")
+    eval: Optional[str] = option(None, "evaluation data (same kinds as train); default: the source's own eval "
+                                       "split (a preset's, or a test/validation split beside train) when it has "
+                                       "one, else data.eval_fraction of train")
     max_length: int = option(512, "tokens per sequence (prompt + response); longer rows are truncated")
     loss_on: str = option("response", "sft: train on response tokens only, or on the whole sequence",
                           choices=("response", "all"))
@@ -251,7 +253,8 @@ class SFTConfig:
                                            "inside each row by transformers' packed-sequence mask (same loss, no "
                                            "compute on padding or across sequences); null = on "
                                            "when a check on the first rows finds the padded batch's loss (dpo "
-                                           "pads)")
+                                           "does not read it: it packs each pair itself where the model takes a "
+                                           "custom attention mask)")
     chunked_loss: Optional[bool] = option(None, "sft: the LM head runs on the labelled positions only and its "
                                                 "cross-entropy in chunks, gradients formed chunk by chunk, never "
                                                 "holding the (tokens x vocabulary) logits (same loss, less memory "

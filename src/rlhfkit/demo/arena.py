@@ -79,7 +79,7 @@ def dpo_config(shared: dict, out: Path, size: dict) -> dict:
     """The `rlhfkit dpo` config: DPO (sigmoid, beta 0.1) from SFT on the RM's own noisy training pairs, for
     size["dpo_epochs"] passes at the RM's batch size and lr 5e-5.
 
-    Measured on seed 0: two epochs at the RM's lr of 2e-4 over-optimise, the log-prob of chosen and rejected
+    Measured on seed 0: two epochs at lr 2e-4 over-optimise, the log-prob of chosen and rejected
     responses alike falls (-9 -> -17 nats) and the policy drifts to KL 14 with gold -0.30 (SFT 0.33); RPO's NLL
     term (dpo.rpo_alpha=1) holds it (gold 0.94, KL 0.43), and so does the usual DPO recipe used here, one epoch
     at a small learning rate (gold 0.97, KL 0.64)."""

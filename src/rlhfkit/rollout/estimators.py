@@ -7,8 +7,8 @@ Its entry says what it needs and how its advantages are normalised afterwards:
 - `row_local`: a row's advantages need only that row, so a critic's values may come micro-batch by
   micro-batch, fused with its update;
 - `group`: it compares the `ppo.n_samples_per_prompt` responses of one prompt (rows sharing `batch.group`);
-- `whiten`: "config" (over this rank's valid tokens when `ppo.whiten_advantages`), "global" (over the valid
-  tokens of all ranks, always: REINFORCE++), "none" (the group statistics already normalise: GRPO, RLOO).
+- `whiten`: "config" (over the valid tokens of all ranks when `ppo.whiten_advantages`), "global" (the same,
+  always: REINFORCE++), "none" (the group statistics already normalise: GRPO, RLOO).
 
 Outcome scores are clipped to `ppo.score_clip` first, as in the shaped reward.
 """

@@ -9,6 +9,8 @@ evaluation, logging, checkpoint, clean stop on a signal).
 
 from __future__ import annotations
 
+import array
+import hashlib
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -30,10 +32,12 @@ class TrainLoop:
         self.guard = RunGuard(engine, out, stage)
         saved = (resumed or {}).get("guard") or {}
         self.guard.load_state_dict(saved)
-        # the training rows' count, kept with the checkpoint: a resumed run on other data says so (the data order
-        # is a permutation of the rows, so from there on it is not the killed run's)
-        self.rows, self.resumed_rows = None, saved.get("rows")
-        self.state = lambda: {**state(), "guard": {**self.guard.state_dict(), "rows": self.rows}}
+        # the training rows' count and a digest of them, kept with the checkpoint: a resumed run on other data
+        # says so (the data order is a permutation of the rows, so from there on it is not the killed run's)
+        self.rows = self.digest = None
+        self.resumed_rows, self.resumed_digest = saved.get("rows"), saved.get("rows_digest")
+        self.state = lambda: {**state(), "guard": {**self.guard.state_dict(), "rows": self.rows,
+                                                   "rows_digest": self.digest}}
         self.last_eval: dict = {}
 
     def __enter__(self) -> "TrainLoop":
@@ -47,10 +51,14 @@ class TrainLoop:
         the same global batch (a seeded permutation per epoch) and keeps its own slice. With `length` (a row's
         length) the global batch is ordered longest first before it is split (`common.longest_first`), so every
         rank's micro-batches hold rows of similar length, the same ones on any number of ranks."""
-        if self.rows is None and self.resumed_rows is not None and self.resumed_rows != len(rows):
-            self.engine.say(f"resume: the training data has {len(rows)} rows, the checkpointed run's had "
-                            f"{self.resumed_rows}: from here on the rows come in another order than that run's")
-        self.rows = len(rows)
+        if self.rows is None:
+            self.rows, self.digest = len(rows), rows_digest(rows)
+            if self.resumed_rows is not None and self.resumed_rows != self.rows:
+                self.engine.say(f"resume: the training data has {self.rows} rows, the checkpointed run's had "
+                                f"{self.resumed_rows}: from here on the rows come in another order than that run's")
+            elif self.resumed_digest is not None and self.resumed_digest != self.digest:
+                self.engine.say(f"resume: the training data's {self.rows} rows are not the checkpointed run's (as "
+                                f"many, other contents): from here on the steps see other rows than that run's")
         for step, epoch, idx in batches(len(rows), self.train.batch_size, self.train.seed, start):
             if step >= self.total:
                 return
@@ -78,3 +86,17 @@ class TrainLoop:
             self.guard.save(done, self.trainables, self.state(), keep)
         if self.guard.stop_requested() and not last:  # a step just saved is not written a second time
             self.guard.stop(done, self.trainables, self.state(), keep, saved=saved)
+
+
+def rows_digest(rows: list) -> str:
+    """A digest of the training rows as the loop receives them (tokenised; their order too), for a resumed run
+    to compare with its checkpoint's. Token-id lists are hashed as machine integers (a second per ~50M tokens)."""
+    digest = hashlib.blake2b(digest_size=16)
+    for row in rows:
+        for key, value in sorted(row.items()) if isinstance(row, dict) else [("", row)]:
+            digest.update(key.encode())
+            try:
+                digest.update(array.array("q", value).tobytes() if isinstance(value, list) else repr(value).encode())
+            except (TypeError, OverflowError):  # a list of something else than ints
+                digest.update(repr(value).encode())
+    return digest.hexdigest()

@@ -61,7 +61,7 @@ def run_ppo(cfg: PPOConfig, resume: bool = False, force: bool = False) -> dict:
                        show=SHOW, resumed=resumed) as loop:
             for it, epoch, rows in loop.steps(data.train, start):
                 tick, timer, lrs = time.perf_counter(), PhaseTimer(engine.device), rl.lrs()
-                rollout = rl.generate(rows, timer)  # 1. one response per prompt, with its log-probs
+                rollout = rl.generate(rows, timer)  # 1. responses to the prompts, with their log-probs
                 scored = rl.score(rollout, timer)  # 2. the frozen reward on prompt + response
                 experience = rl.make_experience(scored, timer)  # 3. reference, values, rewards, advantages
                 train_metrics = rl.optimise(experience, it, timer)  # 4. PPO epochs x mini-batches

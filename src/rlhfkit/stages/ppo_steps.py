@@ -1,7 +1,8 @@
 """The four steps of a PPO iteration, one call each, and the state they carry between iterations.
 
-1. `generate`: one response per prompt (KV cache, left padding, stop at EOS), keeping the sampled tokens'
-   log-probs: they are the old log-probs, so the actor needs no extra forward.
+1. `generate`: `ppo.n_samples_per_prompt` responses per prompt (KV cache, left padding, stop at EOS), keeping
+   the sampled tokens' log-probs: they are the old log-probs, so the actor needs no extra forward, unless
+   `ppo.old_logprobs` asks for one.
 2. `score`: the frozen reward model / function on prompt + response (normalised, missing-EOS penalty).
 3. `make_experience`: the reference's log-probs, the critic's values, per-token rewards (score on the last
    valid token, -beta * KL everywhere; Ziegler et al. 2019) and the advantages of `ppo.advantage_estimator`
