@@ -18,9 +18,10 @@ subclassing), so the training loops run unchanged. Decisions:
 - Faults: the process group is created with `engine.collective_timeout_s`, so a rank waiting in a collective
   for a dead or hung one fails after that long (a killed peer over gloo/TCP is noticed at once), and
   `lost_rank_message` turns that failure into one line. Waits for rank 0's file work alone (export, checkpoint
-  conversion) run over a gloo group of their own with a longer bound (`RANK0_WORK_TIMEOUT_S`). Checkpoints carry a manifest (`manifest.py`), written
-  by rank 0 from every rank's hashes, in a folder all ranks must share. A checkpoint saved at another number of
-  ranks is resharded through DeepSpeed's universal checkpoint (`to_universal`, `_load_resharded`).
+  conversion) run over a gloo group of their own with a longer bound (`RANK0_WORK_TIMEOUT_S`). Checkpoints
+  carry a manifest (`manifest.py`), written by rank 0 from every rank's hashes, in a folder all ranks must
+  share. A checkpoint saved at another number of ranks is resharded through DeepSpeed's universal checkpoint
+  (`to_universal`, `_load_resharded`).
 - Non-finite steps: a step whose loss or gradient is not finite on any rank is skipped on every rank (no update,
   no schedule step) and reported as `skipped`, as the local engine does. The gradient check is DeepSpeed's
   own: its ZeRO, bf16 and fp16 optimizers look at the reduced gradients in each rank's partitions (a flag or
@@ -104,12 +105,12 @@ def _destroy_process_group() -> None:
     """At exit, while the interpreter is still whole: a gloo group left alive until the interpreter is finalized
     can abort the process from one of its worker threads ("terminate called without an active exception",
     SIGABRT, after the run's work is done and saved; PyTorch issue 190489)."""
+    global _rank0_group
     if dist.is_initialized():
         import gc
 
         from deepspeed.utils import groups
 
-        global _rank0_group
         _rank0_group = None
         gc.collect()  # engines and optimizers left in reference cycles hold process groups of their own
         with contextlib.suppress(Exception):
@@ -663,10 +664,9 @@ class DeepSpeedEngine:
         copies, state = {}, {}
         for name, value in module.state_dict(keep_vars=True).items():
             if id(value) not in copies:
-                if hasattr(value, "ds_id"):
-                    with deepspeed.zero.GatheredParameters([value], modifier_rank=None):
-                        copies[id(value)] = value.detach().to("cpu", copy=True) if self.is_main else None
-                else:
+                whole = deepspeed.zero.GatheredParameters([value], modifier_rank=None) if hasattr(value, "ds_id") \
+                    else contextlib.nullcontext()
+                with whole:
                     copies[id(value)] = value.detach().to("cpu", copy=True) if self.is_main else None
             state[name] = copies[id(value)]
         return state if self.is_main else None
