@@ -228,7 +228,7 @@ def test_reward_model_with_another_tokenizer_gets_retokenised_text(tiny, tmp_pat
     batch = make_batch([[1], [1]], [[5], [6]], [[1], [1]])
     batch.messages = [[{"role": "user", "content": "say apple"}]] * 2
     batch.response_texts = ["apple apple", "apple"]
-    ids, mask = reward._rm_inputs(batch, finished=[True, False])
+    ids, mask, _ = reward._rm_inputs(batch, finished=[True, False])
     template = Template.for_tokenizer(rm_tok)
     prompt = encode_prompt(rm_tok, template.prompt(batch.messages[0]))
     finished_ids = prompt + encode_response(rm_tok, template.response(batch.messages[0], "apple apple"))

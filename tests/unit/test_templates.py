@@ -176,7 +176,7 @@ def test_the_reward_models_retokenised_inputs(family):
     reward = ModelReward(rm, tok, actor, "auto", 4, torch.device("cpu"))
     assert reward.retokenize and reward.template.end_ids == template(family).end_ids
     batch = SimpleNamespace(messages=[SAY_APPLE, SAY_APPLE], response_texts=["apple apple", "apple apple"])
-    ids, mask = reward._rm_inputs(batch, finished=[True, False])
+    ids, mask, _ = reward._rm_inputs(batch, finished=[True, False])
     prompt, response = EXPECTED[family]
     pad = tok.pad_token_id
     assert ids.tolist() == [prompt + response, prompt + response[:-1] + [pad]]
@@ -217,7 +217,7 @@ def test_a_dummy_prefix_tokenizer_encodes_the_response_as_part_of_the_whole_text
     assert tok.convert_ids_to_tokens(row_pair["rejected_ids"][n_prompt:n_prompt + 2]) == ["▁T", "om"]
     rm = SimpleNamespace(config=SimpleNamespace(rlhfkit_template=mode, rlhfkit_end_ids=list(tpl.end_ids)))
     reward = ModelReward(rm, tok, Template.for_tokenizer(word_tokenizer("<s>")), mode, 4, torch.device("cpu"))
-    ids, _ = reward._rm_inputs(SimpleNamespace(messages=[SAY_APPLE], response_texts=["Lily went home."]), [True])
+    ids, _, _ = reward._rm_inputs(SimpleNamespace(messages=[SAY_APPLE], response_texts=["Lily went home."]), [True])
     assert ids[0].tolist() == whole
 
 
@@ -302,3 +302,117 @@ def test_a_row_the_template_still_refuses_is_skipped_and_counted_or_an_error_whe
     with pytest.raises(DataError, match="^" + re.escape(f"{cfg.train}:2: the chat template refuses this conversation: "
                                                         f"Conversation roles must alternate")):
         load_stage_data("rm", dataclasses.replace(cfg, strict_rows=True), tok, seed=0)
+
+
+# ---------------------------------------------------------------- reward models trained elsewhere, folders without
+# a generation config, tokenizers that append EOS (a review of real families' templates)
+
+
+def test_a_folder_without_generation_config_gives_the_end_ids_its_model_stops_at(tiny_model_dir, tmp_path):
+    """No generation_config.json: transformers derives one from config.json when it loads the model (Llama 3's
+    lists <|eot_id|> beside EOS there); the data's end ids are read the same way, so SFT labels end where the
+    rollouts, which read the loaded model's, stop."""
+    import json
+    import shutil
+
+    from rlhfkit.models import load_causal_lm
+    from rlhfkit.models.loading import load_generation_config
+
+    folder = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, folder)
+    (folder / "generation_config.json").unlink(missing_ok=True)
+    config = json.loads((folder / "config.json").read_text())
+    config["eos_token_id"] = [2, 7]
+    (folder / "config.json").write_text(json.dumps(config))
+    assert load_generation_config(str(folder)).eos_token_id == [2, 7]
+    assert load_causal_lm(str(folder)).generation_config.eos_token_id == [2, 7]
+
+
+def test_an_unfinished_response_stops_at_its_content_when_the_template_ends_the_turn_with_no_end_id():
+    """Llama 3 without its generation config: <|eot_id|> is not an end id, yet a response cut at the token limit
+    must not carry the template's end-of-turn marker (it would look finished to a reward model)."""
+    tok, _ = FAMILIES["llama3"]
+    tpl = Template.for_tokenizer(tok)
+    assert tpl.response(SAY_APPLE, "apple apple", finished=False) == "apple apple"
+    assert tpl.response(SAY_APPLE, "apple apple") == "apple apple<|eot_id|><|end_of_text|>"  # unchanged
+
+
+def hub_rm(tok, **config) -> ModelReward:
+    """A reward model not trained by `rlhfkit rm` (no rlhfkit_* keys), scoring for an actor of another tokenizer."""
+    rm = SimpleNamespace(config=SimpleNamespace(**config))
+    return ModelReward(rm, tok, Template.for_tokenizer(word_tokenizer("<s>")), "auto", 4, torch.device("cpu"))
+
+
+def test_a_hub_reward_model_reads_the_turn_as_its_template_writes_it():
+    """A hub RM (trained on `apply_chat_template` output) scores the assistant turn exactly as the template writes
+    it, ChatML's `<|im_end|>\\n` included and no EOS appended; a response cut at the token limit ends after its
+    content (before, the finished one got an extra EOS and the cut one the template's end-of-turn)."""
+    tok, _ = FAMILIES["chatml"]
+    reward = hub_rm(tok)
+    assert reward.native and reward.retokenize
+    batch = SimpleNamespace(messages=[SAY_APPLE, SAY_APPLE], response_texts=["apple apple", "apple apple"])
+    ids, mask, refused = reward._rm_inputs(batch, finished=[True, False])
+    prompt, _ = EXPECTED["chatml"]
+    whole = tok.apply_chat_template(SAY_APPLE + [{"role": "assistant", "content": "apple apple"}], tokenize=False)
+    assert tok(whole, add_special_tokens=False)["input_ids"] == prompt + [APPLE, SP, APPLE, IM_END, NL]
+    pad = tok.pad_token_id
+    assert ids.tolist() == [prompt + [APPLE, SP, APPLE, IM_END, NL], prompt + [APPLE, SP, APPLE, pad, pad]]
+    assert mask.sum(-1).tolist() == [len(prompt) + 5, len(prompt) + 3] and refused == []
+    # an RM rlhfkit trained keeps reading the response at its recorded end id
+    trained = hub_rm(tok, rlhfkit_end_ids=[IM_END])
+    assert not trained.native and trained._rm_inputs(batch, [True, False])[0][0].tolist()[-1] == IM_END
+
+
+def test_the_reward_models_inputs_are_cut_to_its_length_prompt_middle_first():
+    """A re-rendered prompt longer than the RM's length (rlhfkit_max_length, else its position limit) loses its
+    middle, keeping the template's opening and the question's end, as the actor's prompts do; a position limit
+    is never passed (a model with learned positions raised IndexError)."""
+    tok, generation_config = FAMILIES["chatml"]
+    long = [{"role": "user", "content": "say " + "river " * 40 + "apple"}]
+    batch = SimpleNamespace(messages=[long], response_texts=["apple apple"])
+    for config in ({"rlhfkit_max_length": 24}, {"max_position_embeddings": 24}):
+        reward = hub_rm(tok, rlhfkit_end_ids=end_token_ids(tok, generation_config), **config)
+        row = reward._rm_inputs(batch, [True])[0][0].tolist()
+        # the opening, then the question's end, the assistant header and the whole response
+        assert row == [IM_START, USER, NL] + [SP, RIVER] * 5 + [SP, APPLE, IM_END, NL, IM_START, ASSISTANT, NL,
+                                                                APPLE, SP, APPLE, IM_END]
+
+
+def test_a_prompt_the_reward_models_template_refuses_leaves_its_response_unjudged(tmp_path):
+    """Gemma-like: the RM's template refuses a system turn the actor's accepted. That response is unjudged (NaN,
+    as a reward function's None) and counted; the others are scored; before, PPO died with a traceback."""
+    from rlhfkit.demo.tiny import build_tiny_llama, save_model_folder
+    from rlhfkit.models import load_scalar_model
+
+    refusing = ("{% for m in messages %}{% if m['role'] == 'system' %}{{ raise_exception('System role not "
+                "supported') }}{% endif %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+                "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    tok = word_tokenizer("<|im_end|>", chat_template=refusing)
+    save_model_folder(build_tiny_llama(len(tok), hidden=16, layers=1, heads=2), tok, tmp_path / "rm")
+    rm = load_scalar_model(str(tmp_path / "rm"), tokenizer=tok).eval()
+    reward = ModelReward(rm, tok, Template.for_tokenizer(word_tokenizer("<s>")), "auto", 4, torch.device("cpu"))
+    system = [{"role": "system", "content": "say more"}] + SAY_APPLE
+    batch = SimpleNamespace(messages=[SAY_APPLE, system, SAY_APPLE], response_texts=["apple", "apple", "river"],
+                            size=3)
+    scores = reward(batch, torch.tensor([True, True, True]))
+    assert scores.isnan().tolist() == [False, True, False] and reward.refused == 1
+
+
+@needs_shared
+def test_a_tokenizer_that_appends_eos_to_every_text_leaves_prompts_without_it(tmp_path):
+    """`add_eos_token`: the tokenizer appends EOS to whatever it encodes. A prompt must not end with it (the actor
+    would be asked to continue after end of sequence); the response is still encoded in context (its first
+    token '▁Lily', not a doubled dummy prefix) and ends with one EOS."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(STORIES, add_eos_token=True)
+    tpl = Template.for_tokenizer(tok, "plain")
+    prompt = tpl.prompt(SAY_APPLE)
+    appended = tok(prompt)["input_ids"]
+    assert appended[-1] == tok.eos_token_id  # the tokenizer does append it
+    assert encode_prompt(tok, prompt) == appended[:-1]
+    (row,), _ = tokenize_sft([sft(SAY_APPLE, "Lily went home.")], tok, tpl, 64)
+    n = len(appended) - 1
+    assert row["input_ids"][:n] == appended[:-1] and row["labels"][:n] == [-100] * n
+    assert tok.convert_ids_to_tokens(row["input_ids"][n:n + 1]) == ["▁Lily"]
+    assert row["input_ids"][-1] == tok.eos_token_id and row["input_ids"].count(tok.eos_token_id) == 1

@@ -27,6 +27,7 @@ when the template writes none; a response cut at the token limit is rendered wit
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
 from jinja2 import TemplateError
@@ -108,9 +109,20 @@ class Template:
         text = self._assistant_turn(messages, content) if self.use_chat else " " + content
         end = self._first_end_token(text, content)
         if end is None:
-            return text + (self.tokenizer.eos_token or "") if finished else text
+            return text + (self.tokenizer.eos_token or "") if finished else _through(text, content)
         start, stop = end
         return text[:stop] if finished else text[:start]
+
+    def written_turn(self, messages: list[dict], response: str, finished: bool = True) -> str:
+        """The assistant turn exactly as the chat template writes it after the prompt, its end-of-turn marker and
+        what follows it included (ChatML's `<|im_end|>\n`): the text a reward model trained on
+        `apply_chat_template` output outside rlhfkit scored. Not finished: up to the end of the content, so a
+        response cut at the token limit does not look finished. Without a chat template: `response()`."""
+        if not self.use_chat:
+            return self.response(messages, response, finished)
+        content = response.strip()
+        text = self._assistant_turn(messages, content)
+        return text if finished else _through(text, content)
 
     def _assistant_turn(self, messages: list[dict], content: str) -> str:
         """What the chat template writes after the prompt for an assistant reply `content`."""
@@ -154,11 +166,37 @@ class Template:
         return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
 
 
+def _through(text: str, content: str) -> str:
+    """`text` up to the end of `content` in it (all of it when `content` is not there)."""
+    at = text.find(content) if content else -1
+    return text[:at + len(content)] if at >= 0 else text
+
+
 def encode_prompt(tokenizer, text: str) -> list[int]:
-    """Token ids of a rendered prompt, with BOS added once (templates often write it themselves)."""
+    """Token ids of a rendered prompt (or of prompt + response), with BOS added once (templates often write it
+    themselves); an EOS that the tokenizer appends to every text (`add_eos_token`) is not kept: a prompt does not
+    end there, and the response's own end is the template's."""
     bos = getattr(tokenizer, "bos_token", None)
     add_special = not (bos and text.startswith(bos))
-    return list(tokenizer(text, add_special_tokens=add_special)["input_ids"])
+    ids = list(tokenizer(text, add_special_tokens=add_special)["input_ids"])
+    if add_special and ids and _appends_eos(tokenizer):
+        ids.pop()
+    return ids
+
+
+_APPENDS_EOS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _appends_eos(tokenizer) -> bool:
+    """Whether `tokenizer` appends EOS to every text it encodes with special tokens (asked once per tokenizer)."""
+    try:
+        return _APPENDS_EOS[tokenizer]
+    except KeyError:
+        pass
+    eos = getattr(tokenizer, "eos_token_id", None)
+    special, bare = (tokenizer("a", add_special_tokens=flag)["input_ids"] for flag in (True, False))
+    _APPENDS_EOS[tokenizer] = known = eos is not None and special[-1:] == [eos] and bare[-1:] != [eos]
+    return known
 
 
 def encode_response(tokenizer, text: str, end_ids=None, finished: bool = True,

@@ -100,12 +100,18 @@ def load_tokenizer(name: str, opts: LoadConfig | None = None, padding_side: str 
 
 
 def load_generation_config(name: str, opts: LoadConfig | None = None):
-    """The folder's generation_config.json, or None when it has none. Its `eos_token_id` lists the ids a chat
-    model stops at, read before the model loads so that data is rendered to end where rollouts stop
-    (`data.templates.end_token_ids`)."""
+    """The folder's generation_config.json; without one, the generation config transformers derives from its
+    config.json when it loads the model (whose `eos_token_id` may list an end-of-turn token too); None when
+    neither can be read. Its `eos_token_id` lists the ids a chat model stops at, read before the model loads so
+    that data is rendered to end where rollouts stop (`data.templates.end_token_ids`)."""
     kwargs = _source_kwargs(name, opts or LoadConfig())
+    local = kwargs.get("local_files_only", False)
     try:
-        return GenerationConfig.from_pretrained(name, local_files_only=kwargs.get("local_files_only", False))
+        return GenerationConfig.from_pretrained(name, local_files_only=local)
+    except (OSError, ValueError):
+        pass
+    try:
+        return GenerationConfig.from_model_config(AutoConfig.from_pretrained(name, **kwargs))
     except (OSError, ValueError):
         return None
 

@@ -19,11 +19,11 @@ from typing import Callable
 import torch
 
 from rlhfkit.data.templates import Template, encode_prompt, encode_response
-from rlhfkit.data.tokenize import pad_sequences
+from rlhfkit.data.tokenize import cut_prompt, opening_length, pad_sequences
 from rlhfkit.models.cpu_linear import packed_weights
 from rlhfkit.models.forward import sequence_scores
 from rlhfkit.models.lora import base_model
-from rlhfkit.errors import ModelError
+from rlhfkit.errors import ModelError, TemplateRefused
 
 
 def is_function_spec(spec: str) -> bool:
@@ -215,7 +215,15 @@ class ModelReward:
 
     With the actor's tokenizer, template and end ids the rollout's token ids are scored as they are. Otherwise
     the response is decoded and prompt + response re-rendered with the RM's own template and re-tokenised, since
-    its scores only mean something on text laid out as in its training (TRL #1674, OpenRLHF #242).
+    its scores only mean something on text laid out as in its training (TRL #1674, OpenRLHF #242):
+    - an RM `rlhfkit rm` trained (it recorded `rlhfkit_end_ids`) sees the response end at its end token, as in
+      its training; any other RM with a chat template (a hub RM) sees the assistant turn exactly as its template
+      writes it (`Template.written_turn`: ChatML's `<|im_end|>\n`), what `apply_chat_template` gave it in its
+      training; a response cut at the token limit ends after its content, with no end-of-turn marker;
+    - the sequence is cut to the RM's length (`rlhfkit_max_length`, else its position limit): the prompt's
+      middle first (`cut_prompt`), as for the actor, then the response's end;
+    - a prompt the RM's template refuses (Gemma's refuses system turns) leaves its response unjudged (NaN), as
+      a reward function's None does.
     """
 
     def __init__(self, model, tokenizer, actor_template: Template, template_mode: str, micro_batch_size: int,
@@ -228,26 +236,48 @@ class ModelReward:
         config = base_model(model).config
         self.template = Template.for_tokenizer(tokenizer, getattr(config, "rlhfkit_template", None)
                                                or template_mode, getattr(config, "rlhfkit_end_ids", None))
-        self.retokenize = not (same_tokenization(tokenizer, actor_template.tokenizer)
-                               and self.template.name == actor_template.name
-                               and self.template.end_ids == actor_template.end_ids)
+        self.native = getattr(config, "rlhfkit_end_ids", None) is None and self.template.use_chat
+        self.retokenize = self.native or not (same_tokenization(tokenizer, actor_template.tokenizer)
+                                              and self.template.name == actor_template.name
+                                              and self.template.end_ids == actor_template.end_ids)
+        self.max_length = getattr(config, "rlhfkit_max_length", None) or \
+            getattr(config, "max_position_embeddings", None)
+        self.refused = 0  # responses left unjudged because the RM's template refused their prompt
         mean = getattr(config, "rlhfkit_reward_mean", None)
         std = getattr(config, "rlhfkit_reward_std", None)
         self.stats = {"mean": float(mean), "std": float(std)} if mean is not None and std is not None else None
 
-    def _rm_inputs(self, batch, finished: list[bool]) -> tuple[torch.Tensor, torch.Tensor]:
-        """(B, T) right-padded ids and mask of prompt + response re-rendered as in the RM's training; a response
-        cut at the token limit is rendered without its end token, so it does not look finished to the RM."""
-        seqs = []
-        for messages, response, done in zip(batch.messages, batch.response_texts, finished):
-            prompt = self.template.prompt(messages)
-            ids = encode_prompt(self.tokenizer, prompt)
+    def _rm_inputs(self, batch, finished: list[bool]) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+        """(B, T) right-padded ids and mask of prompt + response re-rendered as in the RM's training (see the
+        class), and the rows whose prompt its template refused (each given a one-token stand-in to score, so
+        every rank still runs the same forwards)."""
+        seqs, refused = [], []
+        for row, (messages, response, done) in enumerate(zip(batch.messages, batch.response_texts, finished)):
+            try:
+                seqs.append(self._rm_sequence(messages, response, done))
+            except TemplateRefused:
+                refused.append(row)
+                seqs.append([self.tokenizer.eos_token_id])
+        ids = pad_sequences(seqs, self.tokenizer.pad_token_id)
+        return ids, pad_sequences([[1] * len(s) for s in seqs], 0), refused
+
+    def _rm_sequence(self, messages: list[dict], response: str, done: bool) -> list[int]:
+        prompt = self.template.prompt(messages)
+        ids = encode_prompt(self.tokenizer, prompt)
+        if self.native:  # as its template writes the turn: nothing appended
+            text = self.template.written_turn(messages, response, finished=done)
+            response_ids = encode_response(self.tokenizer, text, finished=False, after=(prompt, ids))
+        else:
             text = self.template.response(messages, response, finished=done)
             response_ids = encode_response(self.tokenizer, text, self.template.end_ids, finished=done,
                                            after=(prompt, ids))
-            seqs.append(ids + response_ids)
-        ids = pad_sequences(seqs, self.tokenizer.pad_token_id)
-        return ids, pad_sequences([[1] * len(s) for s in seqs], 0)
+        limit = self.max_length
+        if limit and len(ids) + len(response_ids) > limit:
+            budget = max(limit - len(response_ids), limit // 2)
+            if len(ids) > budget:
+                ids = cut_prompt(ids, opening_length(self.tokenizer, self.template, messages, ids), budget)
+            response_ids = response_ids[:limit - len(ids)]
+        return ids + response_ids
 
     @torch.no_grad()
     def __call__(self, batch, finished: torch.Tensor | None = None) -> torch.Tensor:
@@ -256,9 +286,9 @@ class ModelReward:
                 raise ModelError("the reward model's tokenizer differs from the actor's, and the prompts carry no "
                                  "messages to re-render")
             done = finished.tolist() if finished is not None else [True] * batch.size
-            ids, mask = self._rm_inputs(batch, done)
+            ids, mask, refused = self._rm_inputs(batch, done)
         else:
-            ids, mask = batch.input_ids, batch.attention_mask
+            ids, mask, refused = batch.input_ids, batch.attention_mask, []
         scores = []
         with packed_weights(self.model):  # oneDNN's weight layout once for all micro-batches (CPU)
             for start in range(0, ids.size(0), self.micro):
@@ -270,4 +300,8 @@ class ModelReward:
         first: dict = {}
         same = [first.setdefault(tuple(row[m.bool()].tolist()), i) for i, (row, m) in enumerate(zip(ids, mask))]
         scores = torch.cat(scores).float()
-        return scores[torch.tensor(same, device=scores.device)]
+        scores = scores[torch.tensor(same, device=scores.device)]
+        if refused:
+            scores[refused] = math.nan
+            self.refused += len(refused)
+        return scores
