@@ -223,7 +223,9 @@ class ModelReward:
     - the sequence is cut to the RM's length (`rlhfkit_max_length`, else its position limit): the prompt's
       middle first (`cut_prompt`), as for the actor, then the response's end;
     - a prompt the RM's template refuses (Gemma's refuses system turns) leaves its response unjudged (NaN), as
-      a reward function's None does.
+      a reward function's None does; so does a response whose text spells one of the RM tokenizer's control
+      tokens (`<|im_end|>` written with ordinary tokens would become the real one when re-tokenised: a forged
+      end of turn, or a whole new turn, for the RM to score).
     """
 
     def __init__(self, model, tokenizer, actor_template: Template, template_mode: str, micro_batch_size: int,
@@ -243,23 +245,36 @@ class ModelReward:
         self.max_length = getattr(config, "rlhfkit_max_length", None) or \
             getattr(config, "max_position_embeddings", None)
         self.refused = 0  # responses left unjudged because the RM's template refused their prompt
+        # the RM tokenizer's control tokens as text: a decoded response that spells one (out of ordinary tokens)
+        # would become that control token when re-tokenised, e.g. a forged end of turn and a new assistant turn
+        added = getattr(tokenizer, "added_tokens_decoder", {}) or {}
+        self.controls = sorted({*getattr(tokenizer, "all_special_tokens", []),
+                                *(str(t) for t in added.values() if getattr(t, "special", False))} - {""})
+        self.forged = 0  # responses left unjudged because they spell one of them
         mean = getattr(config, "rlhfkit_reward_mean", None)
         std = getattr(config, "rlhfkit_reward_std", None)
         self.stats = {"mean": float(mean), "std": float(std)} if mean is not None and std is not None else None
 
     def _rm_inputs(self, batch, finished: list[bool]) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
         """(B, T) right-padded ids and mask of prompt + response re-rendered as in the RM's training (see the
-        class), and the rows whose prompt its template refused (each given a one-token stand-in to score, so
-        every rank still runs the same forwards)."""
-        seqs, refused = [], []
+        class), and the rows it cannot judge: its template refused the prompt, or the response spells one of its
+        tokenizer's control tokens (each such row gets a one-token stand-in to score, so every rank still runs
+        the same forwards; counted in `refused` and `forged`)."""
+        seqs, unjudged = [], []
         for row, (messages, response, done) in enumerate(zip(batch.messages, batch.response_texts, finished)):
-            try:
-                seqs.append(self._rm_sequence(messages, response, done))
-            except TemplateRefused:
-                refused.append(row)
-                seqs.append([self.tokenizer.eos_token_id])
+            sequence = None
+            if any(control in response for control in self.controls):
+                self.forged += 1
+            else:
+                try:
+                    sequence = self._rm_sequence(messages, response, done)
+                except TemplateRefused:
+                    self.refused += 1
+            if sequence is None:
+                unjudged.append(row)
+            seqs.append(sequence or [self.tokenizer.eos_token_id])
         ids = pad_sequences(seqs, self.tokenizer.pad_token_id)
-        return ids, pad_sequences([[1] * len(s) for s in seqs], 0), refused
+        return ids, pad_sequences([[1] * len(s) for s in seqs], 0), unjudged
 
     def _rm_sequence(self, messages: list[dict], response: str, done: bool) -> list[int]:
         prompt = self.template.prompt(messages)
@@ -286,9 +301,9 @@ class ModelReward:
                 raise ModelError("the reward model's tokenizer differs from the actor's, and the prompts carry no "
                                  "messages to re-render")
             done = finished.tolist() if finished is not None else [True] * batch.size
-            ids, mask, refused = self._rm_inputs(batch, done)
+            ids, mask, unjudged = self._rm_inputs(batch, done)
         else:
-            ids, mask, refused = batch.input_ids, batch.attention_mask, []
+            ids, mask, unjudged = batch.input_ids, batch.attention_mask, []
         scores = []
         with packed_weights(self.model):  # oneDNN's weight layout once for all micro-batches (CPU)
             for start in range(0, ids.size(0), self.micro):
@@ -301,7 +316,6 @@ class ModelReward:
         same = [first.setdefault(tuple(row[m.bool()].tolist()), i) for i, (row, m) in enumerate(zip(ids, mask))]
         scores = torch.cat(scores).float()
         scores = scores[torch.tensor(same, device=scores.device)]
-        if refused:
-            scores[refused] = math.nan
-            self.refused += len(refused)
+        if unjudged:
+            scores[unjudged] = math.nan
         return scores
