@@ -207,3 +207,18 @@ def test_every_shipped_config_passes_its_commands_checks(name):
     verb = name.split("-")[0]
     path = Path(__file__).resolve().parents[2] / "configs" / f"{name}.yaml"
     load_config(_load(TRAIN_VERBS[verb][0]), str(path), [])
+
+
+@pytest.mark.parametrize("verb", ["ppo", "dpo"])
+def test_lora_dropout_under_disabled_dropout_is_refused_where_log_probs_are_compared(verb):
+    """PPO and DPO compare a training forward's log-probs with a rollout's or the reference's: LoRA's dropout
+    (applied by peft after the loaded model's dropout was switched off) made PPO's first update off-policy."""
+    from rlhfkit.config.dpo_schema import DPOConfig
+    from rlhfkit.config.ppo_schema import PPOConfig
+
+    cls, base = {"ppo": (PPOConfig, ["actor=a", "reward=r.py:f", "data.prompts=p", "train.max_steps=2"]),
+                 "dpo": (DPOConfig, ["model=m", "data.train=t.jsonl"])}[verb]
+    with pytest.raises(ConfigError, match=r"'lora.dropout': 0.3 while load.disable_dropout is true"):
+        load_config(cls, None, [*base, "lora.rank=8", "lora.dropout=0.3"])
+    load_config(cls, None, [*base, "lora.rank=8", "lora.dropout=0.3", "load.disable_dropout=false"])  # dropout on
+    load_config(SFTConfig, None, ["model=m", "data.train=t.jsonl", "lora.rank=8", "lora.dropout=0.3"])  # sft: fine

@@ -100,3 +100,41 @@ def test_a_model_loaded_in_half_precision_and_trained_in_full_keeps_float32_weig
     LocalEngine().prepare(lora, TrainConfig(lr=1e-3), total_steps=4)
     assert {p.dtype for p in lora.parameters() if not p.requires_grad} == {torch.bfloat16}
     assert {p.dtype for p in lora.parameters() if p.requires_grad} == {torch.float32}
+
+
+def test_a_lora_reward_models_head_on_a_half_precision_base_trains_in_float32(tiny_model_dir):
+    """The score head peft trains in full (`modules_to_save`) stayed bfloat16 under load.dtype=bfloat16: at a small
+    learning rate most of its weights never moved, and DeepSpeed refused the mixed dtypes. It is float32 now,
+    taking the bf16 base's hidden states cast up, and every weight moves."""
+    from rlhfkit.config.schema import LoadConfig, LoraConfig
+    from rlhfkit.models import load_scalar_model
+    from rlhfkit.models.lora import apply_lora
+
+    tok = load_tokenizer(str(tiny_model_dir))
+    rm = apply_lora(load_scalar_model(str(tiny_model_dir), LoadConfig(dtype="bfloat16"), tok), LoraConfig(rank=4),
+                    task="scalar")
+    head = {n: p for n, p in rm.named_parameters() if p.requires_grad and "score" in n}
+    assert head and {p.dtype for p in head.values()} == {torch.float32}
+    assert {p.dtype for p in rm.parameters() if not p.requires_grad} == {torch.bfloat16}
+    trainable = LocalEngine().prepare(rm, TrainConfig(lr=1e-5), total_steps=4)
+    before = {n: p.detach().clone() for n, p in head.items()}
+    scores = rm(input_ids=torch.tensor([[1, 5, 6, 7, 8, 9], [1, 9, 8, 7, 6, 5]])).logits[:, 0]
+    assert scores.dtype == torch.float32
+    trainable.backward(-torch.nn.functional.logsigmoid(scores[0] - scores[1]), 1)
+    trainable.step()
+    assert all(bool((p != before[n]).all()) for n, p in head.items())  # bf16 at lr 1e-5: ~1 in 6 moved
+
+
+def test_lora_on_an_embedding_tied_to_the_lm_head_is_refused(tiny_model_dir):
+    """The tiny model ties its embeddings and LM head (as SmolLM2 does): an adapter on either, merged into the
+    one matrix for the export, changed both uses, and final/ computed something else than the trained model."""
+    from rlhfkit.config.schema import LoraConfig
+    from rlhfkit.models.lora import apply_lora
+
+    model = load_causal_lm(str(tiny_model_dir))
+    assert model.get_input_embeddings().weight is model.get_output_embeddings().weight
+    for target in ("lm_head", "embed_tokens"):
+        with pytest.raises(ConfigError, match=f"'lora.target_modules': {target}: this model ties its input "
+                                              f"embeddings and its LM head"):
+            apply_lora(load_causal_lm(str(tiny_model_dir)), LoraConfig(rank=4, target_modules=["q_proj", target]))
+    apply_lora(model, LoraConfig(rank=4, target_modules=["q_proj", "v_proj"]))  # the usual targets are fine

@@ -58,7 +58,8 @@ def test_a_fresh_run_into_an_empty_or_new_folder_needs_no_flag(tmp_path):
 
 
 @pytest.mark.parametrize("key,value", [("model", "other/model"), ("data.train", "data/other.jsonl"),
-                                       ("lora.rank", "8"), ("data.fields", "{response: answer}")])
+                                       ("lora.rank", "8"), ("lora.alpha", "128"),
+                                       ("data.fields", "{response: answer}")])
 def test_resume_refuses_checkpoints_of_another_model_or_data(tmp_path, key, value):
     out = tmp_path / "run"
     old_run(out, finished=False)

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from rlhfkit.config.fields import option
-from rlhfkit.config.schema import SFTConfig
+from rlhfkit.config.schema import SFTConfig, check_lora_dropout
 from rlhfkit.errors import ConfigError
 
 # the names of algos.preference.PREFERENCE_LOSSES (a unit test keeps the two equal; listed here so that --help does
@@ -83,6 +83,7 @@ class DPOConfig(SFTConfig):
 
     def validate(self, prefix: str = "") -> None:
         super().validate(prefix)
+        check_lora_dropout(self.load, self.lora, prefix)
         if self.reference and not self.dpo.uses_reference():
             why = "dpo.reference_free is true" if self.dpo.reference_free else f"loss {self.dpo.loss} uses none"
             raise ConfigError(f"config key '{prefix}reference': no reference model is used ({why}); unset it")

@@ -11,7 +11,7 @@ from typing import Any, Optional
 
 from rlhfkit.config.fields import option
 from rlhfkit.config.schema import (DataConfig, EngineConfig, LoadConfig, LogConfig, LoraConfig, SourceOptions,
-                                   TrainConfig, source_options)
+                                   TrainConfig, check_lora_dropout, source_options)
 from rlhfkit.errors import ConfigError
 
 
@@ -319,6 +319,7 @@ class PPOConfig:
         for key in ("actor", "reward"):
             if not getattr(self, key):
                 raise ConfigError(f"config key '{prefix}{key}': required")
+        check_lora_dropout(self.load, self.lora, prefix)
         parts = self.reward_parts(prefix)
         if self.ppo.normalize_reward and len(parts) > 1:
             raise ConfigError(f"config key '{prefix}ppo.normalize_reward': needs a single reward model (its stored "

@@ -55,6 +55,15 @@ class SourceOptions:
                               f"{self.eval_max_rows}")
 
 
+def check_lora_dropout(load: "LoadConfig", lora: "LoraConfig", prefix: str = "") -> None:
+    """PPO and DPO compare log-probs of forwards with and without gradients (rollout or reference against the
+    update): LoRA's dropout, active only in training forwards, would make the first update off-policy."""
+    if lora.dropout > 0 and load.disable_dropout:
+        raise ConfigError(f"config key '{prefix}lora.dropout': {lora.dropout:g} while load.disable_dropout is true "
+                          f"(every dropout probability 0: the update's log-probs must be the rollout's and the "
+                          f"reference's); set lora.dropout=0, or load.disable_dropout=false for dropout everywhere")
+
+
 def source_options(cfg: SourceOptions) -> dict:
     """The shared block's values, to build one data section from another."""
     return {f.name: getattr(cfg, f.name) for f in dataclasses.fields(SourceOptions)}
@@ -138,7 +147,8 @@ class LoadConfig:
                                           "recompute the element-wise rest, their outputs included (bit for bit "
                                           "the same values; SmolLM2 keeps 47% fewer bytes for backward; no "
                                           "matmul recomputed); checked per module on a random input")
-    disable_dropout: bool = option(True, "set every dropout probability to 0 (stable RLHF; PPO needs it)")
+    disable_dropout: bool = option(True, "set every dropout probability to 0 (stable RLHF; PPO needs it); ppo "
+                                         "and dpo refuse a lora.dropout > 0 while it is on")
     tokenizer: Optional[str] = option(None, "tokenizer folder or hub id; default: the model's")
     pad_token: Optional[str] = option(None, "pad token to use when the tokenizer has none; default: EOS")
 

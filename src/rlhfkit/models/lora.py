@@ -34,7 +34,11 @@ TARGETS = {
 def apply_lora(model, cfg: LoraConfig, task: str = "causal_lm"):
     """Wrap `model` with LoRA adapters (cfg.rank > 0); base weights are frozen by peft.
 
-    For a scalar-head model (task="scalar") the fresh score head is trained in full (`modules_to_save`).
+    For a scalar-head model (task="scalar") the fresh score head is trained in full (`modules_to_save`). What is
+    trained is float32 whatever `load.dtype` loaded the frozen base in (peft upcasts its adapters, not the head:
+    a bf16 head barely learned, and DeepSpeed refused the mixed dtypes); the head casts its input to its own
+    dtype. Adapting an embedding matrix the model ties to its LM head is refused: merged into the one shared
+    matrix for the export, the adapter would change the other use as well.
     """
     if cfg.rank <= 0:
         return model
@@ -42,13 +46,14 @@ def apply_lora(model, cfg: LoraConfig, task: str = "causal_lm"):
     from peft import TaskType, get_peft_model
 
     targets = cfg.target_modules or TARGETS.get(model.config.model_type, "all-linear")
+    _refuse_tied_targets(model, cfg.target_modules or [])
     peft_cfg = PeftLoraConfig(
         r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout, target_modules=targets,
         task_type=TaskType.SEQ_CLS if task == "scalar" else TaskType.CAUSAL_LM,
         modules_to_save=["score"] if task == "scalar" else None,
     )
     try:
-        return get_peft_model(model, peft_cfg)
+        return _trained_in_float32(get_peft_model(model, peft_cfg))
     except ValueError:  # peft's NoMatchingPeftModuleError: a name in target_modules matches no layer
         if not cfg.target_modules:
             raise
@@ -57,6 +62,37 @@ def apply_lora(model, cfg: LoraConfig, task: str = "causal_lm"):
         raise ConfigError(f"config key 'lora.target_modules': {cfg.target_modules} matches no layer of this "
                           f"{model.config.model_type} model; its linear layers are named {', '.join(linear)}") \
             from None
+
+
+def _refuse_tied_targets(model, targets: list) -> None:
+    """ConfigError when a target names the input or output embedding of a model that ties the two."""
+    inputs, outputs = model.get_input_embeddings(), model.get_output_embeddings()
+    if inputs is None or outputs is None or getattr(inputs, "weight", None) is not getattr(outputs, "weight", 0):
+        return
+    tied = {name for name, module in model.named_modules() if module is inputs or module is outputs}
+    named = [t for t in targets if any(name == t or name.endswith("." + t) for name in tied)]
+    if named:
+        raise ConfigError(f"config key 'lora.target_modules': {', '.join(named)}: this model ties its input "
+                          f"embeddings and its LM head to one matrix (tie_word_embeddings), and an adapter merged "
+                          f"into it for the export would change both uses: the exported model would not be the "
+                          f"trained one; leave {', '.join(named)} out of the targets")
+
+
+def _trained_in_float32(model):
+    """Every trainable half-precision parameter of a LoRA model (the scalar head peft trains in full) as float32,
+    its module casting floating-point inputs to float32 first (the frozen base may compute in bf16)."""
+    for module in model.modules():
+        own = [p for p in module.parameters(recurse=False) if p.requires_grad and p.dtype in (torch.bfloat16,
+                                                                                               torch.float16)]
+        if own:
+            for p in own:
+                p.data = p.data.float()
+            module.register_forward_pre_hook(_inputs_to_float32)
+    return model
+
+
+def _inputs_to_float32(module, args):
+    return tuple(a.float() if torch.is_tensor(a) and a.is_floating_point() else a for a in args)
 
 
 def is_peft_model(model) -> bool:
