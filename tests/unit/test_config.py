@@ -222,3 +222,9 @@ def test_lora_dropout_under_disabled_dropout_is_refused_where_log_probs_are_comp
         load_config(cls, None, [*base, "lora.rank=8", "lora.dropout=0.3"])
     load_config(cls, None, [*base, "lora.rank=8", "lora.dropout=0.3", "load.disable_dropout=false"])  # dropout on
     load_config(SFTConfig, None, ["model=m", "data.train=t.jsonl", "lora.rank=8", "lora.dropout=0.3"])  # sft: fine
+
+
+@pytest.mark.parametrize("key", ["batch_size", "micro_batch_size"])
+def test_a_batch_size_below_one_names_its_own_key(key):
+    with pytest.raises(ConfigError, match=rf"^config key 'train.{key}': must be >= 1, got 0$"):
+        load_config(SFTConfig, None, ["model=m", "data.train=t.jsonl", f"train.{key}=0"])

@@ -318,6 +318,26 @@ def test_a_zero_value_head_starts_every_value_at_zero_and_bf16_recomputes_old_lo
     assert not PPOSteps(forced, models, tok, LocalEngine()).recompute_old
 
 
+def test_a_zero_value_head_is_zero_however_critic_names_the_causal_lm_folder(tmp_path, tiny_model_dir, rollout):
+    """critic=./actor, an absolute path, or another causal LM's folder: the critic gets a fresh head, which
+    value_head_init=zero must zero (before, only the exact actor string did, and the others kept a random one)."""
+    import os
+    import shutil
+
+    from rlhfkit.rollout.experience import response_values
+
+    (tmp_path / "r.py").write_text("def f(prompts, responses):\n    return [0.0] * len(responses)\n")
+    tok, _, _, batch = rollout
+    other = shutil.copytree(tiny_model_dir, tmp_path / "other")
+    for critic in (os.path.relpath(tiny_model_dir), str(other)):
+        cfg = ppo_config(actor=str(tiny_model_dir), critic=critic, reward=f"{tmp_path / 'r.py'}:f",
+                         ppo={"value_head_init": "zero"})
+        models = load_ppo_models(cfg, tok, LocalEngine(), 10)
+        assert f"critic: {critic} (fresh value head)" in models.notes
+        with torch.no_grad():
+            assert response_values(models.critic.module, batch).abs().max().item() == 0.0
+
+
 @pytest.mark.parametrize("second,expected", [
     ({"text": None}, ":2: field 'text': expected a string, got null"),
     ({"text": 7}, ":2: field 'text': expected a string, got int"),

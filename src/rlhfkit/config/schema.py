@@ -112,8 +112,9 @@ class TrainConfig:
     keep_checkpoints: int = option(2, "keep the last K checkpoints")
 
     def validate(self, prefix: str = "") -> None:
-        if self.batch_size < 1 or self.micro_batch_size < 1:
-            raise ConfigError(f"config key '{prefix}batch_size': batch sizes must be >= 1")
+        for key in ("batch_size", "micro_batch_size"):
+            if getattr(self, key) < 1:
+                raise ConfigError(f"config key '{prefix}{key}': must be >= 1, got {getattr(self, key)}")
         if self.lr < 0:
             raise ConfigError(f"config key '{prefix}lr': must be >= 0")
         if self.epochs < 1 and self.max_steps <= 0:

@@ -186,8 +186,9 @@ def load_causal_lm(name: str, opts: LoadConfig | None = None, tokenizer=None):
 def load_scalar_model(name: str, opts: LoadConfig | None = None, tokenizer=None):
     """An `AutoModelForSequenceClassification` with one output: a reward model, or a critic.
 
-    Starting from a causal LM folder gives a fresh score head (seeded by the caller); starting from a
-    reward-model folder reloads its trained head. A head with more than one output is refused.
+    Starting from a causal LM folder gives a fresh score head (seeded by the caller; the model's `fresh_head`
+    attribute is then True); starting from a reward-model folder reloads its trained head. A head with more than
+    one output is refused.
     """
     opts = opts or LoadConfig()
     kwargs = _source_kwargs(name, opts)
@@ -211,6 +212,7 @@ def load_scalar_model(name: str, opts: LoadConfig | None = None, tokenizer=None)
                                                                        dtype=DTYPES[opts.dtype], **kwargs)
     except LOAD_ERRORS as exc:
         raise ModelError(f"cannot load a scalar-head model from '{name}': {_why(exc)}") from None
+    model.fresh_head = fresh_head
     return _prepare(model, opts, tokenizer)
 
 

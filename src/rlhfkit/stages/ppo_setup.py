@@ -134,10 +134,11 @@ def load_ppo_models(cfg: PPOConfig, tokenizer, engine, total_updates: int,
     critic = None
     if critic_name is not None:
         critic = load_scalar_model(critic_name, cfg.load, tokenizer)
-        if critic_name == cfg.actor and cfg.ppo.value_head_init == "zero":
+        fresh = critic.fresh_head  # a causal LM's folder (the actor's, or any other `critic=`), not an RM's
+        if fresh and cfg.ppo.value_head_init == "zero":
             zero_value_head(critic)
         critic = apply_lora(critic, cfg.lora, task="scalar")
-        notes.append(f"critic: {critic_name}" + (" (fresh value head)" if critic_name == cfg.actor else ""))
+        notes.append(f"critic: {critic_name}" + (" (fresh value head)" if fresh else ""))
 
     actor = apply_lora(load_causal_lm(cfg.actor, cfg.load, tokenizer), cfg.lora)
     ignored = ignored_generation_settings(actor, cfg.gen)
