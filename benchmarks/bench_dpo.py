@@ -298,7 +298,7 @@ def rlhfkit_check(args) -> None:
     torch.set_num_threads(args.threads)
     from rlhfkit.config.dpo_schema import DPOConfig
     from rlhfkit.config.fields import load_config
-    from rlhfkit.engine import make_engine
+    from rlhfkit.engine.backends import make_engine
     from rlhfkit.models import load_causal_lm, load_tokenizer
     from rlhfkit.stages.dpo import LossFn, Reference, compute_reference_logprobs, train_step, with_reference
 

@@ -6,7 +6,7 @@
 Both sample (temperature 1, no top-k/top-p) exactly R new tokens per prompt (EOS forbidden before R), from the
 same left-padded prompts and the same model folder, in the same process, alternating call by call; tokens/s =
 batch x R / seconds, median. rlhfkit's rollout runs as in `rlhfkit ppo` (its CPU linear layers included, see
-models/cpu_linear.py); "loop alone" runs it on the plain model that generate() gets, to isolate the sampling
+accel/cpu_linear.py); "loop alone" runs it on the plain model that generate() gets, to isolate the sampling
 loop. The rollout also returns the sampled tokens' log-probs, masks and decoded texts.
 """
 
@@ -26,9 +26,9 @@ def measure(size: str, batch: int, response: int, iters: int, world: Path) -> di
     import torch
 
     from rlhfkit.config.ppo_schema import GenConfig
-    from rlhfkit.engine import LocalEngine
+    from rlhfkit.engine.local import LocalEngine
     from rlhfkit.models import load_causal_lm, load_tokenizer
-    from rlhfkit.models.cpu_linear import use_fast_cpu_linear
+    from rlhfkit.accel.cpu_linear import use_fast_cpu_linear
     from rlhfkit.rollout.generate import eos_token_ids, generate_rollout
 
     tok = load_tokenizer(str(world / size / "policy"), padding_side="left")

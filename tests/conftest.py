@@ -126,10 +126,10 @@ PLAIN_SPLIT = "train.balance_micro_batches=false"
 def pins_file() -> Path:
     """The pins of this kind of CPU: its vendor and vector instruction set
     (`torch.backends.cpu.get_cpu_capability()`). AVX-512's and AVX2's kernels round differently, and so do the
-    GEMMs an AMD CPU runs (oneDNN's, `models.cpu_linear`) and an Intel one (MKL's); over tens of steps the curves
+    GEMMs an AMD CPU runs (oneDNN's, `accel.cpu_linear`) and an Intel one (MKL's); over tens of steps the curves
     part by more than the tolerance. `pinned_losses-<vendor>-<capability>.json`, e.g. `-AuthenticAMD-AVX512`,
-    with `-onednn-all` where every training GEMM goes to oneDNN (`models.cpu_linear.gemm_policy`: Zen 5)."""
-    from rlhfkit.models.cpu_linear import cpu_vendor, gemm_policy
+    with `-onednn-all` where every training GEMM goes to oneDNN (`accel.cpu_linear.gemm_policy`: Zen 5)."""
+    from rlhfkit.accel.cpu_linear import cpu_vendor, gemm_policy
 
     policy = gemm_policy()
     return FIXTURES / (f"pinned_losses-{cpu_vendor()}-{torch.backends.cpu.get_cpu_capability()}"

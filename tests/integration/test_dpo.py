@@ -300,7 +300,7 @@ def test_a_resumed_runs_reference_has_the_fresh_runs_precision(tiny_model_dir):
     too, or its reference log-probs (and so every later step) differ from the uninterrupted run's."""
     from rlhfkit.config import DPOConfig, load_config
     from rlhfkit.config.schema import TrainConfig
-    from rlhfkit.engine import LocalEngine
+    from rlhfkit.engine.local import LocalEngine
     from rlhfkit.stages.dpo import reference_model
 
     cfg = load_config(DPOConfig, None, [f"model={tiny_model_dir}", "data.train=unused.jsonl", "load.dtype=bfloat16"])

@@ -286,7 +286,7 @@ def test_resume_with_fewer_steps_than_the_checkpoint_is_refused_and_changes_noth
 
 def test_skipped_step_leaves_weights_untouched(tiny_model_dir):
     from rlhfkit.config import TrainConfig
-    from rlhfkit.engine import LocalEngine
+    from rlhfkit.engine.local import LocalEngine
     from rlhfkit.models import load_causal_lm
 
     model = load_causal_lm(str(tiny_model_dir))
@@ -308,7 +308,7 @@ def test_sigint_and_sigterm_together_are_one_stop_request_a_later_second_signal_
     """DeepSpeed's launcher passes one Ctrl-C on to each rank as SIGINT and SIGTERM: the run must still save
     and stop (one request), while a second Ctrl-C some seconds later means 'out now'."""
     import rlhfkit.stages.guard as guard
-    from rlhfkit.engine import LocalEngine
+    from rlhfkit.engine.local import LocalEngine
 
     clock = [100.0]
     monkeypatch.setattr(guard.time, "monotonic", lambda: clock[0])
@@ -367,7 +367,7 @@ def test_a_stop_at_a_save_step_writes_that_checkpoint_once(tmp_path, monkeypatch
     (writing it again rewrote the folder `latest` names, doubling the time left in a preemption's grace period);
     at another step the stop writes the checkpoint itself."""
     from rlhfkit.config.schema import TrainConfig
-    from rlhfkit.engine import LocalEngine
+    from rlhfkit.engine.local import LocalEngine
     from rlhfkit.errors import RunStopped
     from rlhfkit.stages.loop import TrainLoop
 

@@ -26,7 +26,7 @@ def test_sft_cli_learns_and_exports(tmp_path, tiny_model_dir):
     assert res.returncode == 0, res.stderr
     summary = json.loads(res.stdout.strip().splitlines()[-1])
     assert summary["steps"] == 60 and summary["train_rows"] == 72 and summary["eval_rows"] == 8
-    from rlhfkit.models.cpu_linear import onednn_weight_grads  # Zen 5: every GEMM of the step in oneDNN
+    from rlhfkit.accel.cpu_linear import onednn_weight_grads  # Zen 5: every GEMM of the step in oneDNN
 
     assert ("CPU linear layers: oneDNN" in res.stderr) == onednn_weight_grads()
     evals = eval_losses(read_metrics(out / "metrics.jsonl"))
@@ -120,7 +120,7 @@ def test_micro_batch_times_accumulation_is_invariant(tmp_path, tiny_model_dir):
 
 def test_lora_export_is_merged_and_matches_unmerged_logits(tmp_path, tiny_model_dir):
     from rlhfkit.config import LoraConfig
-    from rlhfkit.engine import LocalEngine
+    from rlhfkit.engine.local import LocalEngine
     from rlhfkit.models import load_causal_lm, load_tokenizer
     from rlhfkit.models.lora import apply_lora
 

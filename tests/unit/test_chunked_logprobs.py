@@ -87,7 +87,7 @@ def test_no_positions_give_empty_log_probs_that_still_take_a_backward():
 # ---------------------------------------------------------------- on a real (tiny) Llama
 
 from rlhfkit.config.ppo_schema import GenConfig  # noqa: E402
-from rlhfkit.engine import LocalEngine  # noqa: E402
+from rlhfkit.engine.local import LocalEngine  # noqa: E402
 from rlhfkit.models import load_causal_lm, load_tokenizer  # noqa: E402
 from rlhfkit.models.forward import head_gives_logits, head_logprobs_weight, use_head_logprobs  # noqa: E402
 from rlhfkit.rollout import RolloutBatch, generate_rollout  # noqa: E402
@@ -116,7 +116,7 @@ def test_response_logprobs_with_the_head_in_chunks_equal_the_logits_ones(tiny_mo
     """The same log-probs, entropies and every parameter's gradient as from the model's own logits, on valid
     response tokens (0 elsewhere), one forward per prompt + response or each group's prompt once, also with the
     linear layers on oneDNN (where it is faster) and with the head's packed weight (no-grad)."""
-    from rlhfkit.models.cpu_linear import packed_weights, use_fast_cpu_linear
+    from rlhfkit.accel.cpu_linear import packed_weights, use_fast_cpu_linear
 
     tok = load_tokenizer(str(tiny_model_dir), padding_side="left")
     model = sharpened(load_causal_lm(str(tiny_model_dir), tokenizer=tok))

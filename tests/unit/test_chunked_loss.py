@@ -83,7 +83,7 @@ def _rows(tok, lengths, prompt=2, seed=0):
 def test_sft_forward_in_chunks_gives_the_logits_loss_and_gradients(tiny_model_dir, collate, fast_linear):
     """On a real (tiny, tied-embedding) Llama: the same summed NLL, token count and every parameter's gradient
     as the model's own logits, padded and packed, also with the linear layers on oneDNN (where it is faster)."""
-    from rlhfkit.models.cpu_linear import use_fast_cpu_linear
+    from rlhfkit.accel.cpu_linear import use_fast_cpu_linear
     from rlhfkit.models.forward import lm_head_weight
     from rlhfkit.stages.sft import fused_loss_is_exact, lm_forward
 

@@ -7,7 +7,7 @@ import copy
 import pytest
 import torch
 
-from rlhfkit.models.cpu_linear import FastCPULinear, _OneDNNLinearFunction, packed_weights, use_fast_cpu_linear
+from rlhfkit.accel.cpu_linear import FastCPULinear, _OneDNNLinearFunction, packed_weights, use_fast_cpu_linear
 
 needs_onednn = pytest.mark.skipif(not hasattr(torch.ops.mkldnn, "_linear_pointwise"), reason="no oneDNN")
 
@@ -18,7 +18,7 @@ needs_onednn = pytest.mark.skipif(not hasattr(torch.ops.mkldnn, "_linear_pointwi
 @pytest.mark.parametrize("weight_grads", ["mkl", "onednn"])
 def test_onednn_linear_matches_nn_linear_forward_and_backward(bias, shape, weight_grads, monkeypatch):
     """Both weight-gradient routes (`onednn_weight_grads`: oneDNN on Zen 5, MKL elsewhere), whatever this CPU."""
-    from rlhfkit.models import cpu_linear
+    from rlhfkit.accel import cpu_linear
 
     monkeypatch.setattr(cpu_linear, "onednn_weight_grads", lambda: weight_grads == "onednn")
     torch.manual_seed(0)
@@ -117,7 +117,7 @@ def _fast(model):
 @needs_onednn
 @pytest.mark.parametrize("bias", [True, False])
 def test_sibling_projections_run_as_one_gemm_with_the_same_outputs(bias, monkeypatch):
-    import rlhfkit.models.cpu_linear as cpu_linear
+    import rlhfkit.accel.cpu_linear as cpu_linear
 
     torch.manual_seed(0)
     model = _fast(_Block(bias=bias))
@@ -181,7 +181,7 @@ def test_lora_base_layers_are_fused_and_the_adapter_still_applies():
 def test_the_gemm_policy_follows_the_cpu(monkeypatch):
     """MKL everywhere off AMD; oneDNN's forward and input gradients on AMD; its weight gradients and the training
     steps' linears too on Zen 5 (family 26) with AVX-512 only."""
-    from rlhfkit.models import cpu_linear
+    from rlhfkit.accel import cpu_linear
 
     cases = [("GenuineIntel", 6, "AVX512", ""), ("AuthenticAMD", 25, "AVX512", "onednn"),
              ("AuthenticAMD", 26, "AVX2", "onednn"), ("AuthenticAMD", 26, "AVX512", "onednn-all")]

@@ -1,4 +1,4 @@
-"""The decoding GEMM kernel (`models/decode_gemm.py`): values against float64 matmuls, the same bits for a row
+"""The decoding GEMM kernel (`accel/decode_gemm.py`): values against float64 matmuls, the same bits for a row
 whatever the batch and thread count, where it applies, and a rollout through it."""
 
 from __future__ import annotations
@@ -9,9 +9,10 @@ import torch.nn.functional as F
 
 from rlhfkit.config.ppo_schema import GenConfig
 from rlhfkit.data.templates import Template, encode_prompt
-from rlhfkit.engine import LocalEngine
-from rlhfkit.models import decode_gemm, kernels, load_tokenizer
-from rlhfkit.models.decode_gemm import DecodeLinear, decode_linear, streaming_decode, takes
+from rlhfkit.engine.local import LocalEngine
+from rlhfkit.accel import decode_gemm, kernels
+from rlhfkit.models import load_tokenizer
+from rlhfkit.accel.decode_gemm import DecodeLinear, decode_linear, streaming_decode, takes
 from rlhfkit.rollout import generate_rollout
 
 

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from rlhfkit.config.schema import EngineConfig, TrainConfig
-from rlhfkit.engine import Engine, LocalEngine, Trainable
+from rlhfkit.engine.local import LocalEngine
+from rlhfkit.engine.protocol import Engine, Trainable
 from rlhfkit.engine import ds_config
 from rlhfkit.errors import ConfigError
 

@@ -1,4 +1,4 @@
-"""Vocabulary-matrix gradients added into the kept `.grad` in place (`models/grad_in_place.py`): autograd's sums,
+"""Vocabulary-matrix gradients added into the kept `.grad` in place (`accel/grad_in_place.py`): autograd's sums,
 the padding row, what is tagged and when, and the local engine's training with it."""
 
 import copy
@@ -10,7 +10,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from rlhfkit.algos import linear_token_logprobs
 from rlhfkit.config.schema import TrainConfig
 from rlhfkit.engine.local import LocalEngine
-from rlhfkit.models import grad_in_place
+from rlhfkit.accel import grad_in_place
 
 
 @pytest.fixture
@@ -33,7 +33,8 @@ WEIGHTS = torch.linspace(-1.0, 1.0, IDS[:, 1:].numel())
 def loss(model):
     """A PPO-like objective through the fused head: weighted log-probs of the next tokens."""
     hidden = model.model(input_ids=IDS).last_hidden_state[:, :-1].reshape(-1, 32)
-    logp, _ = linear_token_logprobs(hidden, model.lm_head.weight, IDS[:, 1:].reshape(-1))
+    logp, _ = linear_token_logprobs(hidden, model.lm_head.weight, IDS[:, 1:].reshape(-1),
+                                    grad_target=grad_in_place.target)
     return (logp * WEIGHTS).sum()
 
 

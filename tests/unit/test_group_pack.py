@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from rlhfkit.engine import LocalEngine
+from rlhfkit.engine.local import LocalEngine
 from rlhfkit.models import group_pack
 from rlhfkit.models.forward import final_hidden, position_ids
 from rlhfkit.models.group_pack import GroupPacking, group_packed_hidden, group_packing_gives_prefix_values

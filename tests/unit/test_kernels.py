@@ -1,4 +1,4 @@
-"""Fused CPU kernels (`models/kernels.py`): PyTorch's values and gradients, one output for the norm's forward and
+"""Fused CPU kernels (`accel/kernels.py`): PyTorch's values and gradients, one output for the norm's forward and
 its recomputation, the same bits on several threads, the lean modules' training with them, the fallback."""
 
 import pytest
@@ -6,8 +6,8 @@ import torch
 import torch.nn.functional as F
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from rlhfkit.models import kernels
-from rlhfkit.models.lean import use_lean_activations
+from rlhfkit.accel import kernels
+from rlhfkit.accel.lean import use_lean_activations
 
 
 @pytest.fixture
@@ -170,7 +170,7 @@ def test_the_build_is_cached_per_source(switched):
 
 def test_the_engine_switches_them(monkeypatch):
     from rlhfkit.config.schema import EngineConfig
-    from rlhfkit.engine import make_engine
+    from rlhfkit.engine.backends import make_engine
 
     monkeypatch.setattr(kernels, "_STATE", {"on": False, "lib": None, "failed": False, "pool": None})
     make_engine(EngineConfig(fused_kernels=True))
@@ -214,7 +214,7 @@ def test_rotary_hand_computed(switched):
 
 
 def test_fused_rotary_in_a_model_and_only_there(switched, monkeypatch):
-    from rlhfkit.models.rotary import use_fused_rotary
+    from rlhfkit.accel.rotary import use_fused_rotary
 
     ids = torch.randint(0, 97, (2, 50), generator=torch.Generator().manual_seed(4))  # q: 4 heads x 64
     calls = []
@@ -257,7 +257,7 @@ def test_a_hanging_compiler_is_given_up_on(monkeypatch, tmp_path, capsys):
 def test_forwards_without_autograd_take_the_same_arithmetic(switched):
     """A frozen copy or a no-grad pass (DPO's and PPO's reference computed by the policy, the rollout's
     log-probs) must give the training forward's values exactly."""
-    from rlhfkit.models.rotary import use_fused_rotary
+    from rlhfkit.accel.rotary import use_fused_rotary
 
     model = llama()
     use_fused_rotary(model)

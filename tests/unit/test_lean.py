@@ -1,4 +1,4 @@
-"""Lean RMSNorm and SwiGLU (`models/lean.py`): the module's own values and gradients, fewer saved tensors."""
+"""Lean RMSNorm and SwiGLU (`accel/lean.py`): the module's own values and gradients, fewer saved tensors."""
 
 import weakref
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from rlhfkit.models.lean import LeanRMSNorm, LeanSwiGLU, recompute_saved, register_recomputable, use_lean_activations
+from rlhfkit.accel.lean import LeanRMSNorm, LeanSwiGLU, recompute_saved, register_recomputable, use_lean_activations
 
 
 def saved_floats(module, x) -> int:
@@ -37,7 +37,7 @@ def tiny_llama(seed=0):
 
 
 def test_hand_computed_rmsnorm_and_silu_mul():
-    from rlhfkit.models.lean import _RMSNormFunction, _SiluMulFunction
+    from rlhfkit.accel.lean import _RMSNormFunction, _SiluMulFunction
 
     # x = (3, 4): rms = sqrt((9 + 16) / 2) = 5 / sqrt 2; y = w * x / rms = (2 * 3, 1 * 4) * sqrt 2 / 5
     x = torch.tensor([[3.0, 4.0]], requires_grad=True)

@@ -13,7 +13,7 @@ import torch
 from rlhfkit.config.fields import ConfigError, from_dict, help_text
 from rlhfkit.config.ppo_schema import PPOConfig
 from rlhfkit.data.templates import Template, encode_prompt
-from rlhfkit.engine import LocalEngine
+from rlhfkit.engine.local import LocalEngine
 from rlhfkit.errors import DataError
 from rlhfkit.models import load_causal_lm, load_scalar_model, load_tokenizer
 from rlhfkit.models.ema import EMA

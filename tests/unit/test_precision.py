@@ -7,9 +7,9 @@ import torch
 
 from rlhfkit.config.fields import ConfigError
 from rlhfkit.config.schema import EngineConfig, TrainConfig
-from rlhfkit.engine import LocalEngine
+from rlhfkit.engine.local import LocalEngine
 from rlhfkit.models import load_causal_lm, load_tokenizer
-from rlhfkit.models.cpu_linear import FastCPULinear
+from rlhfkit.accel.cpu_linear import FastCPULinear
 
 
 @pytest.fixture()

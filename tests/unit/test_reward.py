@@ -244,7 +244,7 @@ def test_the_reward_models_scoring_takes_the_no_grad_forward_batch_size(tiny_mod
     """A reward-model folder's scores run `ppo.forward_batch_size` rows per forward (the other no-grad forwards of
     experience making take it too), the training micro-batch when it is null."""
     from rlhfkit.config.ppo_schema import PPOConfig
-    from rlhfkit.engine import LocalEngine
+    from rlhfkit.engine.local import LocalEngine
     from rlhfkit.stages.ppo_setup import load_one_reward
 
     folder = tmp_path / "rm"

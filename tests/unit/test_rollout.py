@@ -7,7 +7,7 @@ import re
 import pytest
 import torch
 
-from rlhfkit.engine import LocalEngine
+from rlhfkit.engine.local import LocalEngine
 
 from rlhfkit.config.ppo_schema import GenConfig, PPOSection
 from rlhfkit.data.templates import Template, encode_prompt, encode_response

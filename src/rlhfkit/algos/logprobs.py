@@ -11,7 +11,6 @@ from typing import Tuple
 import torch
 import torch.nn.functional as F
 
-from rlhfkit.models import grad_in_place
 
 _FULL_PRECISION = (torch.float32, torch.float64)
 
@@ -180,7 +179,7 @@ class _LinearTokenLogprobs(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, labels, temperature, chunk, linear, dtype, entropy, wanted):
+    def forward(ctx, hidden, weight, labels, temperature, chunk, linear, dtype, entropy, wanted, grad_target):
         w = weight.to(dtype)
         h_all = hidden.to(dtype)
         logps, entropies, probs = [], [], []
@@ -200,7 +199,8 @@ class _LinearTokenLogprobs(torch.autograd.Function):
             if wanted:
                 probs.append(p)
         ctx.temperature, ctx.chunk, ctx.linear, ctx.weight_dtype = temperature, chunk, linear, weight.dtype
-        ctx.weight = weight if grad_in_place.target(weight) is not None else None  # a tagged parameter
+        ctx.grad_target = grad_target
+        ctx.weight = weight if grad_target is not None and grad_target(weight) is not None else None
         ctx.save_for_backward(h_all, w, labels, *probs)
         empty = hidden.new_zeros(0, dtype=torch.float32)  # no positions (every response masked out)
         logp = torch.cat(logps) if logps else empty
@@ -214,7 +214,7 @@ class _LinearTokenLogprobs(torch.autograd.Function):
         h_all, w, labels, *probs = ctx.saved_tensors
         need_hidden, need_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         grad_hidden = torch.empty(h_all.shape, dtype=h_all.dtype, device=h_all.device) if need_hidden else None
-        into = grad_in_place.target(ctx.weight) if need_weight and ctx.weight is not None else None
+        into = ctx.grad_target(ctx.weight) if need_weight and ctx.weight is not None else None
         grad_weight = into if into is not None else \
             torch.zeros(w.shape, dtype=torch.float32, device=w.device) if need_weight else None
         scale = grad_logp.float() / ctx.temperature  # d z / d logits = 1 / T
@@ -231,11 +231,12 @@ class _LinearTokenLogprobs(torch.autograd.Function):
             grad_weight = None  # added into the parameter's .grad already
         elif grad_weight is not None:
             grad_weight = grad_weight.to(ctx.weight_dtype)
-        return grad_hidden, grad_weight, None, None, None, None, None, None, None
+        return grad_hidden, grad_weight, None, None, None, None, None, None, None, None
 
 
 def linear_token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0,
-                          entropy: bool = False, chunk: int = 0, linear=None) -> Tuple[torch.Tensor, torch.Tensor]:
+                          entropy: bool = False, chunk: int = 0, linear=None, grad_target=None
+                          ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Per-token log-probabilities (and entropies) of a bias-free LM head, ``log softmax(hidden_k @ weight.T /
     temperature)[labels_k]``: equal to ``token_logprobs`` of the head's logits, holding one chunk of logits at a
     time (and, with a gradient, the softmax of each chunk for the backward instead of the logits).
@@ -248,6 +249,8 @@ def linear_token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, labels: to
         entropy: also return each position's entropy (without a gradient); else zeros.
         chunk: rows of logits per chunk; 0 picks ~32 MiB of float32.
         linear: ``linear(x, w) = x @ w.T``, the GEMM to use (default ``F.linear``).
+        grad_target: ``grad_target(weight)`` -> a tensor the weight's gradient is added into in place (then autograd
+            gets none for it), or None for autograd's own accumulation (`accel.grad_in_place.target`); default None.
 
     Returns:
         ``(logp, entropy)``, each ``(K,)`` float32; the gradient of ``logp`` reaches ``hidden`` and ``weight``.
@@ -262,4 +265,4 @@ def linear_token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, labels: to
     wanted = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
     with torch.autocast(device, enabled=False):
         return _LinearTokenLogprobs.apply(hidden, weight, labels, float(temperature), chunk,
-                                          linear or F.linear, dtype, entropy, wanted)
+                                          linear or F.linear, dtype, entropy, wanted, grad_target)

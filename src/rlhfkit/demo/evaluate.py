@@ -61,7 +61,7 @@ def fast_sampling(model) -> None:
     """Give an evaluated model the CPU paths `rlhfkit ppo` gives its models: oneDNN linear layers where they beat
     MKL (`cpu_linear.use_fast_cpu_linear`) and the tokens every prompt begins with computed once
     (`prefix.use_common_prefix`, where its one-off check passes). Same values up to float rounding."""
-    from rlhfkit.models.cpu_linear import use_fast_cpu_linear
+    from rlhfkit.accel.cpu_linear import use_fast_cpu_linear
     from rlhfkit.models.prefix import common_prefix_gives_full_values, use_common_prefix
 
     use_fast_cpu_linear(model, torch.device("cpu"))

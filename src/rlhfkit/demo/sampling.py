@@ -18,7 +18,7 @@ import torch
 from rlhfkit.config.ppo_schema import GenConfig
 from rlhfkit.config.schema import LoadConfig
 from rlhfkit.data.templates import Template, encode_prompt
-from rlhfkit.engine import LocalEngine
+from rlhfkit.engine.local import LocalEngine
 from rlhfkit.models import load_causal_lm, load_tokenizer
 from rlhfkit.rollout.batch import RolloutBatch
 from rlhfkit.rollout.evaluate import generate_all

@@ -1,33 +1,7 @@
 """Engines own devices, ranks, optimizers, distributed state, checkpoints and export: the `Engine` protocol
-(`engine/protocol.py`), implemented by `LocalEngine` (one process) and `DeepSpeedEngine` (ZeRO, many ranks)."""
+(`engine/protocol.py`), implemented by `LocalEngine` (`engine/local.py`, one process) and `DeepSpeedEngine`
+(`engine/deepspeed_engine.py`, ZeRO, many ranks); `engine/backends.py` picks one by `engine.backend`.
 
-from __future__ import annotations
-
-from rlhfkit.config.schema import EngineConfig, TrainConfig
-from rlhfkit.engine.cpu_memory import keep_freed_memory
-from rlhfkit.engine.local import LocalEngine
-from rlhfkit.engine.protocol import Engine, Trainable
-from rlhfkit.engine.storage import atomic_folder, latest_checkpoint
-from rlhfkit.models import kernels
-
-
-def _deepspeed_engine(cfg: EngineConfig, train: TrainConfig | None = None):
-    from rlhfkit.engine.deepspeed_engine import DeepSpeedEngine  # imports deepspeed only when asked for
-
-    return DeepSpeedEngine(cfg, train)
-
-
-ENGINES = {"local": LocalEngine, "deepspeed": _deepspeed_engine}
-
-
-def make_engine(cfg: EngineConfig, train: TrainConfig | None = None) -> Engine:
-    """The engine `engine.backend` names. `train`, when given, lets the DeepSpeed engine check a user's
-    `engine.deepspeed_config` against `train.*` before anything is written."""
-    engine = ENGINES[cfg.backend](cfg, train)
-    if engine.device.type == "cpu" and cfg.keep_freed_memory:
-        keep_freed_memory()
-    kernels.enable(engine.device.type == "cpu" and cfg.fused_kernels)
-    return engine
-
-
-__all__ = ["ENGINES", "Engine", "LocalEngine", "Trainable", "atomic_folder", "latest_checkpoint", "make_engine"]
+This file imports nothing: `engine/partition.py` (whether DeepSpeed holds a weight in shards) is read by the CPU
+kernels below the engine (`accel/`), and importing it must not pull the engines, which sit above them.
+"""

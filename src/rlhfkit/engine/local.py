@@ -18,7 +18,7 @@ from safetensors.torch import load_model, save_model
 from rlhfkit.config.schema import TrainConfig
 from rlhfkit.engine.manifest import seal, verified_latest
 from rlhfkit.engine.storage import atomic_folder, publish_checkpoint, rng_state, set_rng_state, write_hf_folder
-from rlhfkit.models import grad_in_place
+from rlhfkit.accel import grad_in_place
 
 
 def lr_lambda(cfg: TrainConfig, total_steps: int):
@@ -126,7 +126,7 @@ class Trainable:
         if keep_grads:
             allocate_training_state(self.optimizer)
             # the kept .grad is the accumulator and no hook watches it: the vocabulary matrices' backwards add
-            # into it directly instead of through (V x H) temporaries (`models/grad_in_place.py`)
+            # into it directly instead of through (V x H) temporaries (`accel/grad_in_place.py`)
             grad_in_place.enable(module)
 
     def backward(self, loss_sum: torch.Tensor, total: float) -> None:

@@ -1,5 +1,5 @@
 """Whether a parameter is held in shards by a ZeRO-3 engine, for code that must leave such weights alone (the
-oneDNN linear layers of `models/cpu_linear.py`). DeepSpeed marks the parameters it partitions with `ds_id`."""
+oneDNN linear layers of `accel/cpu_linear.py`). DeepSpeed marks the parameters it partitions with `ds_id`."""
 
 from __future__ import annotations
 

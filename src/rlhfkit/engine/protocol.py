@@ -111,7 +111,7 @@ class Engine(Protocol):
         (actor + critic update 12.0 -> 11.6 s); on a GPU that memory would be taken from generation. Not DPO (its
         reference forward comes between steps; measured no better). A backend that owns the accumulation into
         the kept gradients (the local one) may let the vocabulary matrices' backwards add into them directly
-        (`models/grad_in_place.py`). Backends that own their gradient buffers (DeepSpeed) ignore it."""
+        (`accel/grad_in_place.py`). Backends that own their gradient buffers (DeepSpeed) ignore it."""
 
     def prepare_frozen(self, model: torch.nn.Module, role: str = "reference") -> torch.nn.Module:
         """An inference model (no gradients, eval mode) placed and partitioned for this backend."""

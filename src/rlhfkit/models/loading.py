@@ -18,9 +18,9 @@ from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForSequence
 
 from rlhfkit.config.schema import LoadConfig
 from rlhfkit.errors import ModelError
-from rlhfkit.models import kernels
-from rlhfkit.models.lean import use_lean_activations
-from rlhfkit.models.rotary import use_fused_rotary
+from rlhfkit.accel import kernels
+from rlhfkit.accel.lean import use_lean_activations
+from rlhfkit.accel.rotary import use_fused_rotary
 
 # what a folder that cannot be loaded raises: missing or unreadable files, bad configs, damaged weights
 LOAD_ERRORS = (OSError, ValueError, SafetensorError)

@@ -20,6 +20,7 @@ from rlhfkit.models.forward import (cache_kwargs, decoder_outputs, final_hidden,
                                     scalar_head, scalar_outputs, token_scores)
 from rlhfkit.models.group_pack import common_prefix_packed, contiguous_rows, group_packed_hidden, group_packing
 from rlhfkit.models.lora import base_model, checkpointed
+from rlhfkit.models.segments import full_attention_cache
 
 
 def shares_prefixes(model) -> bool:
@@ -28,18 +29,6 @@ def shares_prefixes(model) -> bool:
     layer, with or without autograd (so a no-grad forward of the training actor, its old log-probs or the
     reference with the LoRA adapter off, would run the responses without their prompt)."""
     return not (base_model(model).training and checkpointed(model))
-
-
-def full_attention_cache(model) -> DynamicCache | None:
-    """An empty transformers DynamicCache for `model` when every layer of it is plain full attention (a cache
-    whose rows can be indexed and extended freely); None for sliding windows, hybrids and unusual configs."""
-    try:
-        cache = DynamicCache(config=base_model(model).config)
-    except Exception:  # noqa: BLE001 - an unusual config: let the model choose its cache
-        return None
-    if not cache.layers or any(type(layer) is not DynamicLayer for layer in cache.layers):
-        return None
-    return cache
 
 
 def unique_rows(ids: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:

@@ -20,7 +20,7 @@ import torch
 
 from rlhfkit.data.templates import Template, encode_prompt, encode_response
 from rlhfkit.data.tokenize import cut_prompt, opening_length, pad_sequences
-from rlhfkit.models.cpu_linear import packed_weights
+from rlhfkit.accel.cpu_linear import packed_weights
 from rlhfkit.models.forward import sequence_scores
 from rlhfkit.models.lora import base_model
 from rlhfkit.errors import ModelError, TemplateRefused

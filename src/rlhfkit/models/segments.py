@@ -28,6 +28,7 @@ import weakref
 
 import torch
 from transformers import AttentionInterface
+from transformers.cache_utils import DynamicCache, DynamicLayer
 from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
@@ -113,6 +114,19 @@ AttentionInterface.register(NAME, segment_attention)
 AttentionMaskInterface.register(NAME, _packed_mask)  # the fallback path reads the mask as usual
 
 
+def full_attention_cache(model) -> DynamicCache | None:
+    """An empty transformers DynamicCache for `model` when every layer of it is plain full attention (a cache
+    whose rows can be indexed and extended freely); None for sliding windows, hybrids and unusual configs."""
+    try:
+        cache = DynamicCache(config=base_model(model).config)
+    except Exception:  # noqa: BLE001 - an unusual config: let the model choose its cache
+        return None
+    if not cache.layers or any(type(layer) is not DynamicLayer for layer in cache.layers):
+        return None
+    return cache
+
+
+
 ROW_TOKENS = 4096  # a packed row's length where attention runs per sequence: one row for most micro-batches
 
 
@@ -123,8 +137,6 @@ def packed_row_tokens(model, inference: bool = False) -> int | None:
     mask, attention costs the square of the row's length). Every layer must be plain full attention (a sliding
     window or a soft cap sends a layer to the masked path) for a long row to pay off. `inference`: for a forward
     without autograd (the rollout's prefill), where gradient checkpointing recomputes nothing."""
-    from rlhfkit.models.prefix import full_attention_cache  # prefix.py imports this module (through forward.py)
-
     inner = base_model(model)
     per_sequence = (getattr(inner.config, "_attn_implementation", None) == "sdpa"
                     and (inference or not checkpointed(inner))

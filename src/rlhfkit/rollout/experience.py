@@ -11,10 +11,11 @@ from dataclasses import replace
 
 import torch
 
+from rlhfkit.accel import grad_in_place
 from rlhfkit.algos import (entropy_from_logits, kl_penalty, linear_token_logprobs, masked_mean, masked_whiten,
                            shape_rewards, token_logprobs)
 from rlhfkit.config.ppo_schema import PPOSection
-from rlhfkit.models.cpu_linear import packed_weights
+from rlhfkit.accel.cpu_linear import packed_weights
 from rlhfkit.models.forward import (causal_logits, final_hidden, head_logprobs_weight, head_matmul, mixed_precision, packed_outputs,
                                     padding_free, position_ids, read_packed, token_scores)
 from rlhfkit.models.prefix import common_prefix_outputs, shared_prefix_logits
@@ -87,7 +88,8 @@ def response_logprobs_and_entropy(model, batch: RolloutBatch, temperature: float
     hidden = response_hidden(model, batch)[valid]  # (K, H)
     with mixed_precision(model):  # the head at the forward's precision
         logp, ent = linear_token_logprobs(hidden, weight, batch.response_ids[valid], temperature, entropy=entropy,
-                                          linear=head_matmul(model))
+                                          linear=head_matmul(model),
+                                          grad_target=grad_in_place.target)
     full = torch.zeros(valid.shape, dtype=logp.dtype, device=logp.device)
     return full.masked_scatter(valid, logp), full.detach().masked_scatter(valid, ent)
 

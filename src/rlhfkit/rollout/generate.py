@@ -8,8 +8,8 @@ from transformers.cache_utils import DynamicLayer
 from rlhfkit.config.ppo_schema import GenConfig
 from rlhfkit.data.templates import end_token_ids
 from rlhfkit.data.tokenize import pad_sequences
-from rlhfkit.models.cpu_linear import packed_weights
-from rlhfkit.models.decode_gemm import streaming_decode
+from rlhfkit.accel.cpu_linear import packed_weights
+from rlhfkit.accel.decode_gemm import streaming_decode
 from rlhfkit.models.forward import cache_kwargs, pack_padded, padding_free, returned_cache, unpack_states
 from rlhfkit.models.prefix import (common_prefix_layout, contiguous_groups, full_attention_cache, shares_common_prefix,
                                    unique_rows)

@@ -27,7 +27,7 @@ from transformers.cache_utils import DynamicLayer
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from rlhfkit.models.forward import cache_kwargs, unpack_states
-from rlhfkit.models.prefix import full_attention_cache
+from rlhfkit.models.segments import full_attention_cache
 from rlhfkit.models.lora import attention_implementation, base_model
 
 NAME = "rlhfkit_group_decode"

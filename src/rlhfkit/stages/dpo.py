@@ -32,16 +32,17 @@ from typing import Callable, Optional
 
 import torch
 
+from rlhfkit.accel import grad_in_place
 from rlhfkit.algos import PairLogps, linear_token_logprobs, masked_sum, preference_loss, token_logprobs
 from rlhfkit.config.dpo_schema import DPOConfig, DPOSection
 from rlhfkit.data import cache
 from rlhfkit.data.loader import load_stage_data, skipped_rows
 from rlhfkit.data.templates import end_token_ids
 from rlhfkit.data.tokenize import collate_preferences, collate_prompt_sharing_pairs, pad_sequences
-from rlhfkit.engine import make_engine
+from rlhfkit.engine.backends import make_engine
 from rlhfkit.errors import ModelError
 from rlhfkit.models import load_causal_lm, load_tokenizer
-from rlhfkit.models.cpu_linear import use_fast_cpu_linear_for_training
+from rlhfkit.accel.cpu_linear import use_fast_cpu_linear_for_training
 from rlhfkit.models.forward import (causal_logits, custom_mask_kind, final_hidden, head_logprobs_weight, head_matmul,
                                     mixed_precision,
                                     masked_logits, position_ids)
@@ -99,7 +100,8 @@ def sequence_logprobs(model, rows: list[dict], pad_id: int, device) -> tuple[tor
         source, target, owner = (packed[k].to(device) for k in ("source", "target", "owner"))  # (K,) each
         if chunked:
             with mixed_precision(model):  # the head at the forward's precision
-                logps = linear_token_logprobs(out[source], weight, target, linear=head_matmul(model))[0]
+                logps = linear_token_logprobs(out[source], weight, target, linear=head_matmul(model),
+                                              grad_target=grad_in_place.target)[0]
         else:
             logps = token_logprobs(out[source][None], target[None])[0]  # (K,) one per response token
         sums = torch.zeros(2 * len(rows), dtype=logps.dtype, device=device).index_add(0, owner, logps)
@@ -138,7 +140,8 @@ def response_sums(model, weight: Optional[torch.Tensor], out: torch.Tensor, targ
     if weight is None:
         return masked_sum(token_logprobs(out, targets), valid, dim=-1)
     with mixed_precision(model):  # the head at the forward's precision
-        logps = linear_token_logprobs(out[valid], weight, targets[valid], linear=head_matmul(model))[0]  # (K,)
+        logps = linear_token_logprobs(out[valid], weight, targets[valid], linear=head_matmul(model),
+                                      grad_target=grad_in_place.target)[0]  # (K,)
     return torch.zeros(valid.shape, dtype=logps.dtype, device=logps.device).masked_scatter(valid, logps).sum(-1)
 
 

@@ -11,7 +11,7 @@ import time
 
 from rlhfkit.config.ppo_schema import PPOConfig
 from rlhfkit.data.loader import load_stage_data, skipped_rows
-from rlhfkit.engine import make_engine
+from rlhfkit.engine.backends import make_engine
 from rlhfkit.models import load_tokenizer
 from rlhfkit.models.loading import record_template
 from rlhfkit.stages.common import MetricsLogger, set_seed, with_trained_template, write_run_report

@@ -17,7 +17,7 @@ from rlhfkit.config.ppo_schema import KL_IN_LOSS, PPOConfig
 from rlhfkit.data.templates import Template, end_token_ids
 from rlhfkit.errors import ModelError, RunError
 from rlhfkit.models import load_causal_lm, load_scalar_model, load_tokenizer
-from rlhfkit.models.cpu_linear import use_fast_cpu_linear
+from rlhfkit.accel.cpu_linear import use_fast_cpu_linear
 from rlhfkit.models.loading import causal_lm_config, load_generation_config
 from rlhfkit.models.lora import apply_lora
 from rlhfkit.models.reward_fn import (CombinedReward, FunctionReward, ModelReward, is_function_spec,

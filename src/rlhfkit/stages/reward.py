@@ -19,9 +19,9 @@ from rlhfkit.config.schema import RMConfig
 from rlhfkit.data.loader import load_stage_data, skipped_rows
 from rlhfkit.data.templates import end_token_ids
 from rlhfkit.data.tokenize import collate_packed_pairs, collate_preferences, micro_batches
-from rlhfkit.engine import make_engine
+from rlhfkit.engine.backends import make_engine
 from rlhfkit.models import load_scalar_model, load_tokenizer
-from rlhfkit.models.cpu_linear import use_fast_cpu_linear_for_training
+from rlhfkit.accel.cpu_linear import use_fast_cpu_linear_for_training
 from rlhfkit.models.forward import packed_sequence_scores, sequence_scores
 from rlhfkit.models.segments import packed_row_tokens
 from rlhfkit.models.loading import TEMPLATE_KEY, load_generation_config

@@ -13,9 +13,9 @@ from rlhfkit.config.schema import SFTConfig
 from rlhfkit.data.loader import load_stage_data, skipped_rows
 from rlhfkit.data.templates import end_token_ids
 from rlhfkit.data.tokenize import collate_packed, collate_sft, micro_batches
-from rlhfkit.engine import make_engine
+from rlhfkit.engine.backends import make_engine
 from rlhfkit.models import load_causal_lm, load_tokenizer
-from rlhfkit.models.cpu_linear import use_fast_cpu_linear_for_training
+from rlhfkit.accel.cpu_linear import use_fast_cpu_linear_for_training
 from rlhfkit.models.forward import (causal_logits, final_hidden, lm_head_weight, mixed_precision, packed_logits,
                                     position_ids)
 from rlhfkit.models.segments import packed_attention, packed_row_tokens

@@ -19,7 +19,7 @@ models' widths; the tests' tiny models stay on MKL, as with the fused element-wi
 while it is open. A call without autograd of at most `MAX_ROWS` rows takes the kernel; anything else (the prefill,
 grad mode, other dtypes, ZeRO-3 partitions, autocast) is `F.linear`. Above `MAX_ROWS` rows MKL's blocked GEMM is
 as fast or faster (measured: the 5M model's layers at 64 rows 5.1 against 5.6 ms per step). Built like
-`models/kernels.py` (the same cache folder; `engine.fused_kernels` switches both), with -fopenmp: GCC's libgomp,
+`accel/kernels.py` (the same cache folder; `engine.fused_kernels` switches both), with -fopenmp: GCC's libgomp,
 the OpenMP runtime PyTorch's CPU wheel has already loaded under the same name, so both share one thread pool.
 On CPUs without AVX-512, or where it does not build, decoding stays on MKL.
 """
@@ -32,7 +32,7 @@ import ctypes
 import torch
 import torch.nn.functional as F
 
-from rlhfkit.models import kernels
+from rlhfkit.accel import kernels
 
 MAX_ROWS = 32  # rows per call up to which the kernel beats MKL (5M, 20M and SmolLM2 layers measured at 1-64 rows)
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared"]

@@ -1,5 +1,5 @@
-"""Fused element-wise kernels on CPU, in C: the lean RMSNorm and SwiGLU (`models/lean.py`) and the rotary
-embedding (`models/rotary.py`).
+"""Fused element-wise kernels on CPU, in C: the lean RMSNorm and SwiGLU (`accel/lean.py`) and the rotary
+embedding (`accel/rotary.py`).
 
 PyTorch's eager element-wise operators each read and write whole tensors: the SwiGLU's backward is seven passes
 over (tokens x MLP) tensors, the RMSNorm's about as many over (tokens x hidden). They are memory-bound, and in an

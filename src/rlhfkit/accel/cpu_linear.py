@@ -270,7 +270,7 @@ def packed_weights(model: torch.nn.Module):
     Sibling projections of one input (`FUSABLE`: q/k/v, gate/up) share one copy of their weights concatenated and
     run as one GEMM (`_FusedProjections`): 4 instead of 7 GEMMs per Llama layer and decode step (5M Llama,
     8 prompts x 4 samples x 32 tokens: 0.88 instead of 0.92 s per rollout, with the no-grad RMSNorm and SwiGLU
-    of `models/lean.py`)."""
+    of `accel/lean.py`)."""
     layers = [m for m in model.modules() if isinstance(m, FastCPULinear) and m.weight.device.type == "cpu"
               and m.weight.dtype == torch.float32 and is_whole(m.weight)]
     groups: list[_FusedProjections] = []

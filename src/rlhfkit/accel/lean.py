@@ -18,7 +18,7 @@ oneDNN linears and hooks see them unchanged); a tensor saved by a layer is repla
 is, storage and version, the output the lean module registered. SmolLM2: another ~2,700 floats per token and layer.
 
 On CPU, rows at least `kernels.MIN_WIDTH` wide run these forwards, backwards and recomputations as fused C loops
-(`models/kernels.py`, `engine.fused_kernels`), with and without autograd alike: the same values to float rounding.
+(`accel/kernels.py`, `engine.fused_kernels`), with and without autograd alike: the same values to float rounding.
 
 `use_lean_activations(model)` switches the modules of the known Llama-family classes (by class swap, like
 `cpu_linear.FastCPULinear`: same parameters, same state dict) after checking on a random input that the lean
@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from rlhfkit.engine.partition import is_partitioned
-from rlhfkit.models import kernels
+from rlhfkit.accel import kernels
 
 
 class _Recipe:
@@ -49,7 +49,7 @@ class _Recipe:
     def compute(self) -> torch.Tensor:
         if self.value is None:
             if [a._version for a in self.args] != self.versions:
-                raise RuntimeError("rlhfkit.models.lean: a tensor needed to recompute an activation for backward "
+                raise RuntimeError("rlhfkit.accel.lean: a tensor needed to recompute an activation for backward "
                                    "was modified in place after the forward")
             with torch.no_grad():
                 self.value = self.fn(*self.args)

@@ -26,7 +26,7 @@ import sys
 
 import torch
 
-from rlhfkit.models import kernels
+from rlhfkit.accel import kernels
 
 TAG = "_rlhfkit_fused_rotary"
 # attention classes whose modeling module rotates with apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1)
