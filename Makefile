@@ -1,7 +1,7 @@
 # The two commands of the README. Each installs what it needs first (scripts/bootstrap.sh).
 # `make test` runs the fast suite, then the real-model tier (SmolLM2-135M-Instruct, materialised once by
 # `rlhfkit fetch` into ~/.cache/rlhfkit/models); `make test-fast` / `make test-real` run one of them.
-.PHONY: demo test test-fast test-real install
+.PHONY: demo test test-fast test-real install docs
 
 PYTEST = .venv/bin/python -m pytest -q -p no:cacheprovider --durations=15
 # The fast suite runs on TEST_WORKERS pytest-xdist workers (each test on one thread, conftest.py); the tests that
@@ -22,3 +22,7 @@ test-fast: install
 
 test-real: install
 	$(PYTEST) -m real tests/real $(PYTEST_ARGS)
+
+# docs/configuration.md is generated from the option docs that drive `--help` (tests/unit/test_docs.py checks it)
+docs: install
+	.venv/bin/python -m rlhfkit.config.reference > docs/configuration.md
