@@ -103,15 +103,14 @@ class Engine(Protocol):
 
         `keep_grads`: the gradients and the optimizer's moments are allocated here, before any forward, and
         the gradients stay between steps, zeroed instead of freed, for a stage whose peak memory is its update
-        (SFT, RM): made once and first, they do not fragment the heap around the steps' activations (SmolLM2 on
-        a CPU, peak RSS of 3 steps: SFT 5385 MiB, against 5745 with the moments made in the first step and 5985
-        with the gradients freed too; RM 6717, 6951, 7021). RL stages ask for it on CPUs only: there the
-        gradients sit through generation (SmolLM2 PPO: ~1 GiB of resident memory then, but the iteration's peak,
-        in the update, is the same: 7529 vs 7560 MiB) and the update saves the page faults of getting them afresh
-        (actor + critic update 12.0 -> 11.6 s); on a GPU that memory would be taken from generation. Not DPO (its
-        reference forward comes between steps; measured no better). A backend that owns the accumulation into
-        the kept gradients (the local one) may let the vocabulary matrices' backwards add into them directly
-        (`accel/grad_in_place.py`). Backends that own their gradient buffers (DeepSpeed) ignore it."""
+        (SFT, RM): made once and first, they do not fragment the heap around the steps' activations, which lowers
+        the peak. RL stages ask for it on CPUs only: there the gradients sit through generation, but the
+        iteration's peak is in the update, which holds them anyway, and the update saves the page faults of
+        getting them afresh; on a GPU that memory would be taken from generation. Not DPO (its reference forward
+        comes between steps; measured no better). The measurements: docs/performance.md (Memory). A backend
+        that owns the accumulation into the kept gradients (the local one) may let the vocabulary matrices'
+        backwards add into them directly (`accel/grad_in_place.py`). Backends that own their gradient buffers
+        (DeepSpeed) ignore it."""
 
     def prepare_frozen(self, model: torch.nn.Module, role: str = "reference") -> torch.nn.Module:
         """An inference model (no gradients, eval mode) placed and partitioned for this backend."""
