@@ -10,7 +10,7 @@ from rlhfkit.algos import masked_whiten
 from rlhfkit.config.ppo_schema import PPOSection
 from rlhfkit.engine.local import LocalEngine
 from rlhfkit.rollout.batch import RolloutBatch
-from rlhfkit.rollout.estimators import ESTIMATORS
+from rlhfkit.registry.estimators import ESTIMATORS
 from rlhfkit.rollout.experience import whiten_over_ranks
 
 

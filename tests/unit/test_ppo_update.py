@@ -255,7 +255,7 @@ def test_advantage_estimators_are_a_table_the_config_names():
 
     from rlhfkit.algos import compute_gae
     from rlhfkit.config.ppo_schema import PPOSection
-    from rlhfkit.rollout.estimators import ESTIMATORS
+    from rlhfkit.registry.estimators import ESTIMATORS
 
     field = {f.name: f for f in dataclasses.fields(PPOSection)}["advantage_estimator"]
     assert tuple(field.metadata["choices"]) == tuple(ESTIMATORS)

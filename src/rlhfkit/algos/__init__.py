@@ -12,6 +12,7 @@ from .group import (
     group_filter_mask,
     group_view,
     grpo_advantages,
+    per_group,
     rloo_advantages,
 )
 from .kl import KL_ESTIMATORS, AdaptiveKLController, FixedKLController, kl_penalty
@@ -61,6 +62,7 @@ __all__ = [
     "masked_whiten",
     "nll_term",
     "pairwise_loss",
+    "per_group",
     "policy_loss",
     "preference_loss",
     "rloo_advantages",

@@ -149,6 +149,28 @@ def group_filter_mask(scores: torch.Tensor, n: int, atol: float = 0.0) -> torch.
     return (spread > atol).repeat_interleave(n)
 
 
+def per_group(fn, scores: torch.Tensor, group: torch.Tensor, n: int, judged: torch.Tensor | None = None,
+              **kwargs) -> torch.Tensor:
+    """`fn(scores in groups of n consecutive rows, n, **kwargs)` (a function of this module) for rows in any order:
+    the rows are put in group order, `fn` applied, and its results put back in the batch's order.
+
+    Args:
+        scores: ``(B,)`` one score per sample.
+        group: ``(B,)`` the prompt index of each row; each index appears on ``n`` rows.
+        n: samples per prompt.
+        judged: ``(B,)`` bool, where some row is unjudged: passed to ``fn`` in the same order.
+
+    Returns:
+        ``(B,)`` ``fn``'s per-row result, in the order of ``scores``.
+    """
+    order = torch.argsort(group.to(scores.device), stable=True)
+    if judged is not None and not bool(judged.all()):
+        kwargs["judged"] = judged.to(scores.device)[order]
+    out = torch.empty_like(scores)
+    out[order] = fn(scores[order], n, **kwargs)
+    return out
+
+
 def broadcast_to_tokens(values_per_row: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Put each row's value on every valid token of that row (outcome advantages are per sequence).
 

@@ -11,15 +11,19 @@ import dataclasses
 import types
 import typing
 from pathlib import Path
-from typing import Any, Literal, Union
+from typing import Any, Callable, Iterable, Literal, Union
 
 import yaml
 
 from rlhfkit.errors import ConfigError
 
 
-def option(default: Any, doc: str, *, choices: tuple | None = None):
-    """Declare a config field with its default and the one-line doc `--help` shows."""
+def option(default: Any, doc: str | Callable[[], str], *, choices: Iterable | None = None):
+    """Declare a config field with its default and the one-line doc `--help` shows.
+
+    A doc or choices derived from a registry (`rlhfkit.registry`) stay live: `doc` may be a function returning the
+    text, `choices` a view of the registry's names (`ESTIMATORS.keys()`), both read when help is shown or a value
+    checked, so an entry registered later is offered too."""
     meta = {"doc": doc}
     if choices is not None:
         meta["choices"] = choices
@@ -109,7 +113,7 @@ def from_dict(cls, data: dict, prefix: str = ""):
             value = _coerce(data[f.name], hints[f.name], prefix + f.name)
             choices = f.metadata.get("choices")
             if choices is not None and value not in choices:
-                raise ConfigError(f"config key '{prefix}{f.name}': expected one of {choices}, got {value!r}")
+                raise ConfigError(f"config key '{prefix}{f.name}': expected one of {tuple(choices)}, got {value!r}")
             kwargs[f.name] = value
     obj = cls(**kwargs)
     check = getattr(obj, "validate", None)
@@ -202,6 +206,7 @@ def help_rows(cls, prefix: str = "") -> list[tuple[str, str, str, str]]:
     for f in dataclasses.fields(cls):
         tp = hints[f.name]
         doc = f.metadata.get("doc", "")
+        doc = doc() if callable(doc) else doc
         if dataclasses.is_dataclass(tp):
             rows.extend(help_rows(tp, prefix + f.name + "."))
             continue

@@ -7,12 +7,13 @@ update) and `batch_size` the prompts per iteration; `lr` is the actor's learning
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from rlhfkit.config.fields import option
 from rlhfkit.config.schema import (DataConfig, EngineConfig, LoadConfig, LogConfig, LoraConfig, SourceOptions,
                                    TrainConfig, check_lora_dropout, source_options)
 from rlhfkit.errors import ConfigError
+from rlhfkit.registry.estimators import ESTIMATORS, Estimator
 
 
 @dataclass
@@ -69,14 +70,32 @@ class GenConfig:
 
 
 DEFAULT_KL_COEF = 0.1
-# estimators whose KL to the reference is a loss term (ppo.kl_loss_coef), not a penalty in the reward
-KL_IN_LOSS = ("grpo", "rloo")
+
+
+# The docs of the options that depend on the estimators, written from their entries (registry/estimators.py).
+def _estimators_where(flag: Callable[[Estimator], bool]) -> str:
+    return ", ".join(name for name, entry in ESTIMATORS.items() if flag(entry))
+
+
+def _estimator_doc() -> str:
+    return "how advantages are estimated (registry/estimators.py): " + "; ".join(
+        f"{name} ({'with a critic' if entry.critic else 'no critic'}): {entry.doc}"
+        for name, entry in ESTIMATORS.items())
+
+
+def _kl_coef_doc() -> str:
+    return (f"KL penalty coefficient beta in the reward (initial value when adaptive; "
+            f"{_estimators_where(lambda e: e.kl_in == 'loss')} put the KL in the loss: ppo.kl_loss_coef)")
+
+
+def _samples_doc() -> str:
+    return (f"responses sampled per prompt, kept together as a group ({_estimators_where(lambda e: e.groups)} "
+            f"compare them; need >= 2); an iteration holds train.batch_size x this many samples")
 
 
 @dataclass
 class PPOSection:
-    kl_coef: float = option(DEFAULT_KL_COEF, "KL penalty coefficient beta in the reward (initial value when "
-                                             "adaptive; grpo and rloo put the KL in the loss: ppo.kl_loss_coef)")
+    kl_coef: float = option(DEFAULT_KL_COEF, _kl_coef_doc)
     kl_estimator: str = option("k1", "per-token KL estimator in the reward", choices=("k1", "k2", "k3"))
     adaptive_kl: bool = option(False, "adapt kl_coef towards kl_target (Ziegler et al. 2019)")
     kl_target: float = option(6.0, "adaptive KL: target KL per sequence, in nats")
@@ -129,13 +148,8 @@ class PPOSection:
                                                  "check finds its plain forward's values")
     value_head_init: str = option("random", "a fresh value head (critic from the actor): random (seeded) or zero "
                                             "(every value starts at 0)", choices=("random", "zero"))
-    advantage_estimator: str = option("gae", "how advantages are estimated (rollout/estimators.py): gae (PPO: GAE "
-                                             "with a critic); critic-free, no critic loaded: grpo, rloo, "
-                                             "reinforce_pp, reinforce_pp_baseline",
-                                      choices=("gae", "grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline"))
-    n_samples_per_prompt: int = option(1, "responses sampled per prompt, kept together as a group (grpo, rloo and "
-                                          "reinforce_pp_baseline compare them; need >= 2); an iteration holds "
-                                          "train.batch_size x this many samples")
+    advantage_estimator: str = option("gae", _estimator_doc, choices=ESTIMATORS.keys())
+    n_samples_per_prompt: int = option(1, _samples_doc)
     grpo_scale_by_std: bool = option(True, "grpo: divide by the group's std; false = Dr.GRPO (Liu et al. 2025)")
     filter_equal_groups: bool = option(False, "leave out of the update the groups whose samples all got the same "
                                               "reward (DAPO's dynamic sampling, Yu et al. 2025; counted as "
@@ -172,18 +186,22 @@ class PPOSection:
     sample_every: int = option(10, "write a few sample generations every N iterations (0 = never)")
     num_samples: int = option(3, "sample generations written each time")
 
+    def estimator(self) -> Estimator:
+        """The entry of `advantage_estimator` (registry/estimators.py)."""
+        return ESTIMATORS[self.advantage_estimator]
+
     def without_effect(self) -> list[str]:
         """The settings changed from their defaults that this advantage estimator does not read (said in the run's
         first log line; the critic's own settings with a critic-free estimator are config errors instead)."""
-        unread = {"gae": ("grpo_scale_by_std",),
-                  "grpo": ("gamma", "lam", "value_clip", "whiten_advantages", "value_head_init"),
-                  "rloo": ("gamma", "lam", "value_clip", "whiten_advantages", "grpo_scale_by_std", "value_head_init"),
-                  "reinforce_pp": ("lam", "value_clip", "whiten_advantages", "grpo_scale_by_std", "value_head_init"),
-                  }[self.advantage_estimator if self.advantage_estimator != "reinforce_pp_baseline" else "reinforce_pp"]
         defaults = PPOSection()
-        return [f"{key}={getattr(self, key)}" for key in unread if getattr(self, key) != getattr(defaults, key)]
+        return [f"{key}={getattr(self, key)}" for key in self.estimator().unread()
+                if getattr(self, key) != getattr(defaults, key)]
 
     def validate(self, prefix: str = "") -> None:
+        if self.advantage_estimator not in ESTIMATORS:
+            raise ConfigError(f"config key '{prefix}advantage_estimator': expected one of {tuple(ESTIMATORS)}, got "
+                              f"{self.advantage_estimator!r}")
+        estimator = self.estimator()
         if self.forward_batch_size is not None and self.forward_batch_size < 1:
             raise ConfigError(f"config key '{prefix}forward_batch_size': must be >= 1 (or null), got "
                               f"{self.forward_batch_size}")
@@ -218,22 +236,22 @@ class PPOSection:
             raise ConfigError(f"config key '{prefix}dual_clip': must be > 1 (or null)")
         if self.n_samples_per_prompt < 1:
             raise ConfigError(f"config key '{prefix}n_samples_per_prompt': must be >= 1")
-        if self.advantage_estimator in ("grpo", "rloo", "reinforce_pp_baseline") and self.n_samples_per_prompt < 2:
+        if estimator.groups and self.n_samples_per_prompt < 2:
             raise ConfigError(f"config key '{prefix}n_samples_per_prompt': {self.advantage_estimator} compares the "
                               f"samples of one prompt, so it needs at least 2 (got {self.n_samples_per_prompt})")
         if self.filter_equal_groups and self.n_samples_per_prompt < 2:
             raise ConfigError(f"config key '{prefix}filter_equal_groups': needs groups (n_samples_per_prompt >= 2)")
-        if self.advantage_estimator in KL_IN_LOSS and self.adaptive_kl:
+        if estimator.kl_in == "loss" and self.adaptive_kl:
             raise ConfigError(f"config key '{prefix}adaptive_kl': {self.advantage_estimator} puts the KL in the loss "
                               f"(ppo.kl_loss_coef), so there is no reward KL coefficient to adapt; unset it")
-        if self.advantage_estimator in KL_IN_LOSS and self.kl_coef not in (0.0, DEFAULT_KL_COEF):
+        if estimator.kl_in == "loss" and self.kl_coef not in (0.0, DEFAULT_KL_COEF):
             raise ConfigError(f"config key '{prefix}kl_coef': {self.advantage_estimator} puts the KL in the loss, not "
                               f"the reward, so kl_coef={self.kl_coef:g} would not apply: set ppo.kl_loss_coef (e.g. "
                               f"0.05) and ppo.kl_coef=0")
         if self.adaptive_kl and self.kl_coef == 0:
             raise ConfigError(f"config key '{prefix}kl_coef': adaptive KL multiplies the coefficient, so it needs "
                               f"a starting kl_coef > 0 (0 would stay 0)")
-        if self.advantage_estimator != "gae" and (self.critic_lr is not None or self.critic_warmup_iters):
+        if not estimator.critic and (self.critic_lr is not None or self.critic_warmup_iters):
             raise ConfigError(f"config key '{prefix}critic_warmup_iters': {self.advantage_estimator} trains no "
                               f"critic; unset ppo.critic_lr and ppo.critic_warmup_iters")
 
@@ -328,9 +346,10 @@ class PPOConfig:
             raise ConfigError(f"config key '{prefix}data.prompts': required (a prompt file, folder or hub name)")
         if self.ptx.coef > 0 and not self.data.ptx:
             raise ConfigError(f"config key '{prefix}data.ptx': required when ptx.coef > 0")
-        if self.critic and self.ppo.advantage_estimator != "gae":
+        if self.critic and not self.ppo.estimator().critic:
+            with_critic = " or ".join(f"ppo.advantage_estimator={name}" for name, e in ESTIMATORS.items() if e.critic)
             raise ConfigError(f"config key '{prefix}critic': {self.ppo.advantage_estimator} needs no critic; unset "
-                              f"critic (or use ppo.advantage_estimator=gae)")
+                              f"critic (or use {with_critic})")
         if self.train.max_steps < 1:
             raise ConfigError(f"config key '{prefix}train.max_steps': set the number of PPO iterations (>= 1)")
         samples = self.train.batch_size * self.ppo.n_samples_per_prompt

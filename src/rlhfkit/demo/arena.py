@@ -27,6 +27,7 @@ from pathlib import Path
 import yaml
 
 from rlhfkit.demo import world as W
+from rlhfkit.registry.estimators import ESTIMATORS
 
 GAIN_TARGET = 3.0  # standard errors of the gold gain over SFT that every algorithm must reach
 RL_ESTIMATORS = {"ppo": "gae", "grpo": "grpo", "rloo": "rloo", "reinforce_pp": "reinforce_pp"}
@@ -48,26 +49,30 @@ def parse_algos(text: str) -> list[str]:
 def rl_config(ppo_section: dict, out: Path, algo: str) -> dict:
     """The `rlhfkit ppo` config of one RL algorithm: the demo's PPO section with another estimator and no critic.
 
-    GRPO and RLOO sample GROUP responses for each of batch_size / GROUP prompts (PPO's samples per iteration) and
-    hold the policy near SFT with a k3 KL loss (their papers' form) of the coefficient PPO puts in its reward;
-    REINFORCE++ keeps PPO's KL in the reward and whitens its returns over the batch."""
+    The estimator's entry (registry/estimators.py) decides what changes. One that compares a prompt's samples
+    (GRPO, RLOO) takes GROUP responses for each of batch_size / GROUP prompts (PPO's samples per iteration), any
+    other one response for each of as many prompts. One that puts the KL in the loss (GRPO, RLOO: their papers'
+    form) holds the policy near SFT with a k3 KL loss of the coefficient PPO puts in its reward; any other
+    (REINFORCE++) keeps PPO's KL in the reward."""
     section = json.loads(json.dumps(ppo_section))  # a deep copy
     ppo, train = section["ppo"], section["train"]
-    estimator = RL_ESTIMATORS[algo]
-    ppo["advantage_estimator"] = estimator
+    estimator = ESTIMATORS[RL_ESTIMATORS[algo]]
+    ppo["advantage_estimator"] = estimator.name
     samples = train["batch_size"] * ppo.get("n_samples_per_prompt", 1)  # PPO's samples per iteration: the budget
-    if estimator in ("grpo", "rloo"):
+    if estimator.groups:
         if samples % GROUP:
             from rlhfkit.errors import ConfigError
 
             raise ConfigError(f"{algo}: PPO's {samples} samples per iteration (train.batch_size x "
                               f"ppo.n_samples_per_prompt) do not split into groups of {GROUP}; the arena gives every "
                               f"algorithm PPO's budget: use a multiple of {GROUP}")
-        ppo.update(n_samples_per_prompt=GROUP, kl_loss_coef=ppo.get("kl_coef", 0.0), kl_coef=0.0)
+        ppo["n_samples_per_prompt"] = GROUP
         train["batch_size"] = samples // GROUP
-    else:  # REINFORCE++: one sample per prompt, as many prompts as PPO has samples
+    else:  # one sample per prompt, as many prompts as PPO has samples
         ppo["n_samples_per_prompt"] = 1
         train["batch_size"] = samples
+    if estimator.kl_in == "loss":
+        ppo.update(kl_loss_coef=ppo.get("kl_coef", 0.0), kl_coef=0.0)
     train.update(save_every=0, eval_every=0)
     train.pop("keep_checkpoints", None)
     section.update(actor=str(out / "sft" / "final"), reward=str(out / "rm" / "final"),

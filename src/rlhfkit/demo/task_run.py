@@ -19,6 +19,7 @@ from pathlib import Path
 from rlhfkit.config.ppo_schema import GenConfig
 from rlhfkit.demo.run import write_jsonl
 from rlhfkit.demo.tasks import TASKS
+from rlhfkit.registry.estimators import ESTIMATORS
 
 MODEL = "smollm2-135m-instruct"
 MAX_NEW_TOKENS = 12
@@ -41,10 +42,11 @@ def algo_dict(algo: str) -> dict:
     of GROUP samples (grpo and rloo: KL as a k3 loss; reinforce_pp: KL in the reward, whitened returns)."""
     if algo == "ppo":
         return {}
-    group = {"n_samples_per_prompt": GROUP, "critic_lr": None} if algo != "reinforce_pp" else {"critic_lr": None}
-    kl = {"kl_coef": 0.0, "kl_loss_coef": 0.05} if algo in ("grpo", "rloo") else {"kl_coef": 0.05}
-    batch = 32 // GROUP if algo != "reinforce_pp" else 32
-    return {"ppo": {"advantage_estimator": algo, **group, **kl}, "train": {"batch_size": batch}}
+    estimator = ESTIMATORS[algo]  # its entry says whether it compares groups and where its KL goes
+    group = {"n_samples_per_prompt": GROUP} if estimator.groups else {}
+    kl = {"kl_coef": 0.0, "kl_loss_coef": 0.05} if estimator.kl_in == "loss" else {"kl_coef": 0.05}
+    batch = 32 // GROUP if estimator.groups else 32
+    return {"ppo": {"advantage_estimator": algo, "critic_lr": None, **group, **kl}, "train": {"batch_size": batch}}
 
 
 def ppo_dict(out: Path, model: Path, task_name: str, size: dict, seed: int, algo: str = "ppo") -> dict:

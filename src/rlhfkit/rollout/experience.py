@@ -21,7 +21,6 @@ from rlhfkit.models.forward import (causal_logits, final_hidden, head_logprobs_w
 from rlhfkit.models.prefix import common_prefix_outputs, shared_prefix_logits
 from rlhfkit.models.lora import adapter_disabled
 from rlhfkit.rollout.batch import RolloutBatch
-from rlhfkit.rollout.estimators import ESTIMATORS
 
 
 def response_logits(model, batch: RolloutBatch, temperature: float = 1.0) -> torch.Tensor:
@@ -256,7 +255,7 @@ def finish_advantages(batch: RolloutBatch, advantages: torch.Tensor, returns: to
 def add_advantages(batch: RolloutBatch, scores: torch.Tensor, kl_coef: float, cfg: PPOSection):
     """Per-token rewards, then the advantages and returns of `cfg.advantage_estimator` (GAE: `batch` carries the
     critic's values). Returns (batch, metrics before whitening, with the KL per sequence)."""
-    estimator = ESTIMATORS[cfg.advantage_estimator]
+    estimator = cfg.estimator()
     batch = add_rewards(batch, scores, kl_coef, cfg)
     advantages, returns = estimator.advantages(batch, cfg)
     batch, metrics = finish_advantages(batch, advantages, returns, cfg, estimator.whiten)

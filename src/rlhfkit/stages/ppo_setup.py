@@ -13,7 +13,7 @@ from typing import Optional
 
 import torch
 
-from rlhfkit.config.ppo_schema import KL_IN_LOSS, PPOConfig
+from rlhfkit.config.ppo_schema import PPOConfig
 from rlhfkit.data.templates import Template, end_token_ids
 from rlhfkit.errors import ModelError, RunError
 from rlhfkit.models import load_causal_lm, load_scalar_model, load_tokenizer
@@ -22,7 +22,6 @@ from rlhfkit.models.loading import causal_lm_config, load_generation_config
 from rlhfkit.models.lora import apply_lora
 from rlhfkit.models.reward_fn import (CombinedReward, FunctionReward, ModelReward, is_function_spec,
                                      load_reward_function, same_tokenization)
-from rlhfkit.rollout.estimators import ESTIMATORS
 from rlhfkit.rollout.generate import ignored_generation_settings
 from rlhfkit.stages.common import (choose_common_prefix, choose_group_packing, choose_head_logprobs,
                                    choose_padding_free)
@@ -113,7 +112,7 @@ def load_ppo_models(cfg: PPOConfig, tokenizer, engine, total_updates: int,
                     if tok is not None and same_tokenization(tok, tokenizer)), None)
 
     # critic: the RM when it reads the actor's tokens, else the actor with a fresh value head (seeded)
-    needs_critic = ESTIMATORS[cfg.ppo.advantage_estimator].critic
+    needs_critic = cfg.ppo.estimator().critic
     if not needs_critic:
         critic_name = None
         notes.append(f"no critic ({cfg.ppo.advantage_estimator}: {cfg.ppo.n_samples_per_prompt} samples per prompt)")
@@ -127,7 +126,7 @@ def load_ppo_models(cfg: PPOConfig, tokenizer, engine, total_updates: int,
     unread = cfg.ppo.without_effect()
     if unread:
         notes.append(f"no effect with {cfg.ppo.advantage_estimator}: {', '.join('ppo.' + s for s in unread)}")
-    if cfg.ppo.advantage_estimator in KL_IN_LOSS:
+    if cfg.ppo.estimator().kl_in == "loss":
         notes.append(f"KL to the reference: a k3 loss x {cfg.ppo.kl_loss_coef:g}" if cfg.ppo.kl_loss_coef else
                      f"no KL to the reference ({cfg.ppo.advantage_estimator} puts it in the loss and "
                      f"ppo.kl_loss_coef is 0; e.g. ppo.kl_loss_coef=0.05)")

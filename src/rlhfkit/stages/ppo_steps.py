@@ -6,7 +6,7 @@
 2. `score`: the frozen reward model / function on prompt + response (normalised, missing-EOS penalty).
 3. `make_experience`: the reference's log-probs, the critic's values, per-token rewards (score on the last
    valid token, -beta * KL everywhere; Ziegler et al. 2019) and the advantages of `ppo.advantage_estimator`
-   (a name in `rollout/estimators.py`).
+   (an entry of `registry/estimators.py`).
 4. `optimise`: PPO epochs x mini-batches of clipped-surrogate actor steps (+ PPO-ptx) and clipped-value critic
    steps. With one optimizer step per rollout the critic's values come out of its own update's forward
    (`critic_update_with_values`): the same numbers as a separate values pass, computed once.
@@ -21,12 +21,11 @@ import torch
 
 from rlhfkit.algos import AdaptiveKLController, FixedKLController
 from rlhfkit.algos.group import group_filter_mask
-from rlhfkit.config.ppo_schema import KL_IN_LOSS, PPOConfig
+from rlhfkit.config.ppo_schema import PPOConfig
 from rlhfkit.data.templates import encode_prompt
 from rlhfkit.errors import ConfigError
 from rlhfkit.models.ema import EMA
 from rlhfkit.rollout.batch import RolloutBatch
-from rlhfkit.rollout.estimators import ESTIMATORS
 from rlhfkit.rollout.evaluate import evaluate_policy, generate_all, reward_on_device
 from rlhfkit.rollout.experience import (add_model_outputs, add_rewards, adjust_scores, ended_with_eos,
                                         finish_advantages, kl_rows, sort_by_length)
@@ -143,7 +142,7 @@ class PPOSteps:
     def __init__(self, cfg: PPOConfig, models: PPOModels, tokenizer, engine, ptx: PtxText | None = None):
         self.cfg, self.models, self.tokenizer, self.engine, self.ptx = cfg, models, tokenizer, engine, ptx
         self.actor, self.critic = models.actor, models.critic
-        self.estimator = ESTIMATORS[cfg.ppo.advantage_estimator]
+        self.estimator = cfg.ppo.estimator()
         # one optimizer step per rollout: the critic's update forward gives the values (no separate pass)
         self.fused = self.estimator.critic and self.estimator.row_local and single_step(cfg)
         self.kl_ctl = kl_controller(cfg)
@@ -223,7 +222,7 @@ class PPOSteps:
         named = {f"reward/{name}": value for name, value in parts.items()} if len(parts) > 1 else {}
         judged = scored.judged
         # kl_coef: the reward's KL coefficient, none where the estimator keeps the KL in the loss
-        coef = {} if self.cfg.ppo.advantage_estimator in KL_IN_LOSS else {"kl_coef": self.kl_ctl.value}
+        coef = {} if self.cfg.ppo.estimator().kl_in == "loss" else {"kl_coef": self.kl_ctl.value}
         return {**moments("reward", scored.raw[judged], squares=True), **named,
                 "reward/unjudged": float((~judged).sum()), **scored.dropped,
                 "score/mean": scored.scores.mean().item(), **coef,

@@ -19,8 +19,8 @@ from rlhfkit.data.readers import read_rows
 from rlhfkit.data.tokenize import collate_sft
 from rlhfkit.errors import DataError, where
 from rlhfkit.models.forward import causal_logits
+from rlhfkit.registry.estimators import ESTIMATORS, Estimator
 from rlhfkit.rollout.batch import RolloutBatch
-from rlhfkit.rollout.estimators import ESTIMATORS, Estimator
 from rlhfkit.rollout.experience import (finish_advantages, length_sorted_chunks, response_logits,
                                        response_logprobs_and_entropy, response_values)
 from rlhfkit.stages.ppo_timing import untimed

@@ -19,6 +19,7 @@ import yaml
 
 from rlhfkit.config.fields import dump_yaml, to_dict
 from rlhfkit.errors import USER_ERRORS, RunError
+from rlhfkit.registry.estimators import ESTIMATORS
 
 # what the stages write into output_dir (log.txt, the pipeline's copy of stderr, is appended to and kept)
 RUN_FILES = ("metrics.jsonl", "samples.jsonl", "result.json", "report.html")
@@ -139,8 +140,6 @@ def changed_settings(old: dict, new: dict, quiet: tuple = QUIET) -> list[tuple[s
 
 
 def _uses_critic(estimator) -> bool:
-    from rlhfkit.rollout.estimators import ESTIMATORS
-
     return estimator in ESTIMATORS and ESTIMATORS[estimator].critic
 
 
