@@ -1,4 +1,5 @@
-"""The DPO family (algos/preference.py) against hand-computed values, and the identities between the losses.
+"""The DPO family (algos/preference.py, registered in registry/preference.py) against hand-computed values, the
+identities between the losses, and the config derived from the registry.
 
 One 2-pair batch throughout (summed response log-probs):
     pair 1: policy chosen -3.0, rejected -5.0; reference chosen -4.0, rejected -4.5
@@ -13,10 +14,11 @@ import math
 import pytest
 import torch
 
-from rlhfkit.algos import (PREFERENCE_LOSSES, PairLogps, cdpo_loss, dpo_loss, ipo_loss, nll_term, pairwise_loss,
-                           preference_loss, simpo_loss)
+from rlhfkit.algos import PairLogps, cdpo_loss, dpo_loss, ipo_loss, nll_term, pairwise_loss, simpo_loss
 from rlhfkit.config import ConfigError, DPOConfig, load_config
-from rlhfkit.config.dpo_schema import LOSSES, REFERENCE_FREE_LOSSES, SMOOTHED_LOSSES
+from rlhfkit.registry.preference import PREFERENCE_LOSSES, preference_loss
+
+SMOOTHED_LOSSES = tuple(name for name, entry in PREFERENCE_LOSSES.items() if "label_smoothing" in entry.settings)
 
 
 def softplus(x: float) -> float:
@@ -130,9 +132,9 @@ def test_simpo_without_margin_on_unit_lengths_is_reference_free_dpo():
     zeros = torch.zeros(2, dtype=torch.float64)
     close(free, dpo_loss(p.chosen, p.rejected, zeros, zeros, beta=0.7)[0])
     # SimPO never reads the reference: the same losses with or without one
-    with_ref, _, _ = preference_loss("simpo", p, beta=2.0, gamma=0.5)
+    with_ref, _, _ = preference_loss("simpo", p, beta=2.0, simpo_gamma=0.5)
     without, _, _ = preference_loss("simpo", PairLogps(p.chosen, p.rejected, p.chosen_lengths, p.rejected_lengths),
-                                    beta=2.0, gamma=0.5)
+                                    beta=2.0, simpo_gamma=0.5)
     close(with_ref, without)
 
 
@@ -180,9 +182,8 @@ def test_preference_loss_refuses_unknown_names_and_non_positive_beta():
 
 
 def test_dpo_loss_choices_are_the_table():
-    assert LOSSES == tuple(PREFERENCE_LOSSES)
-    assert REFERENCE_FREE_LOSSES == tuple(n for n, e in PREFERENCE_LOSSES.items() if not e.reference)
-    assert SMOOTHED_LOSSES == tuple(n for n, e in PREFERENCE_LOSSES.items() if e.label_smoothing)
+    assert SMOOTHED_LOSSES == ("cdpo", "simpo")
+    assert [n for n, e in PREFERENCE_LOSSES.items() if not e.reference] == ["simpo"]
 
 
 @pytest.mark.parametrize("overrides, message", [

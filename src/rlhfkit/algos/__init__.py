@@ -20,22 +20,12 @@ from .logprobs import (entropy_from_logits, linear_lm_loss_sum, linear_token_log
                        token_logprobs)
 from .losses import AGGREGATIONS, aggregate, pairwise_loss, policy_loss, value_loss
 from .masked import masked_mean, masked_sum, masked_var, masked_whiten
-from .preference import (
-    PREFERENCE_LOSSES,
-    PairLogps,
-    cdpo_loss,
-    dpo_loss,
-    ipo_loss,
-    nll_term,
-    preference_loss,
-    simpo_loss,
-)
+from .preference import PairLogps, cdpo_loss, dpo_loss, ipo_loss, nll_term, simpo_loss
 from .rewards import last_valid_index, shape_rewards
 
 __all__ = [
     "AGGREGATIONS",
     "KL_ESTIMATORS",
-    "PREFERENCE_LOSSES",
     "PairLogps",
     "AdaptiveKLController",
     "FixedKLController",
@@ -64,7 +54,6 @@ __all__ = [
     "pairwise_loss",
     "per_group",
     "policy_loss",
-    "preference_loss",
     "rloo_advantages",
     "shape_rewards",
     "simpo_loss",

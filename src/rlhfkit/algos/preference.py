@@ -1,4 +1,5 @@
-"""Offline preference losses (the DPO family), looked up by name in `PREFERENCE_LOSSES`.
+"""Offline preference losses (the DPO family): the math. `dpo.loss` names an entry of
+`registry.preference.PREFERENCE_LOSSES`, which calls one of these with the settings it reads.
 
 Every loss reads the summed log-probabilities of the chosen and rejected responses (prompt tokens excluded)
 under the policy and, unless it is reference-free, under the frozen reference:
@@ -22,7 +23,7 @@ Imports only torch.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Dict, Optional, Tuple
+from typing import Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -136,57 +137,3 @@ class PairLogps:
         if self.ref_chosen is None or self.ref_rejected is None:
             return torch.zeros_like(self.chosen), torch.zeros_like(self.rejected)
         return self.ref_chosen, self.ref_rejected
-
-
-@dataclass(frozen=True)
-class PreferenceLoss:
-    name: str
-    fn: Callable[[PairLogps, float, float, float], LossOutput]  # (pairs, beta, label_smoothing, gamma)
-    reference: bool  # reads reference log-probs (False: no reference model is loaded at all)
-    label_smoothing: bool  # reads label_smoothing
-    doc: str
-
-
-# The table's adapters: every entry is called as fn(pairs, beta, label_smoothing, gamma) and reads what it needs.
-def _sigmoid(p: PairLogps, beta: float, eps: float, gamma: float) -> LossOutput:
-    return dpo_loss(p.chosen, p.rejected, *p.reference(), beta)
-
-
-def _cdpo(p: PairLogps, beta: float, eps: float, gamma: float) -> LossOutput:
-    return cdpo_loss(p.chosen, p.rejected, *p.reference(), beta, eps)
-
-
-def _ipo(p: PairLogps, beta: float, eps: float, gamma: float) -> LossOutput:
-    return ipo_loss(p.chosen, p.rejected, *p.reference(), beta)
-
-
-def _simpo(p: PairLogps, beta: float, eps: float, gamma: float) -> LossOutput:
-    return simpo_loss(p.chosen, p.rejected, p.chosen_lengths, p.rejected_lengths, beta, gamma, eps)
-
-
-PREFERENCE_LOSSES: Dict[str, PreferenceLoss] = {entry.name: entry for entry in (
-    PreferenceLoss("sigmoid", _sigmoid, True, False, "DPO: -log sigmoid(beta (rho_c - rho_r))"),
-    PreferenceLoss("cdpo", _cdpo, True, True, "conservative DPO: the DPO loss with labels flipped with probability "
-                                              "label_smoothing"),
-    PreferenceLoss("ipo", _ipo, True, False, "IPO: (rho_c - rho_r - 1 / (2 beta))^2"),
-    PreferenceLoss("simpo", _simpo, False, True, "SimPO: -log sigmoid(beta (mean token log pi(y_c) - mean token "
-                                                 "log pi(y_r)) - gamma), no reference"),
-)}
-
-
-def preference_loss(name: str, pairs: PairLogps, beta: float, label_smoothing: float = 0.0, gamma: float = 0.0,
-                    rpo_alpha: float = 0.0) -> LossOutput:
-    """The loss `name` of `PREFERENCE_LOSSES` per pair, plus `rpo_alpha` times RPO's NLL term when > 0.
-
-    Returns ``(losses, chosen_rewards, rejected_rewards)``, each ``(B,)``; sum or average the losses.
-    """
-    try:
-        entry = PREFERENCE_LOSSES[name]
-    except KeyError:
-        raise ValueError(f"unknown preference loss {name!r}; valid: {list(PREFERENCE_LOSSES)}") from None
-    if beta <= 0:
-        raise ValueError(f"beta must be > 0, got {beta}")
-    losses, chosen_rewards, rejected_rewards = entry.fn(pairs, beta, label_smoothing, gamma)
-    if rpo_alpha:
-        losses = losses + rpo_alpha * nll_term(pairs.chosen, pairs.chosen_lengths)
-    return losses, chosen_rewards, rejected_rewards

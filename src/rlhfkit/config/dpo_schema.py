@@ -15,31 +15,45 @@ from typing import Optional
 from rlhfkit.config.fields import option
 from rlhfkit.config.schema import SFTConfig, check_lora_dropout
 from rlhfkit.errors import ConfigError
+from rlhfkit.registry.preference import LOSS_SETTINGS, PREFERENCE_LOSSES
 
-# the names of algos.preference.PREFERENCE_LOSSES (a unit test keeps the two equal; listed here so that --help does
-# not import torch)
-LOSSES = ("sigmoid", "cdpo", "ipo", "simpo")
-REFERENCE_FREE_LOSSES = ("simpo",)
-SMOOTHED_LOSSES = ("cdpo", "simpo")
+
+# The docs of `dpo.loss` and of the settings the losses read, written from their entries (registry/preference.py).
+def _loss_doc() -> str:
+    return "preference loss (rho = log pi/pi_ref of a response): " + "; ".join(
+        f"{name} ({entry.doc})" for name, entry in PREFERENCE_LOSSES.items())
+
+
+def _setting_doc(key: str) -> str:
+    readers = [name for name, entry in PREFERENCE_LOSSES.items() if key in entry.settings]
+    who = "" if len(readers) == len(PREFERENCE_LOSSES) else f"{', '.join(readers) or 'no loss'}: "
+    meanings = [f"; {name}: {entry.settings[key]}" for name, entry in PREFERENCE_LOSSES.items()
+                if entry.settings.get(key)]
+    return who + LOSS_SETTINGS[key].doc + "".join(meanings)
+
+
+def loss_setting(key: str):
+    """The config field of LOSS_SETTINGS[key]: its default, and its doc written from the losses that read it."""
+    return option(LOSS_SETTINGS[key].default, lambda: _setting_doc(key))
+
+
+def _reference_free_doc() -> str:
+    reads = {True: [], False: []}
+    for name, entry in PREFERENCE_LOSSES.items():
+        reads[entry.reference].append(name)
+    return (f"{'/'.join(reads[True])}: no reference model, log pi_ref = 0 for every response (a uniform reference); "
+            f"reference-free already: {', '.join(reads[False]) or 'none'}")
 
 
 @dataclass
 class DPOSection:
-    loss: str = option("sigmoid", "preference loss: sigmoid (DPO, -log sigmoid(beta (rho_c - rho_r)), rho = log "
-                                  "pi/pi_ref of a response), cdpo (conservative DPO: label_smoothing), ipo ((rho_c - "
-                                  "rho_r - 1/(2 beta))^2), simpo (reference-free, length-normalised, target margin "
-                                  "simpo_gamma)", choices=LOSSES)
-    beta: float = option(0.1, "beta: the implicit reward is beta · log(pi/pi_ref) and larger beta keeps the policy "
-                              "closer to the reference (DPO: 0.1-0.5); ipo: its tau, the target gap is 1/(2 beta); "
-                              "simpo: the scale of the mean token log-prob (the paper: 2-2.5)")
-    label_smoothing: float = option(0.0, "cdpo and simpo: the probability eps that a pair's label is wrong; loss "
-                                         "-(1-eps) log sigmoid(z) - eps log sigmoid(-z), 0 <= eps < 0.5 (0 = DPO)")
-    simpo_gamma: float = option(0.5, "simpo: the target reward margin gamma between chosen and rejected (in reward "
-                                     "units; the paper: gamma/beta around 0.5)")
+    loss: str = option("sigmoid", _loss_doc, choices=PREFERENCE_LOSSES.keys())
+    beta: float = loss_setting("beta")
+    label_smoothing: float = loss_setting("label_smoothing")
+    simpo_gamma: float = loss_setting("simpo_gamma")
     rpo_alpha: float = option(0.0, "RPO: add alpha x the chosen response's NLL per token (-log pi(y_c)/|y_c|) to "
                                    "the loss, which keeps chosen responses likely (Pang et al. 2024: 1.0); 0 = off")
-    reference_free: bool = option(False, "sigmoid/cdpo/ipo: no reference model, log pi_ref = 0 for every response "
-                                         "(a uniform reference); simpo is always reference-free")
+    reference_free: bool = option(False, _reference_free_doc)
     precompute_reference: bool = option(True, "compute the reference's log-probs of every train and eval pair once "
                                               "before training (one no-grad pass, then no reference model is held) "
                                               "and cache them next to the data cache for the next run or --resume; "
@@ -54,18 +68,25 @@ class DPOSection:
                                                     "finds the model's own logits")
 
     def uses_reference(self) -> bool:
-        return not self.reference_free and self.loss not in REFERENCE_FREE_LOSSES
+        return not self.reference_free and PREFERENCE_LOSSES[self.loss].reference
+
+    def loss_settings(self) -> dict[str, float]:
+        """The settings the loss reads, by name: `preference_loss(loss, pairs, **these)`."""
+        return {key: getattr(self, key) for key in PREFERENCE_LOSSES[self.loss].settings}
 
     def validate(self, prefix: str = "") -> None:
-        if self.beta <= 0:
-            raise ConfigError(f"config key '{prefix}beta': must be > 0")
-        if not 0 <= self.label_smoothing < 0.5:
-            raise ConfigError(f"config key '{prefix}label_smoothing': must be in [0, 0.5)")
-        if self.label_smoothing and self.loss not in SMOOTHED_LOSSES:
-            raise ConfigError(f"config key '{prefix}label_smoothing': loss {self.loss} does not read it; use "
-                              f"{prefix}loss=cdpo (conservative DPO) or simpo, or leave it at 0")
-        if self.simpo_gamma < 0:
-            raise ConfigError(f"config key '{prefix}simpo_gamma': must be >= 0")
+        if self.loss not in PREFERENCE_LOSSES:
+            raise ConfigError(f"config key '{prefix}loss': expected one of {tuple(PREFERENCE_LOSSES)}, got "
+                              f"{self.loss!r}")
+        for key, setting in LOSS_SETTINGS.items():
+            value = getattr(self, key)
+            if not setting.valid(value):
+                raise ConfigError(f"config key '{prefix}{key}': {setting.rule}")
+            if value != setting.default and key not in PREFERENCE_LOSSES[self.loss].settings:
+                readers = " or ".join(f"{prefix}loss={name}" for name, e in PREFERENCE_LOSSES.items()
+                                      if key in e.settings)
+                raise ConfigError(f"config key '{prefix}{key}': loss {self.loss} does not read it; use {readers}, "
+                                  f"or leave it at {setting.default:g}")
         if self.rpo_alpha < 0:
             raise ConfigError(f"config key '{prefix}rpo_alpha': must be >= 0")
 

@@ -2,7 +2,7 @@
 
 Read top to bottom: the pairs (the RM step's data layer and cache), the policy, the reference log-probs, the
 loop, the export. The policy is trained on the preference pairs directly, with the loss `dpo.loss` names in
-`algos.preference.PREFERENCE_LOSSES`; no reward model, no sampling. A pair's prompt goes through the model once
+`registry.preference.PREFERENCE_LOSSES`; no reward model, no sampling. A pair's prompt goes through the model once
 for both of its responses (`sequence_logprobs`).
 
 Each loss reads, per pair, the summed log-probs of the chosen and rejected responses (prompt tokens excluded)
@@ -33,7 +33,7 @@ from typing import Callable, Optional
 import torch
 
 from rlhfkit.accel import grad_in_place
-from rlhfkit.algos import PairLogps, linear_token_logprobs, masked_sum, preference_loss, token_logprobs
+from rlhfkit.algos import PairLogps, linear_token_logprobs, masked_sum, token_logprobs
 from rlhfkit.config.dpo_schema import DPOConfig, DPOSection
 from rlhfkit.data import cache
 from rlhfkit.data.loader import load_stage_data, skipped_rows
@@ -49,6 +49,7 @@ from rlhfkit.models.forward import (causal_logits, custom_mask_kind, final_hidde
 from rlhfkit.models.prefix import shared_prefix_logits
 from rlhfkit.models.loading import causal_lm_config, load_generation_config, record_template
 from rlhfkit.models.lora import adapter_disabled, apply_lora, checkpointed, is_lora
+from rlhfkit.registry.preference import preference_loss
 from rlhfkit.stages.common import (MetricsLogger, choose_head_logprobs, epoch_order, longest_first, plan_steps,
                                    set_seed, with_trained_template, write_run_report)
 from rlhfkit.stages.guard import resume_state
@@ -338,7 +339,7 @@ class LossFn:
 
     def __call__(self, pairs: PairLogps):
         d = self.cfg
-        return preference_loss(d.loss, pairs, d.beta, d.label_smoothing, d.simpo_gamma, d.rpo_alpha)
+        return preference_loss(d.loss, pairs, rpo_alpha=d.rpo_alpha, **d.loss_settings())
 
 
 def pair_sums(pairs: PairLogps, losses: torch.Tensor, chosen: torch.Tensor, rejected: torch.Tensor,
@@ -390,11 +391,7 @@ def train_step(policy, rows: list, accum: int, micro_size: int, batch_size: int,
 def describe(info: dict, cfg: DPOConfig) -> str:
     """The data summary a user sees first (pairs kept, dropped, skipped) and the loss with its coefficients."""
     skipped, d = skipped_rows(info), cfg.dpo
-    coefs = [f"beta {d.beta:g}"]
-    if d.label_smoothing:
-        coefs.append(f"label smoothing {d.label_smoothing:g}")
-    if d.loss == "simpo":
-        coefs.append(f"gamma {d.simpo_gamma:g}")
+    coefs = [f"{key} {value:g}" for key, value in d.loss_settings().items()]
     if d.rpo_alpha:
         coefs.append(f"rpo alpha {d.rpo_alpha:g}")
     loss = f"{d.loss} ({', '.join(coefs)})"
