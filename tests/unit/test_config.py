@@ -228,3 +228,17 @@ def test_lora_dropout_under_disabled_dropout_is_refused_where_log_probs_are_comp
 def test_a_batch_size_below_one_names_its_own_key(key):
     with pytest.raises(ConfigError, match=rf"^config key 'train.{key}': must be >= 1, got 0$"):
         load_config(SFTConfig, None, ["model=m", "data.train=t.jsonl", f"train.{key}=0"])
+
+
+def test_the_configs_and_the_algorithm_registry_import_without_torch():
+    """The config reads its choices, --help and checks from rlhfkit.registry, which must stay light: `rlhfkit
+    --help` and config validation must not import torch (the entries' functions import it when they run)."""
+    import subprocess
+    import sys
+
+    code = ("import sys; import rlhfkit.config.ppo_schema, rlhfkit.config.dpo_schema, rlhfkit.registry.estimators, "
+            "rlhfkit.registry.preference; from rlhfkit.config.fields import help_text; "
+            "help_text(rlhfkit.config.ppo_schema.PPOConfig); help_text(rlhfkit.config.dpo_schema.DPOConfig); "
+            "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"

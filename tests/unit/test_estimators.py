@@ -206,3 +206,177 @@ def test_a_single_weighted_reward_model_is_standardised_before_its_weight():
         reward = CombinedReward([("rm", StoredStats(), weight)])
         scores = adjust_scores(reward(None), torch.ones(3, dtype=torch.bool), cfg, reward.stats)
         assert scores.tolist() == pytest.approx(expected), weight
+
+
+# ---------------------------------------------------------------- the registry is the config's one truth
+
+
+def ppo_help() -> str:
+    """What `rlhfkit ppo --help` prints."""
+    import contextlib
+    import io
+
+    from rlhfkit.cli import build_parser
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), pytest.raises(SystemExit):
+        build_parser().parse_args(["ppo", "--help"])
+    return out.getvalue()
+
+
+def valid_section(name: str, **changes) -> dict:
+    """The smallest ppo section that `name`'s entry accepts: groups of 2 where it compares samples, the KL
+    coefficient at 0 where it puts the KL in the loss."""
+    entry = ESTIMATORS[name]
+    return {"advantage_estimator": name, "n_samples_per_prompt": 2 if entry.groups else 1,
+            **({"kl_coef": 0.0} if entry.kl_in == "loss" else {}), **changes}
+
+
+def section(name: str, **changes) -> PPOSection:
+    from rlhfkit.config.fields import from_dict
+
+    return from_dict(PPOSection, valid_section(name, **changes), prefix="ppo.")
+
+
+def test_every_registered_estimator_is_a_choice_in_help_and_every_choice_is_registered():
+    import dataclasses
+
+    from rlhfkit.config.fields import help_rows
+    from rlhfkit.config.ppo_schema import PPOConfig
+
+    field = {f.name: f for f in dataclasses.fields(PPOSection)}["advantage_estimator"]
+    assert tuple(field.metadata["choices"]) == tuple(ESTIMATORS)
+    row = {key: (tp, doc) for key, tp, _, doc in help_rows(PPOConfig)}["ppo.advantage_estimator"]
+    assert row[0].split("|") == list(ESTIMATORS)
+    text = ppo_help()
+    for name, entry in ESTIMATORS.items():
+        assert section(name).estimator() is entry
+        assert f"{name} ({'with a critic' if entry.critic else 'no critic'}): {entry.doc}" in row[1]
+        assert entry.doc.split(":")[0] in text  # the doc reaches `rlhfkit ppo --help` (argparse rewraps lines)
+
+
+def test_without_effect_is_defined_for_every_entry_and_names_only_real_ppo_settings():
+    """For each estimator, every ESTIMATOR_SETTINGS key changed from its default: exactly the ones its entry does
+    not read are named, and they are ppo.* fields; nothing is named at the defaults."""
+    import dataclasses
+
+    from rlhfkit.registry.estimators import CRITIC_SETTINGS, ESTIMATOR_SETTINGS
+
+    fields = {f.name for f in dataclasses.fields(PPOSection)}
+    assert set(ESTIMATOR_SETTINGS) <= fields and set(CRITIC_SETTINGS) <= set(ESTIMATOR_SETTINGS)
+    changed = {"gamma": 0.9, "lam": 0.5, "value_clip": 0.3, "whiten_advantages": False, "grpo_scale_by_std": False,
+               "value_head_init": "zero"}
+    assert set(changed) == set(ESTIMATOR_SETTINGS)
+    for name, entry in ESTIMATORS.items():
+        assert set(entry.reads) <= fields, name
+        assert section(name).without_effect() == [], name
+        named = [item.split("=")[0] for item in section(name, **changed).without_effect()]
+        assert named == list(entry.unread()), name
+        assert set(named) <= fields and not set(named) & set(entry.reads), name
+        assert ("grpo_scale_by_std" in named) == (name != "grpo")  # the one estimator that reads it
+
+
+def test_validation_follows_each_entrys_flags():
+    """groups: n_samples_per_prompt 1 refused; KL in the loss: adaptive_kl and a reward kl_coef refused; no critic:
+    the critic's settings and `critic=` refused. Each check by the entry's flag, never by its name."""
+    from rlhfkit.config import ConfigError
+    from rlhfkit.config.fields import load_config
+    from rlhfkit.config.ppo_schema import PPOConfig
+
+    def refused(name, key, **changes):
+        with pytest.raises(ConfigError, match=rf"^config key 'ppo\.{key}': {name} "):
+            section(name, **changes)
+
+    base = ["actor=a", "reward=r.py:f", "data.prompts=p", "train.max_steps=2", "train.batch_size=2",
+            "train.micro_batch_size=2"]
+    for name, entry in ESTIMATORS.items():
+        if entry.groups:
+            refused(name, "n_samples_per_prompt", n_samples_per_prompt=1)
+        else:
+            section(name, n_samples_per_prompt=1)
+        if entry.kl_in == "loss":
+            refused(name, "adaptive_kl", adaptive_kl=True)
+            refused(name, "kl_coef", kl_coef=0.05)
+        else:
+            section(name, adaptive_kl=True, kl_coef=0.05)
+        ppo = [f"ppo.{key}={value}" for key, value in valid_section(name).items()]
+        if entry.critic:
+            section(name, critic_lr=1e-5, critic_warmup_iters=2)
+            load_config(PPOConfig, None, [*base, *ppo, "critic=some/folder"])
+        else:
+            refused(name, "critic_warmup_iters", critic_lr=1e-5)
+            with pytest.raises(ConfigError, match=rf"^config key 'critic': {name} needs no critic"):
+                load_config(PPOConfig, None, [*base, *ppo, "critic=some/folder"])
+
+
+def test_a_contradictory_entry_is_refused_at_registration():
+    from rlhfkit.registry.estimators import register_estimator
+
+    def fn(batch, ppo):
+        return batch.rewards, batch.rewards
+
+    flags = {"doc": "d", "critic": False, "groups": False, "kl_in": "reward", "row_local": True, "whiten": "none"}
+    for name, changes, message in [
+            ("gae", {}, "is registered twice"),
+            ("toy", {"reads": ("clip_eps",)}, r"reads \['clip_eps'\], not among ESTIMATOR_SETTINGS"),
+            ("toy", {"reads": ("whiten_advantages",)}, "critic= and whiten= imply them"),
+            ("toy", {"kl_in": "advantage"}, "kl_in='advantage'")]:
+        with pytest.raises(ValueError, match=message):
+            register_estimator(name, **{**flags, **changes})(fn)
+    assert "toy" not in ESTIMATORS
+
+
+@pytest.fixture
+def toy_estimator():
+    """A critic-free group estimator registered for one test, the way a contributor adds one: the score minus the
+    group's mean, as the advantage of every token; KL in the loss; reads ppo.gamma (for the test's sake)."""
+    from rlhfkit.registry.estimators import register_estimator
+
+    @register_estimator("toy_mean_baseline", critic=False, groups=True, kl_in="loss", reads=("gamma",),
+                        row_local=False, whiten="none", doc="Toy: the score minus its group's mean")
+    def toy_mean_baseline(batch, ppo):
+        from rlhfkit.algos import broadcast_to_tokens, group_baseline, per_group
+
+        adv = per_group(group_baseline, batch.scores.float(), batch.group, ppo.n_samples_per_prompt)
+        tokens = broadcast_to_tokens(adv, batch.response_mask)
+        return tokens, tokens
+
+    yield ESTIMATORS["toy_mean_baseline"]
+    del ESTIMATORS["toy_mean_baseline"]
+
+
+def test_a_registered_estimator_reaches_choices_help_validation_and_the_rollout_with_no_other_edit(toy_estimator):
+    from rlhfkit.config import ConfigError
+    from rlhfkit.config.fields import help_text, load_config
+    from rlhfkit.config.ppo_schema import PPOConfig
+    from rlhfkit.rollout.experience import add_advantages
+
+    name = "toy_mean_baseline"
+    text = help_text(PPOConfig)
+    assert f"|{name}, default 'gae')" in text and "toy_mean_baseline (no critic): Toy: the score minus" in text
+    assert f"rloo, reinforce_pp_baseline, {name} compare them" in text  # n_samples_per_prompt
+    assert f"grpo, rloo, {name} put the KL in the loss" in text  # kl_coef
+    assert "Toy: the score minus" in ppo_help()
+    cfg = load_config(PPOConfig, None, ["actor=a", "reward=r.py:f", "data.prompts=p", "train.max_steps=2",
+                                        "train.batch_size=2", "train.micro_batch_size=2", "ppo.n_samples_per_prompt=2",
+                                        f"ppo.advantage_estimator={name}", "ppo.kl_coef=0", "ppo.gamma=0.9",
+                                        "ppo.lam=0.5"])
+    assert cfg.ppo.estimator() is toy_estimator
+    assert cfg.ppo.without_effect() == ["lam=0.5"]  # gamma: the toy reads it
+    for changes, key in [({"n_samples_per_prompt": 1}, "n_samples_per_prompt"), ({"kl_coef": 0.05}, "kl_coef"),
+                         ({"critic_lr": 1e-5}, "critic_warmup_iters")]:
+        with pytest.raises(ConfigError, match=rf"^config key 'ppo\.{key}': {name} "):
+            section(name, **changes)
+    # the rollout step calls the entry's function: prompt 0 scores 1, 3 (mean 2), prompt 1 scores 5, 5; rows mixed
+    b = batch([1.0, 5.0, 3.0, 5.0], [0, 1, 0, 1], [[1, 1], [1, 0], [1, 1], [1, 1]])
+    b.old_logprobs = b.ref_logprobs = torch.zeros(4, 2)
+    out, _ = add_advantages(b, b.scores, 0.0, cfg.ppo)
+    torch.testing.assert_close(out.advantages, torch.tensor([[-1.0, -1.0], [0.0, 0.0], [1.0, 1.0], [0.0, 0.0]]))
+
+
+def test_the_toy_estimator_is_gone_after_its_test():
+    from rlhfkit.config import ConfigError
+
+    assert "toy_mean_baseline" not in ESTIMATORS
+    with pytest.raises(ConfigError, match="expected one of"):
+        section("gae", advantage_estimator="toy_mean_baseline")

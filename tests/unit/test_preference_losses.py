@@ -10,6 +10,7 @@ response lengths: chosen [2, 3], rejected [4, 1].
 """
 
 import math
+import re
 
 import pytest
 import torch
@@ -207,3 +208,141 @@ def test_dpo_config_defaults():
                                                                                           "runs/dpo")
     assert cfg.dpo.uses_reference()
     assert not load_config(DPOConfig, None, ["model=m", "data.train=t", "dpo.loss=simpo"]).dpo.uses_reference()
+
+
+def dpo_help() -> str:
+    """What `rlhfkit dpo --help` prints."""
+    import contextlib
+    import io
+
+    from rlhfkit.cli import build_parser
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), pytest.raises(SystemExit):
+        build_parser().parse_args(["dpo", "--help"])
+    return out.getvalue()
+
+
+def test_every_registered_loss_is_a_choice_in_help_and_every_choice_is_registered():
+    import dataclasses
+
+    from rlhfkit.config.dpo_schema import DPOSection
+    from rlhfkit.config.fields import help_rows
+
+    field = {f.name: f for f in dataclasses.fields(DPOSection)}["loss"]
+    assert tuple(field.metadata["choices"]) == tuple(PREFERENCE_LOSSES)
+    rows = {key: (tp, doc) for key, tp, _, doc in help_rows(DPOConfig)}
+    assert rows["dpo.loss"][0].split("|") == list(PREFERENCE_LOSSES)
+    text = dpo_help()
+    for name, entry in PREFERENCE_LOSSES.items():
+        assert load_config(DPOConfig, None, ["model=m", "data.train=t", f"dpo.loss={name}"]).dpo.loss == name
+        assert f"{name} ({entry.doc})" in rows["dpo.loss"][1]
+        assert entry.doc.split(":")[0] in text
+        for key, meaning in entry.settings.items():  # what a setting means for this loss is in that setting's help
+            if meaning:
+                assert f"{name}: {meaning}" in rows[f"dpo.{key}"][1]
+
+
+def test_each_entry_holds_its_settings_and_its_function_takes_exactly_those_by_keyword():
+    """The settings an entry reads are dpo.* fields with LOSS_SETTINGS' defaults, and its function's parameters
+    after `pairs` are those settings, keyword-only (no positional (pairs, beta, eps, gamma))."""
+    import dataclasses
+    import inspect
+
+    from rlhfkit.config.dpo_schema import DPOSection
+    from rlhfkit.registry.preference import LOSS_SETTINGS
+
+    defaults = DPOSection()
+    for key, setting in LOSS_SETTINGS.items():
+        assert getattr(defaults, key) == setting.default and setting.valid(setting.default), key
+    assert set(LOSS_SETTINGS) <= {f.name for f in dataclasses.fields(DPOSection)}
+    for name, entry in PREFERENCE_LOSSES.items():
+        params = list(inspect.signature(entry.loss).parameters.values())
+        assert params[0].name == "pairs", name
+        assert {p.name for p in params[1:]} == set(entry.settings), name
+        assert all(p.kind is inspect.Parameter.KEYWORD_ONLY for p in params[1:]), name
+
+
+def test_validation_follows_each_entrys_settings():
+    """For every loss and every loss setting: a changed value of a setting the loss reads passes, one it does not
+    read is refused naming the losses that do, and an out-of-range value is refused whatever the loss."""
+    from rlhfkit.registry.preference import LOSS_SETTINGS
+
+    changed = {"beta": 0.3, "label_smoothing": 0.2, "simpo_gamma": 1.5}
+    out_of_range = {"beta": -1.0, "label_smoothing": 0.5, "simpo_gamma": -0.5}
+    assert set(changed) == set(LOSS_SETTINGS) == set(out_of_range)
+    for name, entry in PREFERENCE_LOSSES.items():
+        base = ["model=m", "data.train=t", f"dpo.loss={name}"]
+        for key in LOSS_SETTINGS:
+            if key in entry.settings:
+                cfg = load_config(DPOConfig, None, [*base, f"dpo.{key}={changed[key]}"])
+                assert cfg.dpo.loss_settings()[key] == changed[key]
+            else:
+                readers = " or ".join(f"dpo.loss={n}" for n, e in PREFERENCE_LOSSES.items() if key in e.settings)
+                with pytest.raises(ConfigError, match=rf"^config key 'dpo\.{key}': loss {name} does not read it; "
+                                                      rf"use {readers}, or leave it at"):
+                    load_config(DPOConfig, None, [*base, f"dpo.{key}={changed[key]}"])
+            with pytest.raises(ConfigError, match=rf"^config key 'dpo\.{key}': {re.escape(LOSS_SETTINGS[key].rule)}"):
+                load_config(DPOConfig, None, [*base, f"dpo.{key}={out_of_range[key]}"])
+        assert load_config(DPOConfig, None, base).dpo.uses_reference() == entry.reference
+
+
+def test_preference_loss_refuses_a_changed_setting_the_loss_does_not_read():
+    with pytest.raises(ValueError, match="loss sigmoid does not read label_smoothing"):
+        preference_loss("sigmoid", batch(), beta=0.5, label_smoothing=0.1)
+    with pytest.raises(TypeError, match="unknown setting 'gamma'"):
+        preference_loss("simpo", batch(), beta=2.0, gamma=0.5)
+
+
+def test_a_contradictory_loss_entry_is_refused_at_registration():
+    from rlhfkit.registry.preference import register_loss
+
+    with pytest.raises(ValueError, match="'sigmoid' is registered twice"):
+        register_loss("sigmoid", doc="d", reference=True, settings={"beta": ""})(lambda pairs, *, beta: None)
+    with pytest.raises(ValueError, match=r"'toy' reads \['kto_lambda'\], not in LOSS_SETTINGS"):
+        register_loss("toy", doc="d", reference=True, settings={"kto_lambda": ""})(lambda pairs, *, kto_lambda: None)
+    assert "toy" not in PREFERENCE_LOSSES
+
+
+@pytest.fixture
+def toy_loss():
+    """A preference loss registered for one test, the way a contributor adds one: SLiC's hinge on the log-ratio gap
+    (Zhao et al. 2023), max(0, 1 - beta (rho_c - rho_r)), reading beta only."""
+    from rlhfkit.registry.preference import register_loss
+
+    @register_loss("toy_hinge", reference=True, settings={"beta": "the hinge's slope (toy)"},
+                   doc="toy SLiC hinge: max(0, 1 - beta (rho_c - rho_r))")
+    def toy_hinge(pairs, *, beta):
+        ref_chosen, ref_rejected = pairs.reference()
+        chosen, rejected = pairs.chosen - ref_chosen, pairs.rejected - ref_rejected
+        return (1 - beta * (chosen - rejected)).clamp(min=0), beta * chosen.detach(), beta * rejected.detach()
+
+    yield PREFERENCE_LOSSES["toy_hinge"]
+    del PREFERENCE_LOSSES["toy_hinge"]
+
+
+def test_a_registered_loss_reaches_choices_help_validation_and_the_loss_with_no_other_edit(toy_loss):
+    from rlhfkit.config.fields import help_text
+    from rlhfkit.stages.dpo import LossFn
+
+    text = help_text(DPOConfig)
+    assert "|toy_hinge, default 'sigmoid')" in text and "toy_hinge (toy SLiC hinge: max(0" in text
+    assert "toy_hinge: the hinge's slope (toy)" in text  # in dpo.beta's help
+    assert "toy SLiC hinge" in dpo_help()
+    cfg = load_config(DPOConfig, None, ["model=m", "data.train=t", "dpo.loss=toy_hinge", "dpo.beta=0.5"])
+    assert cfg.dpo.uses_reference() and cfg.dpo.loss_settings() == {"beta": 0.5}
+    with pytest.raises(ConfigError, match=r"'dpo\.label_smoothing': loss toy_hinge does not read it; use "
+                                          r"dpo\.loss=cdpo or dpo\.loss=simpo"):
+        load_config(DPOConfig, None, ["model=m", "data.train=t", "dpo.loss=toy_hinge", "dpo.label_smoothing=0.1"])
+    # beta h = 0.5 x [1.5, -1.5]: hinge [1 - 0.75, 1 + 0.75]; RPO's NLL term added as for any loss
+    losses, chosen, _ = LossFn(cfg.dpo)(batch())
+    close(losses, [0.25, 1.75])
+    close(chosen, [0.5, -0.5])
+    with_nll, _, _ = preference_loss("toy_hinge", batch(), beta=0.5, rpo_alpha=1.0)
+    close(with_nll, [0.25 + 1.5, 1.75 + 2.0])
+
+
+def test_the_toy_loss_is_gone_after_its_test():
+    assert "toy_hinge" not in PREFERENCE_LOSSES
+    with pytest.raises(ConfigError, match="expected one of"):
+        load_config(DPOConfig, None, ["model=m", "data.train=t", "dpo.loss=toy_hinge"])
