@@ -207,7 +207,7 @@ class PPOSteps:
             batch, advantage_metrics = finish_advantages(batch, *self.estimator.advantages(batch, cfg.ppo), cfg.ppo,
                                                          self.estimator.whiten, engine)
             metrics.update(advantage_metrics)
-        if self.estimator.group:  # groups whose samples all scored the same carry no learning signal
+        if self.estimator.groups:  # groups whose samples all scored the same carry no learning signal
             alike = equal_group_rows(batch.scores, batch.group.to(batch.scores.device), cfg.ppo.n_samples_per_prompt)
             metrics["group/all_equal"] = alike.float().mean().item()
         metrics = pool_moments(engine.reduce_mean(metrics), engine.world_size)
