@@ -164,8 +164,8 @@ def _exit_on_lost_rank(verb: str, exc: RuntimeError, output_dir) -> None:
     """When `exc` is a failed collective (a rank died or hung; only a multi-rank DeepSpeed run has them), print
     one error line and leave at once with code 1: the process group is broken, and tearing it down normally
     can abort or hang on the dead peer."""
-    engine = sys.modules.get("rlhfkit.engine.deepspeed_engine")  # not loaded: no process group, not this case
-    message = engine.lost_rank_message(exc, output_dir) if engine is not None else None
+    group = sys.modules.get("rlhfkit.engine.process_group")  # not loaded: no process group, not this case
+    message = group.lost_rank_message(exc, output_dir) if group is not None else None
     if message is None:
         return
     _say(f"rlhfkit {verb}: error: {message}")

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from rlhfkit.cli import main
-from rlhfkit.engine.deepspeed_engine import DeepSpeedTrainable
+from rlhfkit.engine.deepspeed_trainable import DeepSpeedTrainable
 from rlhfkit.stages import sft
 
 RANK = int(os.environ.get("RANK", "0"))

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from rlhfkit.engine.deepspeed_engine import DeepSpeedTrainable, FiniteAdamW
+from rlhfkit.engine.deepspeed_trainable import DeepSpeedTrainable, FiniteAdamW
 from rlhfkit.errors import RunError
 
 
@@ -68,7 +68,7 @@ def test_a_local_nccl_fault_is_not_reported_as_a_dead_rank(monkeypatch):
     again, and their traceback says more."""
     import torch.distributed as dist
 
-    from rlhfkit.engine import deepspeed_engine as D
+    from rlhfkit.engine import process_group as D
 
     monkeypatch.setattr(D.dist, "is_initialized", lambda: True)
     monkeypatch.setattr(D.dist, "get_world_size", lambda group=None: 2)
