@@ -155,3 +155,26 @@ def check_pinned(name: str, values: dict, tol: float = 1e-4) -> None:
 def series_of(rows: list[dict], *keys: str) -> dict:
     """{key: [value of each row that has it]} from metrics.jsonl rows."""
     return {key: [r[key] for r in rows if key in r and r[key] is not None] for key in keys}
+
+
+def speed_plan(output: str) -> tuple[dict, dict]:
+    """The first log line of a stage (`speed.registry.plan_line`), parsed: ({label: models it is on for ('' for a
+    one-model stage)}, {label: why it is off}). Asserts that it is the first line the stage's logger wrote."""
+    lines = [line for line in output.splitlines() if line.startswith(("speed plan: ", "sft: ", "rm: ", "dpo: ",
+                                                                       "ppo: "))]
+    assert lines and lines[0].startswith("speed plan: "), lines[:3]
+    on_text, off_text = lines[0][len("speed plan: on: "):].split("; off: ")
+
+    def entries(text: str) -> dict:
+        out, depth, start = {}, 0, 0
+        for i, c in enumerate(text + ","):
+            depth += {"(": 1, ")": -1}.get(c, 0)
+            if c == "," and depth == 0:
+                item = text[start:i].strip()
+                start = i + 1
+                if item and item != "none":
+                    label, _, rest = item.partition(" (")
+                    out[label] = rest[:-1] if rest else ""
+        return out
+
+    return entries(on_text), entries(off_text)

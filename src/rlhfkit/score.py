@@ -109,7 +109,9 @@ def score_pairs(model, tokenizer, template, examples, max_length: int, batch_siz
     import torch
 
     from rlhfkit.data.tokenize import tokenize_preferences
-    from rlhfkit.stages.reward import SUM_KEYS, pair_scores, pair_sums
+    from rlhfkit.models.stage_forward import pair_scores
+    from rlhfkit.speed.plan import REFERENCE
+    from rlhfkit.stages.reward import SUM_KEYS, pair_sums
 
     tokenised = [tokenize_preferences([ex], tokenizer, template, max_length)[0] for ex in examples]
     kept = [i for i, rows in enumerate(tokenised) if rows]
@@ -118,7 +120,8 @@ def score_pairs(model, tokenizer, template, examples, max_length: int, batch_siz
     with torch.no_grad(), _bar(len(kept), "score") as bar:
         for start in range(0, len(kept), batch_size):
             index = kept[start:start + batch_size]
-            chosen, rejected = pair_scores(model, [tokenised[i][0] for i in index], tokenizer.pad_token_id, device)
+            chosen, rejected = pair_scores(model, [tokenised[i][0] for i in index], tokenizer.pad_token_id, device,
+                                           REFERENCE)  # padded, the model's own forward
             for key, value in pair_sums(chosen, rejected, None).items():
                 sums[key] += value
             for i, c, r in zip(index, chosen.tolist(), rejected.tolist()):
@@ -136,6 +139,7 @@ def score_responses(model, tokenizer, template, examples, max_length: int, batch
 
     from rlhfkit.data.tokenize import pad_sequences, tokenize_sft
     from rlhfkit.models.forward import sequence_scores
+    from rlhfkit.speed.plan import REFERENCE
 
     ids = [tokenize_sft([ex], tokenizer, template, max_length, "all")[0] for ex in examples]
     kept = [i for i, rows in enumerate(ids) if rows]
@@ -146,7 +150,7 @@ def score_responses(model, tokenizer, template, examples, max_length: int, batch
             seqs = [ids[i][0]["input_ids"] for i in index]
             batch = pad_sequences(seqs, tokenizer.pad_token_id).to(device)  # (B, T), right-padded
             mask = pad_sequences([[1] * len(s) for s in seqs], 0).to(device)
-            for i, value in zip(index, sequence_scores(model, batch, mask).tolist()):
+            for i, value in zip(index, sequence_scores(model, batch, mask, REFERENCE).tolist()):
                 scores[i] = value
             bar.update(len(index))
     return scores

@@ -23,7 +23,12 @@ from rlhfkit.data.tokenize import collate_preferences, collate_prompt_sharing_pa
 from rlhfkit.models import load_causal_lm, load_tokenizer
 from rlhfkit.models.forward import causal_logits
 from rlhfkit.models.lora import apply_lora
+from rlhfkit.speed.plan import ModelPlan
 from rlhfkit.stages.dpo import Reference, logprob_forward, run_dpo, sequence_logprobs
+
+# what a DPO policy's speed plan has on an sdpa model: each pair packed under a custom mask, else its prompt through a
+# KV cache once
+DPO = ModelPlan(pair_packing=True, shared_prompt=True)
 
 from conftest import read_metrics, run_cli, sharpened, write_jsonl
 from test_reliability import comparable, start, wait_for_step
@@ -170,7 +175,7 @@ def test_sequence_logprobs_sum_response_tokens_only_whatever_the_padding(tiny_mo
     rows = encode_pair_rows(tok, [{"prompt": "say apple", "chosen": "apple apple apple", "rejected": "river"},
                                   {"prompt": "say honey please now", "chosen": "honey", "rejected": "stone stone"}])
     with torch.no_grad():
-        logps, lengths = sequence_logprobs(model, rows, tok.pad_token_id, torch.device("cpu"))  # (4,): c1 c2 r1 r2
+        logps, lengths = sequence_logprobs(model, rows, tok.pad_token_id, torch.device("cpu"), DPO)  # (4,): c1 c2 r1 r2
     want = [response_logprob(model, r[f"{k}_ids"], r["prompt_len"]) for k in ("chosen", "rejected") for r in rows]
     counts = [len(r[f"{k}_ids"]) - r["prompt_len"] for k in ("chosen", "rejected") for r in rows]
     torch.testing.assert_close(logps.double(), torch.tensor(want, dtype=torch.float64), atol=2e-5, rtol=0)
@@ -219,11 +224,11 @@ def test_packed_prompt_sharing_pairs_give_the_full_forward_values_and_gradients(
     if checkpointing:
         model.gradient_checkpointing_enable()
     model.train()
-    assert logprob_forward(model) == "packed"
+    assert logprob_forward(model, DPO) == "packed"
     packed = collate_prompt_sharing_pairs(rows, tok.pad_token_id)
     assert packed["input_ids"].numel() < collate_preferences(rows, tok.pad_token_id)["input_ids"].numel()
     device = torch.device("cpu")
-    assert_same_logps_and_grads(model, lambda: sequence_logprobs(model, rows, tok.pad_token_id, device)[0],
+    assert_same_logps_and_grads(model, lambda: sequence_logprobs(model, rows, tok.pad_token_id, device, DPO)[0],
                                 lambda: padded_full_logprobs(model, rows, tok.pad_token_id))
 
 
@@ -232,42 +237,46 @@ def test_the_lm_head_in_chunks_gives_the_full_forward_values_and_gradients(tiny_
     """`dpo.chunked_logprobs`: each of the three forwards takes the hidden states and runs the LM head in chunks on
     the response tokens (chunks of 5 rows here, so a response spans several): the same log-probs and gradients,
     the tied embedding/head weight's included, as every sequence alone in a padded batch with full logits."""
-    import rlhfkit.stages.dpo as dpo
     from rlhfkit.algos import logprobs as logprob_module
-    from rlhfkit.models.forward import head_logprobs_weight, use_head_logprobs
+    from rlhfkit.models.forward import head_logprobs_weight
 
     tok = load_tokenizer(str(tiny_model_dir))
     rows = encode_pair_rows(tok, [{"prompt": "say apple", "chosen": "apple apple apple", "rejected": "river"},
                                   {"prompt": "say honey please now", "chosen": "honey", "rejected": "stone stone"},
                                   {"prompt": "say stone", "chosen": "stone stone stone stone", "rejected": "apple"}])
     model = sharpened(AutoModelForCausalLM.from_pretrained(tiny_model_dir, attn_implementation="sdpa"))
-    if path != "packed":  # as for a model that takes no custom attention mask
-        monkeypatch.setattr(dpo, "custom_mask_kind", lambda _model: None)
+    # "shared-prompt": as the plan of a model that takes no custom attention mask
+    plan = ModelPlan(pair_packing=path == "packed", shared_prompt=True, head_chunks=True)
     if path == "full":
         model.gradient_checkpointing_enable()
     model.train()
-    assert logprob_forward(model) == path
+    assert logprob_forward(model, plan) == path
     vocab = model.get_output_embeddings().weight.size(0)
     monkeypatch.setattr(logprob_module, "_LOGPROB_CHUNK_ELEMENTS", 5 * vocab)
 
     def chunked():
-        use_head_logprobs(model, True)
-        assert head_logprobs_weight(model) is not None
-        return sequence_logprobs(model, rows, tok.pad_token_id, torch.device("cpu"))[0]
+        assert head_logprobs_weight(model, plan) is not None
+        return sequence_logprobs(model, rows, tok.pad_token_id, torch.device("cpu"), plan)[0]
 
     def full():
-        use_head_logprobs(model, False)
         return padded_full_logprobs(model, rows, tok.pad_token_id)
 
     assert_same_logps_and_grads(model, chunked, full)
 
 
 def test_a_model_without_custom_masks_takes_the_shared_prompt_forward(tiny_model_dir):
+    from rlhfkit.engine.local import LocalEngine
+    from rlhfkit.speed.registry import BY_NAME, Target, _decide
+
     model = load_causal_lm(str(tiny_model_dir))
     model.config._attn_implementation = "flash_attention_2"  # takes no custom 4D mask
-    assert logprob_forward(model) == "shared-prompt"
+    target = Target(model, "policy", "dpo", None, LocalEngine())
+    assert _decide(BY_NAME["pair_packing"], target, {}) == "attention flash_attention_2 takes no custom mask"
+    assert _decide(BY_NAME["shared_prompt"], target, {}) is None
+    plan = ModelPlan(shared_prompt=True)
+    assert logprob_forward(model, plan) == "shared-prompt"
     model.gradient_checkpointing_enable()
-    assert logprob_forward(model) == "full"
+    assert logprob_forward(model, plan) == "full"
 
 
 def test_lora_reference_equals_the_frozen_copy(tiny_model_dir):
@@ -284,13 +293,13 @@ def test_lora_reference_equals_the_frozen_copy(tiny_model_dir):
                 param.normal_(0.0, 0.5)
     policy.train()
     device = torch.device("cpu")
-    lora_ref = Reference(policy, lora=True).logprobs(rows, tok.pad_token_id, device)
-    copy_ref = Reference(frozen).logprobs(rows, tok.pad_token_id, device)
+    lora_ref = Reference(policy, lora=True, plan=DPO).logprobs(rows, tok.pad_token_id, device)
+    copy_ref = Reference(frozen, plan=DPO).logprobs(rows, tok.pad_token_id, device)
     for a, b in zip(lora_ref, copy_ref):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=0)
     assert policy.training  # back in the mode it was in
     with torch.no_grad():
-        own, _ = sequence_logprobs(policy, rows, tok.pad_token_id, device)
+        own, _ = sequence_logprobs(policy, rows, tok.pad_token_id, device, DPO)
     assert (own[:6] - lora_ref[0]).abs().max() > 1e-2  # the adapter is active outside the reference's block
 
 
@@ -307,8 +316,8 @@ def test_a_resumed_runs_reference_has_the_fresh_runs_precision(tiny_model_dir):
     tok = load_tokenizer(str(tiny_model_dir))
     engine = LocalEngine()
     policy = engine.prepare(load_causal_lm(str(tiny_model_dir), cfg.load, tok), TrainConfig(), 1)
-    fresh = reference_model(cfg, policy, engine, tok, fresh=True)
-    resumed = reference_model(cfg, policy, engine, tok, fresh=False)
+    fresh = reference_model(cfg, policy, DPO, engine, tok, fresh=True)
+    resumed = reference_model(cfg, policy, DPO, engine, tok, fresh=False)
     assert fresh.model is policy.module and "before its first step" in fresh.note
     assert {p.dtype for p in resumed.model.parameters()} == {torch.float32}
     for a, b in zip(resumed.model.parameters(), policy.module.parameters()):
@@ -333,7 +342,11 @@ def test_cached_reference_logprobs_equal_on_the_fly(tiny_model_dir, rule_data, t
                                                 f"data.cache_dir={tmp_path / 'cache'}"))
     tok = load_tokenizer(str(tiny_model_dir))
     data = load_stage_data("rm", cfg.data, tok, cfg.train.seed)
-    frozen = Reference(load_causal_lm(str(tiny_model_dir)))
+    from rlhfkit.engine.local import LocalEngine
+    from rlhfkit.speed.registry import Target, plan_model
+
+    model = LocalEngine().prepare_frozen(load_causal_lm(str(tiny_model_dir)))
+    frozen = Reference(model, plan=plan_model(Target(model, "reference", "dpo", cfg, LocalEngine())))
     for rows, values in ((data.train[:24], cached["train"][:24]), (data.eval, cached["eval"])):
         chosen, rejected = frozen.logprobs(rows, tok.pad_token_id, torch.device("cpu"))
         torch.testing.assert_close(torch.stack([chosen, rejected], 1), torch.tensor(values), atol=1e-5, rtol=0)

@@ -15,7 +15,7 @@ from rlhfkit.stages.ppo import run_ppo
 from rlhfkit.stages.reward import run_rm
 from rlhfkit.stages.sft import run_sft
 
-from conftest import NAMES, PLAIN_SPLIT, check_pinned, read_metrics, series_of, sft_rows, write_jsonl
+from conftest import NAMES, PLAIN_SPLIT, check_pinned, read_metrics, series_of, sft_rows, speed_plan, write_jsonl
 
 pytestmark = pytest.mark.slow
 
@@ -74,15 +74,14 @@ def test_ppo_single_step_losses_are_the_pinned_ones(tmp_path, ppo_world, capsys,
                    f"ppo.chunked_logprobs={chunked}")
     check_pinned("local/ppo-single-step", series_of(rows, *PPO_SERIES, "actor_grad_norm", "critic_grad_norm",
                                                     "eval/reward"))
-    err = capsys.readouterr().err
-    assert ("response log-probs: LM head in chunks" in err) == (chunked == "null")
-    # on by default after its check; the actor always (its rollout prefill), the reference only where it reads
-    # hidden states (the head in chunks)
-    packed = next(note for note in err.replace("\n", ";").split(";") if "padding-free forwards:" in note)
-    expected = "actor, critic, reference" if chunked == "null" else "actor, critic"
-    assert packed.strip() == f"padding-free forwards: {expected}"
+    on, off = speed_plan(capsys.readouterr().err)
+    assert on.get("LM head in chunks") == ("actor, reference" if chunked == "null" else None), (on, off)
+    # on by default after its check; the actor's and the reference's only where they read hidden states (the head
+    # in chunks); the actor's rollout prefill packed either way
+    assert on["padding-free"] == ("actor, critic, reference" if chunked == "null" else "critic"), (on, off)
+    assert on["packed prefill"] == "actor"
     # on for all three after its check (the toy prompts share too little for it to run: the curves are unchanged)
-    assert "tokens every row begins with, computed once: actor, critic, reference" in err.replace("\n", " ")
+    assert on["common prefix once"] == "actor, critic, reference"
 
 
 def test_ppo_epochs_lora_ptx_kl_loss_losses_are_the_pinned_ones(tmp_path, ppo_world, pinned_rm, capsys):
@@ -90,7 +89,8 @@ def test_ppo_epochs_lora_ptx_kl_loss_losses_are_the_pinned_ones(tmp_path, ppo_wo
                    "ppo.epochs=2", "ppo.mini_batch_size=8", f"data.ptx={ppo_world / 'ptx.txt'}", "ptx.coef=0.5",
                    "ppo.kl_loss_coef=0.1", "gen.generation_batch_size=8", "ppo.critic_warmup_iters=1")
     check_pinned("local/ppo-epochs-lora-ptx", series_of(rows, *PPO_SERIES, "ptx_loss", "kl_loss", "eval/reward"))
-    assert "padding-free forwards: actor, critic, reward" in capsys.readouterr().err
+    on, _ = speed_plan(capsys.readouterr().err)
+    assert on["padding-free"] == "actor, critic, reward"  # the reference is the actor with its adapter off
 
 
 def test_ppo_padded_forwards_give_the_pinned_losses(tmp_path, ppo_world, pinned_rm, capsys):
@@ -101,4 +101,5 @@ def test_ppo_padded_forwards_give_the_pinned_losses(tmp_path, ppo_world, pinned_
                    "ppo.kl_loss_coef=0.1", "gen.generation_batch_size=8", "ppo.critic_warmup_iters=1",
                    "ppo.packing=false")
     check_pinned("local/ppo-epochs-lora-ptx", series_of(rows, *PPO_SERIES, "ptx_loss", "kl_loss", "eval/reward"))
-    assert "padding-free" not in capsys.readouterr().err
+    on, off = speed_plan(capsys.readouterr().err)
+    assert "padding-free" not in on and off["padding-free"] == "ppo.packing=false"

@@ -28,7 +28,9 @@ def test_sft_cli_learns_and_exports(tmp_path, tiny_model_dir):
     assert summary["steps"] == 60 and summary["train_rows"] == 72 and summary["eval_rows"] == 8
     from rlhfkit.accel.cpu_linear import onednn_weight_grads  # Zen 5: every GEMM of the step in oneDNN
 
-    assert ("CPU linear layers: oneDNN" in res.stderr) == onednn_weight_grads()
+    plan = next(line for line in res.stderr.splitlines() if line.startswith("speed plan: "))
+    on = plan.split("; off: ")[0]
+    assert ("oneDNN linears" in on) == onednn_weight_grads(), plan
     evals = eval_losses(read_metrics(out / "metrics.jsonl"))
     assert [s for s, _ in evals] == [0, 10, 20, 30, 40, 50, 60]
     assert evals[-1][1] < 0.5 * evals[0][1], evals  # measured 5.8 -> 1.7 on this echo task

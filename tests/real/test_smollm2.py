@@ -18,7 +18,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import ALPACA, HH, ROOT, assert_bars_passed, needs_shared, read_metrics, run_cli, write_jsonl
+from conftest import (ALPACA, HH, ROOT, assert_bars_passed, needs_shared, read_metrics, run_cli, speed_plan,
+                      write_jsonl)
 
 pytestmark = [pytest.mark.real, needs_shared]
 MODEL_NAME = "smollm2-135m-instruct"
@@ -194,7 +195,8 @@ def test_dpo_on_hh_starts_at_zero_reward_and_separates_its_pairs(smollm2, tmp_pa
                    "train.micro_batch_size=4", "train.lr=1e-5", "train.eval_every=0", "train.save_every=0",
                    f"output_dir={run}", *SMALL, timeout=900, env=TWO_THREADS)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    assert "response log-probs: LM head in chunks" in proc.stdout + proc.stderr
+    on, _ = speed_plan(proc.stderr)
+    assert "LM head in chunks" in on, on
     rows = read_metrics(run / "metrics.jsonl")
     start = next(r for r in rows if r["step"] == 0)
     assert start["eval/reward/chosen"] == 0.0 and start["eval/reward/rejected"] == 0.0
@@ -279,22 +281,24 @@ def test_the_chat_templates_shared_tokens_go_through_the_model_once_with_the_sam
     compute that run once, and give the plain forwards' samples, log-probs and gradient."""
     from rlhfkit.config.ppo_schema import GenConfig
     from rlhfkit.demo.sampling import load_policy, sample
-    from rlhfkit.models.prefix import common_prefix_gives_full_values, common_prefix_span, use_common_prefix
+    from rlhfkit.models.prefix import common_prefix_span
     from rlhfkit.rollout.experience import response_logprobs
+    from rlhfkit.speed.checks import common_prefix_gives_full_values
+    from rlhfkit.speed.plan import REFERENCE, ModelPlan
 
     model, tok = load_policy(smollm2)
-    assert common_prefix_gives_full_values(model)
+    shared_plan = ModelPlan(common_prefix=True)
+    assert common_prefix_gives_full_values(model, shared_plan)
     prompts = [json.loads(line)["prompt"] for line in (task_files / "prompts.jsonl").read_text().splitlines()][:6]
     runs = {}
     for shared in (False, True):
-        use_common_prefix(model, shared)
-        batch = sample(model, tok, prompts, GenConfig(max_new_tokens=6), seed=3)
+        plan = shared_plan if shared else REFERENCE
+        batch = sample(model, tok, prompts, GenConfig(max_new_tokens=6), seed=3, plan=plan)
         model.zero_grad(set_to_none=True)
-        logp = response_logprobs(model, batch)
+        logp = response_logprobs(model, batch, plan)
         (logp * batch.response_mask).sum().backward()
         grad = model.model.layers[0].self_attn.q_proj.weight.grad.clone()
         runs[shared] = (batch, logp.detach(), grad)
-    use_common_prefix(model, False)
     (plain, plain_logp, plain_grad), (batch, logp, grad) = runs[False], runs[True]
     # the template's 27 tokens, and here " 1 +" too: the first six training questions (sorted) are "What is 1 + B?"
     assert common_prefix_span(batch.prompt_ids, batch.prompt_mask, 1) == (0, 30)

@@ -89,9 +89,13 @@ def test_no_positions_give_empty_log_probs_that_still_take_a_backward():
 from rlhfkit.config.ppo_schema import GenConfig  # noqa: E402
 from rlhfkit.engine.local import LocalEngine  # noqa: E402
 from rlhfkit.models import load_causal_lm, load_tokenizer  # noqa: E402
-from rlhfkit.models.forward import head_gives_logits, head_logprobs_weight, use_head_logprobs  # noqa: E402
+from rlhfkit.models.forward import head_logprobs_weight  # noqa: E402
 from rlhfkit.rollout import RolloutBatch, generate_rollout  # noqa: E402
 from rlhfkit.rollout.experience import response_logprobs, response_logprobs_and_entropy  # noqa: E402
+from rlhfkit.speed.checks import head_gives_logits  # noqa: E402
+from rlhfkit.speed.plan import REFERENCE, ModelPlan  # noqa: E402
+
+CHUNKED = ModelPlan(head_chunks=True)  # the LM head in chunks on the hidden states, nothing else
 
 from conftest import sharpened  # noqa: E402
 from test_rollout import prompt_rows  # noqa: E402
@@ -102,7 +106,7 @@ def _batch(tok, model, groups: bool) -> RolloutBatch:
     rows = prompt_rows(tok, ["say apple", "say a very long river stone cloud green", "say stone"])
     torch.manual_seed(0)
     batch = generate_rollout(model, LocalEngine(), tok, [r for r in rows for _ in range(2)],
-                             GenConfig(max_new_tokens=7))
+                             GenConfig(max_new_tokens=7), REFERENCE)
     batch.response_mask[1, 3:] = 0
     batch.response_ids[1, 3:] = tok.pad_token_id
     if groups:
@@ -121,21 +125,22 @@ def test_response_logprobs_with_the_head_in_chunks_equal_the_logits_ones(tiny_mo
     tok = load_tokenizer(str(tiny_model_dir), padding_side="left")
     model = sharpened(load_causal_lm(str(tiny_model_dir), tokenizer=tok))
     if fast_linear:
-        use_fast_cpu_linear(model, torch.device("cpu"))
+        use_fast_cpu_linear(model)
+    shared = ModelPlan(shared_prompt=groups)  # each group's prompt once (a KV cache) where the rows come in groups
     batch = _batch(tok, model.eval(), groups)
     model.train()
     valid = batch.response_mask.bool()
     upstream = torch.randn(valid.shape, generator=torch.Generator().manual_seed(2))
 
     def run(chunked: bool):
-        use_head_logprobs(model, chunked)
         model.zero_grad()
-        logp, ent = response_logprobs_and_entropy(model, batch, temperature=0.8)
+        logp, ent = response_logprobs_and_entropy(model, batch, ModelPlan(head_chunks=chunked,
+                                                                          shared_prompt=groups), temperature=0.8)
         torch.where(valid, logp * upstream, 0).sum().backward()
         return logp.detach(), ent, {n: p.grad.clone() for n, p in model.named_parameters()}
 
     plain, chunked = run(False), run(True)
-    assert head_logprobs_weight(model) is model.lm_head.weight
+    assert head_logprobs_weight(model, CHUNKED) is model.lm_head.weight
     torch.testing.assert_close(chunked[0][valid], plain[0][valid], atol=1e-5, rtol=1e-5)
     assert torch.equal(chunked[0][~valid], torch.zeros(int((~valid).sum())))
     torch.testing.assert_close(chunked[1][valid], plain[1][valid], atol=1e-5, rtol=1e-5)
@@ -143,10 +148,9 @@ def test_response_logprobs_with_the_head_in_chunks_equal_the_logits_ones(tiny_mo
         scale = float(expected.abs().max())
         torch.testing.assert_close(chunked[2][name], expected, atol=1e-5 * scale, rtol=1e-4, msg=name)
     with torch.no_grad(), packed_weights(model):  # the reference's and old log-probs' way: no grad, packed weights
-        frozen = response_logprobs(model, batch, temperature=0.8)
+        frozen = response_logprobs(model, batch, ModelPlan(head_chunks=True, shared_prompt=groups), temperature=0.8)
     torch.testing.assert_close(frozen[valid], plain[0][valid], atol=1e-5, rtol=1e-5)
-    use_head_logprobs(model, False)
-    assert head_logprobs_weight(model) is None
+    assert head_logprobs_weight(model, shared) is None
 
 
 def test_a_model_that_changes_its_logits_after_the_head_keeps_its_logits(tiny_model_dir):
@@ -178,14 +182,15 @@ def test_the_chunked_head_multiplies_at_the_forwards_precision(tiny_model_dir):
     from rlhfkit.config.schema import EngineConfig
     from rlhfkit.data.tokenize import collate_sft
     from rlhfkit.models.forward import final_hidden, position_ids
+    from rlhfkit.models.stage_forward import lm_forward
     from rlhfkit.rollout.experience import response_hidden
-    from rlhfkit.stages.sft import lm_forward
 
     tok = load_tokenizer(str(tiny_model_dir), padding_side="left")
     model = sharpened(load_causal_lm(str(tiny_model_dir), tokenizer=tok))
     batch = _batch(tok, model.eval(), False)
-    model = LocalEngine(EngineConfig(precision="bf16")).prepare_frozen(model)
-    use_head_logprobs(model, True)
+    engine = LocalEngine(EngineConfig(precision="bf16"))
+    model = engine.prepare_frozen(model)
+    plan = ModelPlan(head_chunks=True, autocast=engine.autocast.spec())  # as the speed plan records the autocast
     weight = model.lm_head.weight
 
     def head_logprobs(hidden, ids, dtype):  # the head by hand at `dtype`, log-softmax in float32
@@ -195,8 +200,8 @@ def test_the_chunked_head_multiplies_at_the_forwards_precision(tiny_model_dir):
     valid = batch.response_mask.bool()
     ids = batch.response_ids[valid]
     with torch.no_grad():
-        logp = response_logprobs(model, batch)[valid]
-        hidden = response_hidden(model, batch)[valid]  # the same forward, under the hooks' autocast
+        logp = response_logprobs(model, batch, plan)[valid]
+        hidden = response_hidden(model, batch, plan)[valid]  # the same forward, under the hooks' autocast
         bf16, fp32 = head_logprobs(hidden, ids, torch.bfloat16), head_logprobs(hidden, ids, torch.float32)
     torch.testing.assert_close(logp, bf16, atol=1e-5, rtol=1e-5)
     assert (logp - fp32).abs().max() > 1e-3  # bf16's rounding is visible: the float32 head is not what ran
@@ -204,7 +209,7 @@ def test_the_chunked_head_multiplies_at_the_forwards_precision(tiny_model_dir):
     rows = [{"input_ids": r, "labels": r} for r in ([5, 9, 14, 3, 22, 7], [8, 4, 30, 2])]
     micro = collate_sft(rows, tok.pad_token_id)
     with torch.no_grad():
-        loss, count = lm_forward(model, micro, torch.device("cpu"), fused=True)
+        loss, count = lm_forward(model, micro, torch.device("cpu"), plan)
         mask = micro["attention_mask"]
         hidden = final_hidden(model, micro["input_ids"], mask, position_ids(mask))[:, :-1]
         labels = micro["labels"][:, 1:]

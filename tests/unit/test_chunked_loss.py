@@ -1,4 +1,5 @@
-"""The SFT loss with the LM head in chunks (`algos.linear_lm_loss_sum`, `stages.sft.lm_forward(fused=True)`)."""
+"""The SFT loss with the LM head in chunks (`algos.linear_lm_loss_sum`, `models.stage_forward.lm_forward` under a
+speed plan with `head_chunks`)."""
 
 import math
 
@@ -85,19 +86,21 @@ def test_sft_forward_in_chunks_gives_the_logits_loss_and_gradients(tiny_model_di
     as the model's own logits, padded and packed, also with the linear layers on oneDNN (where it is faster)."""
     from rlhfkit.accel.cpu_linear import use_fast_cpu_linear
     from rlhfkit.models.forward import lm_head_weight
-    from rlhfkit.stages.sft import fused_loss_is_exact, lm_forward
+    from rlhfkit.models.stage_forward import lm_forward
+    from rlhfkit.speed.checks import head_gives_logits, sft_packing_is_exact
+    from rlhfkit.speed.plan import ModelPlan
 
     tok = load_tokenizer(str(tiny_model_dir))
     model = sharpened(load_causal_lm(str(tiny_model_dir), tokenizer=tok))
     if fast_linear:
-        use_fast_cpu_linear(model, torch.device("cpu"))
+        use_fast_cpu_linear(model)
     assert lm_head_weight(model) is model.lm_head.weight  # the head's own weight, also as a FastCPULinear
     rows = _rows(tok, (9, 4, 6, 3, 8))
     batch = collate(rows, tok.pad_token_id)
 
     def loss_and_grads(fused):
         model.zero_grad()
-        nll, count = lm_forward(model, batch, torch.device("cpu"), fused=fused)
+        nll, count = lm_forward(model, batch, torch.device("cpu"), ModelPlan(segment_attention=True, head_chunks=fused))
         nll.backward()
         return nll.detach(), count, {n: p.grad.clone() for n, p in model.named_parameters()}
 
@@ -108,17 +111,19 @@ def test_sft_forward_in_chunks_gives_the_logits_loss_and_gradients(tiny_model_di
     for name, expected in plain[2].items():  # sharpened weights: gradients up to ~250, float32 rounding ~1e-6 of that
         scale = float(expected.abs().max())
         torch.testing.assert_close(fused[2][name], expected, atol=1e-5 * scale, rtol=1e-4, msg=name)
-    assert fused_loss_is_exact(model, rows, tok.pad_token_id, torch.device("cpu"))
+    assert head_gives_logits(model)
+    packed = ModelPlan(segment_attention=True, head_chunks=True, packing=True)
+    assert sft_packing_is_exact(model, packed, rows, tok.pad_token_id, torch.device("cpu"))
 
 
 def test_a_model_that_changes_its_logits_after_the_head_is_refused(tiny_model_dir):
     """A soft cap or scale after the LM head (Gemma 2, Cohere, Granite) is not in the decoder's output: the check
-    sees the chunked loss differ from the model's own and SFT keeps the plain logits."""
-    from rlhfkit.stages.sft import fused_loss_is_exact
+    sees the head's output differ from the model's own logits and SFT keeps the plain logits."""
+    from rlhfkit.speed.checks import head_gives_logits
 
     tok = load_tokenizer(str(tiny_model_dir))
     model = sharpened(load_causal_lm(str(tiny_model_dir), tokenizer=tok))
-    rows = _rows(tok, (7, 5, 6))
+    assert head_gives_logits(model)
     plain_forward = model.forward
 
     def capped(**kw):
@@ -127,14 +132,15 @@ def test_a_model_that_changes_its_logits_after_the_head_is_refused(tiny_model_di
         return out
 
     model.forward = capped
-    assert not fused_loss_is_exact(model, rows, tok.pad_token_id, torch.device("cpu"))
+    assert not head_gives_logits(model)
 
 
 def test_lora_model_trains_its_adapters_through_the_chunked_loss(tiny_model_dir):
     """Under LoRA the head is frozen: the adapters' gradients equal the plain logits' ones."""
     from rlhfkit.config.schema import LoraConfig
     from rlhfkit.models.lora import apply_lora
-    from rlhfkit.stages.sft import lm_forward
+    from rlhfkit.models.stage_forward import lm_forward
+    from rlhfkit.speed.plan import ModelPlan
 
     tok = load_tokenizer(str(tiny_model_dir))
     model = apply_lora(sharpened(load_causal_lm(str(tiny_model_dir), tokenizer=tok)), LoraConfig(rank=4))
@@ -146,7 +152,7 @@ def test_lora_model_trains_its_adapters_through_the_chunked_loss(tiny_model_dir)
     grads = []
     for fused in (False, True):
         model.zero_grad()
-        lm_forward(model, batch, torch.device("cpu"), fused=fused)[0].backward()
+        lm_forward(model, batch, torch.device("cpu"), ModelPlan(head_chunks=fused))[0].backward()
         grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad})
     assert grads[0] and grads[0].keys() == grads[1].keys()
     for name, expected in grads[0].items():

@@ -6,13 +6,15 @@ import pytest
 import torch
 
 from rlhfkit.models import load_causal_lm, load_tokenizer
-from rlhfkit.models.forward import use_head_logprobs
-from rlhfkit.models.group_pack import group_packing, group_packing_gives_prefix_values, use_group_packing
-from rlhfkit.models.prefix import (MIN_COMMON_PREFIX, common_prefix_gives_full_values, common_prefix_outputs,
-                                   common_prefix_span, use_common_prefix)
+from rlhfkit.models.group_pack import group_packing
+from rlhfkit.models.prefix import MIN_COMMON_PREFIX, common_prefix_outputs, common_prefix_span
 from rlhfkit.models.lora import base_model
 from rlhfkit.rollout import RolloutBatch
 from rlhfkit.rollout.experience import response_logprobs_and_entropy, response_values
+from rlhfkit.speed.checks import common_prefix_gives_full_values, group_packing_gives_prefix_values
+from rlhfkit.speed.plan import REFERENCE, ModelPlan
+
+SHARED = ModelPlan(common_prefix=True)  # the common prefix once, through a KV cache
 
 from conftest import sharpened
 from test_padding_free import _assert_grads_close, _grads, _scalar_model
@@ -60,8 +62,6 @@ def test_response_logprobs_with_the_shared_prefix_once_equal_the_plain_forward(t
     tok = load_tokenizer(str(tiny_model_dir), padding_side="left")
     model = sharpened(load_causal_lm(str(tiny_model_dir), tokenizer=tok)).train()
     batch = _shared_batch(base_model(model).config.vocab_size, tok.pad_token_id)
-    use_head_logprobs(model, chunked)
-    use_group_packing(model, packed)
     valid = batch.response_mask.bool()
     upstream = torch.randn(valid.shape, generator=torch.Generator().manual_seed(3))
     calls = []
@@ -69,10 +69,10 @@ def test_response_logprobs_with_the_shared_prefix_once_equal_the_plain_forward(t
                                                                  with_kwargs=True)
 
     def run(shared: bool):
-        use_common_prefix(model, shared)
+        plan = ModelPlan(head_chunks=chunked, segment_attention=packed, group_packing=packed, common_prefix=shared)
         model.zero_grad(set_to_none=True)
         calls.clear()
-        logp, ent = response_logprobs_and_entropy(model, batch, temperature=0.7)
+        logp, ent = response_logprobs_and_entropy(model, batch, plan, temperature=0.7)
         torch.where(valid, logp * upstream, 0).sum().backward()
         return logp.detach(), ent, _grads(model), list(calls)
 
@@ -87,63 +87,54 @@ def test_response_logprobs_with_the_shared_prefix_once_equal_the_plain_forward(t
     torch.testing.assert_close(shared[0][valid], plain[0][valid], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(shared[1][valid], plain[1][valid], atol=1e-5, rtol=1e-5)
     _assert_grads_close(shared[2], plain[2])
-    use_common_prefix(model, False)
-    use_head_logprobs(model, False)
-    use_group_packing(model, False)
 
 
 @pytest.mark.parametrize("packed", [False, True])
 def test_critic_values_with_the_shared_prefix_once_equal_the_plain_forward(packed):
     critic = _scalar_model().train()
     batch = _shared_batch(97)
-    assert group_packing_gives_prefix_values(critic) is True  # the one-off check on a scalar model: its scores
-    use_group_packing(critic, packed)
-    assert group_packing(critic) == packed
+    packing = ModelPlan(segment_attention=True, group_packing=True)
+    assert group_packing_gives_prefix_values(critic, packing) is True  # the one-off check on a scalar model
+    assert group_packing(critic, ModelPlan(segment_attention=packed, group_packing=packed)) == packed
     valid = batch.response_mask.bool()
     upstream = torch.randn(valid.shape, generator=torch.Generator().manual_seed(4))
 
     def run(shared: bool):
-        use_common_prefix(critic, shared)
+        plan = ModelPlan(segment_attention=packed, group_packing=packed, common_prefix=shared)
         critic.zero_grad(set_to_none=True)
-        values = response_values(critic, batch)
+        values = response_values(critic, batch, plan)
         torch.where(valid, values * upstream, 0).sum().backward()
         return values.detach(), _grads(critic)
 
     plain, shared = run(False), run(True)
     torch.testing.assert_close(shared[0][valid], plain[0][valid], atol=1e-5, rtol=1e-5)
     _assert_grads_close(shared[1], plain[1])
-    use_common_prefix(critic, False)
-    use_group_packing(critic, False)
 
 
-def test_it_declines_where_it_would_not_save_or_is_not_recorded(tiny_model_dir):
+def test_it_declines_where_it_would_not_save_or_the_plan_says_no(tiny_model_dir):
     tok = load_tokenizer(str(tiny_model_dir), padding_side="left")
     model = load_causal_lm(str(tiny_model_dir), tokenizer=tok).eval()
     batch = _shared_batch(base_model(model).config.vocab_size, tok.pad_token_id)
     ids, mask = batch.input_ids[:, :-1], batch.attention_mask[:, :-1]
-    assert common_prefix_outputs(model, ids, mask, 5) is None  # not recorded for this model
-    use_common_prefix(model, True)
-    try:
-        out = common_prefix_outputs(model, ids, mask, 5)
-        assert out is not None and out.shape == (4, 5, base_model(model).config.hidden_size)
-        short = ids.clone()
-        cut = mask.long().argmax(-1) + MIN_COMMON_PREFIX - 1  # each row's run broken before MIN tokens
-        short[torch.arange(4), cut] = torch.arange(4) + 1
-        assert common_prefix_outputs(model, short, mask, 5) is None
-        assert common_prefix_outputs(model, ids[:1], mask[:1], 5) is None  # a single row
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        model.train()  # transformers drops the cache inside checkpointed layers: no shared forward
-        assert common_prefix_outputs(model, ids, mask, 5) is None
-    finally:
-        use_common_prefix(model, False)
+    assert common_prefix_outputs(model, ids, mask, 5, REFERENCE) is None  # not in this model's plan
+    out = common_prefix_outputs(model, ids, mask, 5, SHARED)
+    assert out is not None and out.shape == (4, 5, base_model(model).config.hidden_size)
+    short = ids.clone()
+    cut = mask.long().argmax(-1) + MIN_COMMON_PREFIX - 1  # each row's run broken before MIN tokens
+    short[torch.arange(4), cut] = torch.arange(4) + 1
+    assert common_prefix_outputs(model, short, mask, 5, SHARED) is None
+    assert common_prefix_outputs(model, ids[:1], mask[:1], 5, SHARED) is None  # a single row
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()  # transformers drops the cache inside checkpointed layers: no shared forward
+    assert common_prefix_outputs(model, ids, mask, 5, SHARED) is None
 
 
 def test_the_check_passes_plain_models_and_refuses_one_that_ignores_positions(tiny_model_dir):
     tok = load_tokenizer(str(tiny_model_dir))
     model = sharpened(load_causal_lm(str(tiny_model_dir), tokenizer=tok)).train()
-    assert common_prefix_gives_full_values(model)
+    assert common_prefix_gives_full_values(model, SHARED)
     assert model.training  # the check leaves the mode as it found it
-    assert common_prefix_gives_full_values(_scalar_model())
+    assert common_prefix_gives_full_values(_scalar_model(), SHARED)
     inner = base_model(model).model
     plain_forward = inner.forward
 
@@ -152,7 +143,7 @@ def test_the_check_passes_plain_models_and_refuses_one_that_ignores_positions(ti
         return plain_forward(*args, **kwargs)
 
     inner.forward = positions_ignored
-    assert not common_prefix_gives_full_values(model)
+    assert not common_prefix_gives_full_values(model, SHARED)
 
 
 def test_sampling_after_a_shared_prefill_draws_what_the_plain_prefill_draws(tiny_model_dir):
@@ -169,13 +160,12 @@ def test_sampling_after_a_shared_prefill_draws_what_the_plain_prefill_draws(tiny
                                                                  with_kwargs=True)
 
     def sample(shared: bool, greedy: bool):
-        use_common_prefix(model, shared)
         calls.clear()
         torch.manual_seed(0)
         with torch.no_grad():
             out = generate.sample_tokens(model, batch.prompt_ids, batch.prompt_mask,
                                          GenConfig(max_new_tokens=6, min_new_tokens=6), [tok.eos_token_id],
-                                         tok.pad_token_id, greedy=greedy)
+                                         tok.pad_token_id, SHARED if shared else REFERENCE, greedy=greedy)
         return out, list(calls)
 
     try:
@@ -188,4 +178,3 @@ def test_sampling_after_a_shared_prefill_draws_what_the_plain_prefill_draws(tiny
             torch.testing.assert_close(logprobs, plain_logprobs, atol=1e-5, rtol=1e-5)
     finally:
         hook.remove()
-        use_common_prefix(model, False)

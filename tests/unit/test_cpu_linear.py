@@ -54,11 +54,8 @@ def test_weight_gradient_of_the_onednn_function_against_float64():
 
 def test_only_large_float32_cpu_linears_switch():
     model = torch.nn.Sequential(torch.nn.Linear(128, 128), torch.nn.Linear(128, 1), torch.nn.Linear(8, 128))
-    assert use_fast_cpu_linear(model, torch.device("cuda")) == 0  # a GPU keeps its own kernels
-    switched = use_fast_cpu_linear(model, torch.device("cpu"))
-    assert switched in (0, 1)  # 0 where MKL is as fast as oneDNN on this CPU
-    assert [type(m) for m in model] == [FastCPULinear if switched else torch.nn.Linear, torch.nn.Linear,
-                                        torch.nn.Linear]
+    assert use_fast_cpu_linear(model) == 1  # where it goes is the speed plan's (`onednn_linear`: AMD CPUs only)
+    assert [type(m) for m in model] == [FastCPULinear, torch.nn.Linear, torch.nn.Linear]
 
 
 @needs_onednn
@@ -180,8 +177,16 @@ def test_lora_base_layers_are_fused_and_the_adapter_still_applies():
 
 def test_the_gemm_policy_follows_the_cpu(monkeypatch):
     """MKL everywhere off AMD; oneDNN's forward and input gradients on AMD; its weight gradients and the training
-    steps' linears too on Zen 5 (family 26) with AVX-512 only."""
+    steps' linears too on Zen 5 (family 26) with AVX-512 only: the speed plan's `onednn_linear` for PPO's models and
+    for the training stages' (SFT, RM, DPO), and never on a GPU."""
     from rlhfkit.accel import cpu_linear
+    from rlhfkit.engine.local import LocalEngine
+    from rlhfkit.speed.registry import BY_NAME, Target, _decide
+
+    def on(stage: str, device: str = "cpu") -> bool:
+        model = torch.nn.Sequential(torch.nn.Linear(64, 64))
+        target = Target(model, {"sft": "policy", "ppo": "actor"}[stage], stage, None, LocalEngine(), device=device)
+        return _decide(BY_NAME["onednn_linear"], target, {}) is None
 
     cases = [("GenuineIntel", 6, "AVX512", ""), ("AuthenticAMD", 25, "AVX512", "onednn"),
              ("AuthenticAMD", 26, "AVX2", "onednn"), ("AuthenticAMD", 26, "AVX512", "onednn-all")]
@@ -192,8 +197,8 @@ def test_the_gemm_policy_follows_the_cpu(monkeypatch):
         monkeypatch.setattr(cpu_linear, "cpu_family", lambda: family)
         monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: capability)
         assert cpu_linear.gemm_policy() == (want if hasattr(torch.ops.mkldnn, "_linear_pointwise") else "")
-        model = torch.nn.Sequential(torch.nn.Linear(64, 64))
-        switched = cpu_linear.use_fast_cpu_linear_for_training(model, torch.device("cpu"))
-        assert switched == (1 if cpu_linear.gemm_policy() == "onednn-all" else 0)
+        assert on("sft") == (cpu_linear.gemm_policy() == "onednn-all")
+        assert on("ppo") == (cpu_linear.gemm_policy() != "")
+        assert not on("ppo", device="cuda")
     cpu_linear.onednn_is_faster.cache_clear()
     cpu_linear.onednn_weight_grads.cache_clear()

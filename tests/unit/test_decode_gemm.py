@@ -14,6 +14,7 @@ from rlhfkit.accel import decode_gemm, kernels
 from rlhfkit.models import load_tokenizer
 from rlhfkit.accel.decode_gemm import DecodeLinear, decode_linear, streaming_decode, takes
 from rlhfkit.rollout import generate_rollout
+from rlhfkit.speed.plan import ModelPlan
 
 
 @pytest.fixture(scope="module")
@@ -25,7 +26,7 @@ def cache(tmp_path_factory):
 def switched(monkeypatch, cache):
     """The kernels on, built into this module's own cache; both modules' state restored afterwards."""
     monkeypatch.setenv("RLHFKIT_CACHE_DIR", str(cache))
-    monkeypatch.setattr(kernels, "_STATE", {"on": True, "lib": None, "failed": False, "pool": None})
+    monkeypatch.setattr(kernels, "_STATE", {"lib": None, "failed": False, "pool": None})
     monkeypatch.setattr(decode_gemm, "_STATE", {"lib": None, "failed": False})
     if not decode_gemm.available():
         if "avx512f" in cpu_flags():
@@ -144,10 +145,10 @@ def test_the_layers_switch_for_the_rollout_only_and_grad_mode_keeps_autograd(swi
 
 
 def test_switched_off_it_changes_nothing(monkeypatch, cache):
+    """A plan without `streaming_decode` (engine.fused_kernels=false, a GPU, the reference path) opens it off."""
     monkeypatch.setenv("RLHFKIT_CACHE_DIR", str(cache))
-    monkeypatch.setattr(kernels, "_STATE", {"on": False, "lib": None, "failed": False, "pool": None})
     model = torch.nn.Sequential(torch.nn.Linear(256, 256))
-    with streaming_decode(model) as n:
+    with streaming_decode(model, enabled=False) as n:
         assert n == 0 and type(model[0]) is torch.nn.Linear
 
 
@@ -171,12 +172,12 @@ def test_a_rollout_decodes_through_it_with_mkls_tokens_and_log_probs(switched, t
     real = decode_gemm.decode_linear
     monkeypatch.setattr(decode_gemm, "decode_linear", lambda *a: rows_seen.append(a[0].numel() // a[0].shape[-1])
                         or real(*a))
-    fast = generate_rollout(model, LocalEngine(), tok, rows, cfg, greedy=True)
+    fast = generate_rollout(model, LocalEngine(), tok, rows, cfg, ModelPlan(streaming_decode=True), greedy=True)
     # the prefill's head on the prompts' last positions, then 5 decode steps x (2 layers x 7 linears + the head),
     # each of 3 rows; the prefill's layers (all the prompts' tokens) took MKL
     assert rows_seen == [3] * (1 + 5 * 15)
     monkeypatch.setattr(decode_gemm, "MAX_ROWS", 0)
-    plain = generate_rollout(model, LocalEngine(), tok, rows, cfg, greedy=True)
+    plain = generate_rollout(model, LocalEngine(), tok, rows, cfg, ModelPlan(streaming_decode=True), greedy=True)
     assert len(rows_seen) == 76
     assert fast.response_ids.tolist() == plain.response_ids.tolist()
     torch.testing.assert_close(fast.sample_logprobs, plain.sample_logprobs, rtol=1e-4, atol=1e-5)
@@ -185,7 +186,7 @@ def test_a_rollout_decodes_through_it_with_mkls_tokens_and_log_probs(switched, t
 
 def test_a_failing_build_leaves_decoding_on_mkl_with_one_message(monkeypatch, tmp_path, capsys):
     monkeypatch.setenv("RLHFKIT_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(kernels, "_STATE", {"on": True, "lib": None, "failed": False, "pool": None})
+    monkeypatch.setattr(kernels, "_STATE", {"lib": None, "failed": False, "pool": None})
     monkeypatch.setattr(decode_gemm, "_STATE", {"lib": None, "failed": False})
     monkeypatch.setattr(decode_gemm, "FLAGS", [*decode_gemm.FLAGS, "-Wl,--no-such-linker-option"])
     model = torch.nn.Sequential(torch.nn.Linear(256, 256))

@@ -1,5 +1,5 @@
 """Vocabulary-matrix gradients added into the kept `.grad` in place (`accel/grad_in_place.py`): autograd's sums,
-the padding row, what is tagged and when, and the local engine's training with it."""
+the padding row, which matrices take it, when the speed plan has it, and the local engine's training with it."""
 
 import copy
 
@@ -30,11 +30,12 @@ IDS = torch.tensor([[0, 0, 0, 5, 9, 5, 7, 11], [3, 5, 5, 5, 250, 299, 1, 2]])  #
 WEIGHTS = torch.linspace(-1.0, 1.0, IDS[:, 1:].numel())
 
 
-def loss(model):
-    """A PPO-like objective through the fused head: weighted log-probs of the next tokens."""
+def loss(model, in_place: bool = True):
+    """A PPO-like objective through the fused head: weighted log-probs of the next tokens (the head's gradient
+    added in place where `in_place`, as the callers do where the model's plan has `grad_in_place`)."""
     hidden = model.model(input_ids=IDS).last_hidden_state[:, :-1].reshape(-1, 32)
     logp, _ = linear_token_logprobs(hidden, model.lm_head.weight, IDS[:, 1:].reshape(-1),
-                                    grad_target=grad_in_place.target)
+                                    grad_target=grad_in_place.target if in_place else None)
     return (logp * WEIGHTS).sum()
 
 
@@ -52,7 +53,7 @@ def test_accumulating_in_place_gives_autograds_gradients(small_threshold, tied):
     in_place.model.embed_tokens.weight.register_hook(lambda g: delivered.append(g))
     grad_tensor = in_place.model.embed_tokens.weight.grad
     for _ in range(2):  # two micro-batches accumulate
-        loss(plain).backward()
+        loss(plain, in_place=False).backward()
         loss(in_place).backward()
     assert delivered and all(g is None for g in delivered)  # autograd calls the hook with no gradient
     assert in_place.model.embed_tokens.weight.grad is grad_tensor
@@ -79,7 +80,7 @@ def test_hand_computed_embedding_gradient(small_threshold):
     assert torch.equal(weight.grad, expected)  # row 3 (padding) gets nothing
 
 
-def test_only_big_trainable_float32_matrices_are_tagged(small_threshold):
+def test_only_big_trainable_float32_matrices_take_it(small_threshold):
     model = tiny(tied=False)
     model.lm_head.weight.requires_grad_(False)
     assert grad_in_place.enable(model) == 1  # the embedding: the frozen head and the small matrices are not
@@ -96,30 +97,36 @@ def test_only_big_trainable_float32_matrices_are_tagged(small_threshold):
 
 def test_a_model_without_kept_gradients_uses_autograds_accumulation(small_threshold):
     model = tiny()
-    grad_in_place.enable(model)  # tagged, but no .grad kept: the first backward creates it as autograd does
+    grad_in_place.enable(model)  # switched, but no .grad kept: the first backward creates it as autograd does
     reference = copy.deepcopy(model)
     loss(model).backward()
-    loss(reference).backward()
+    loss(reference, in_place=False).backward()
     torch.testing.assert_close(model.model.embed_tokens.weight.grad, reference.model.embed_tokens.weight.grad)
 
 
 @pytest.mark.parametrize("keep_grads", [True, False])
-def test_the_local_engine_switches_it_on_with_kept_gradients(small_threshold, keep_grads):
+def test_the_speed_plan_switches_it_on_with_kept_gradients(small_threshold, keep_grads):
+    from rlhfkit.speed.registry import Target, plan_model
+
     train = TrainConfig(lr=1e-3, warmup_steps=0, max_grad_norm=1.0)
     engine = LocalEngine()
     model = engine.prepare(tiny(), train, total_steps=4, keep_grads=keep_grads).module
+    plan = plan_model(Target(model, "policy", "sft", None, engine, keep_grads=keep_grads))
+    assert plan.grad_in_place == keep_grads
     assert (type(model.model.embed_tokens) is grad_in_place.InPlaceEmbedding) == keep_grads
+    assert keep_grads or dict(plan.off)["grad_in_place"] == "gradients freed between steps"
 
 
 def test_training_with_it_follows_autograds_updates(small_threshold):
     train = TrainConfig(lr=1e-2, warmup_steps=0, max_grad_norm=1.0)
     plain = LocalEngine().prepare(tiny(), train, total_steps=4)
     in_place = LocalEngine().prepare(tiny(), train, total_steps=4, keep_grads=True)
+    grad_in_place.enable(in_place.module)  # as `accel.install` does for a plan with it
     assert type(in_place.module.model.embed_tokens) is grad_in_place.InPlaceEmbedding
     for _ in range(3):
         for trainable in (plain, in_place):
-            trainable.backward(loss(trainable.module), 2.0)
-            trainable.backward(loss(trainable.module), 2.0)
+            trainable.backward(loss(trainable.module, trainable is in_place), 2.0)
+            trainable.backward(loss(trainable.module, trainable is in_place), 2.0)
             trainable.step()
     moved = (in_place.module.model.embed_tokens.weight - tiny().model.embed_tokens.weight).abs().max()
     assert moved > 1e-3

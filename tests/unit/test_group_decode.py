@@ -11,7 +11,9 @@ from transformers import Gemma2Config, Gemma2ForCausalLM, GPT2Config, GPT2LMHead
 
 import rlhfkit.rollout.generate as generate
 from rlhfkit.config.ppo_schema import GenConfig
-from rlhfkit.rollout.group_decode import (GroupCache, GroupCacheLayer, group_attention, group_decode_is_exact)
+from rlhfkit.rollout.group_decode import GroupCache, GroupCacheLayer, group_attention
+from rlhfkit.speed.checks import group_decode_is_exact
+from rlhfkit.speed.plan import ModelPlan
 
 from conftest import sharpened
 
@@ -67,10 +69,10 @@ def _rows(n_prompts: int, group: int, interleaved: bool = False):
 
 
 def _sample(model, ids, mask, grouped_ok: bool, greedy: bool = False):
-    model._rlhfkit_group_decode_exact = grouped_ok  # the check's verdict, set: the plain path when False
+    plan = ModelPlan(shared_prompt=True, group_decode=grouped_ok)  # the plain path where the plan says no
     torch.manual_seed(0)
     with torch.no_grad():
-        return generate.sample_tokens(model, ids, mask, GenConfig(max_new_tokens=8, min_new_tokens=8), [2], 0,
+        return generate.sample_tokens(model, ids, mask, GenConfig(max_new_tokens=8, min_new_tokens=8), [2], 0, plan,
                                       greedy=greedy)
 
 
@@ -82,8 +84,8 @@ def test_sampling_in_groups_draws_what_every_rows_copy_of_the_cache_draws(dtype,
     model = _gqa_llama().to(dtype)
     ids, mask = _rows(3, 4)
     seen = []
-    real_prefill = generate._prefill
-    monkeypatch.setattr(generate, "_prefill", lambda *a, **k: seen.append(real_prefill(*a, **k)) or seen[-1])
+    real_prefill = generate.prefill
+    monkeypatch.setattr(generate, "prefill", lambda *a, **k: seen.append(real_prefill(*a, **k)) or seen[-1])
     tokens, logprobs = _sample(model, ids, mask, True)
     cache, _, groups, _ = seen[-1]
     assert groups is not None and groups.group == 4
@@ -108,11 +110,10 @@ def test_sampling_in_groups_draws_what_every_rows_copy_of_the_cache_draws(dtype,
 
 
 def test_the_check_accepts_llama_and_gpt2_and_refuses_attention_it_does_not_apply():
-    """group_decode_is_exact: True for Llama (GQA) and GPT-2 (learned positions), cached on the model; False
-    for Gemma 2 with attention logit soft-capping, which group_attention does not apply."""
+    """group_decode_is_exact: True for Llama (GQA) and GPT-2 (learned positions); False for Gemma 2 with attention
+    logit soft-capping, which group_attention does not apply."""
     llama = _gqa_llama()
     assert group_decode_is_exact(llama) is True
-    assert llama._rlhfkit_group_decode_exact is True
     torch.manual_seed(0)
     gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_embd=32, n_layer=2, n_head=4, bos_token_id=1,
                                       eos_token_id=2)).eval()
@@ -146,8 +147,8 @@ def test_a_prompt_repeated_in_two_blocks_decodes_in_groups_with_the_same_draws(m
     ids, mask = _rows(2, 2)
     ids, mask = torch.cat([ids, ids[:2]]), torch.cat([mask, mask[:2]])
     seen = []
-    real_prefill = generate._prefill
-    monkeypatch.setattr(generate, "_prefill", lambda *a, **k: seen.append(real_prefill(*a, **k)) or seen[-1])
+    real_prefill = generate.prefill
+    monkeypatch.setattr(generate, "prefill", lambda *a, **k: seen.append(real_prefill(*a, **k)) or seen[-1])
     tokens, logprobs = _sample(model, ids, mask, True, greedy=True)
     assert seen[-1][2] is not None and seen[-1][2].group == 2
     plain, plain_logprobs = _sample(model, ids, mask, False, greedy=True)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -9,9 +11,14 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from rlhfkit.engine.local import LocalEngine
 from rlhfkit.models import group_pack
 from rlhfkit.models.forward import final_hidden, position_ids
-from rlhfkit.models.group_pack import GroupPacking, group_packed_hidden, group_packing_gives_prefix_values
+from rlhfkit.models.group_pack import GroupPacking, group_packed_hidden
 from rlhfkit.models.prefix import shared_prefix_logits
-from rlhfkit.stages.common import choose_group_packing
+from rlhfkit.speed.checks import group_packing_gives_prefix_values
+from rlhfkit.speed.plan import ModelPlan
+from rlhfkit.speed.registry import Target, plan_model
+
+GROUP_PACKED = ModelPlan(segment_attention=True, shared_prompt=True, group_packing=True)
+TWO_FORWARDS = ModelPlan(segment_attention=True, shared_prompt=True)
 
 from conftest import sharpened
 
@@ -104,14 +111,12 @@ def test_packed_hidden_states_and_gradients_equal_the_plain_forward(rows, monkey
         return hidden.detach(), [torch.zeros_like(p) if p.grad is None else p.grad.clone() for p in model.parameters()]
 
     expected, expected_grads = run(lambda: _full_hidden(model, *batch))
-    group_pack.use_group_packing(model, True)
     calls = []
     handle = model.register_forward_pre_hook(lambda *_: calls.append(1))
     try:
-        got, grads = run(lambda: shared_prefix_logits(model, *batch, always=True, hidden=True))
+        got, grads = run(lambda: shared_prefix_logits(model, *batch, GROUP_PACKED, always=True, hidden=True))
     finally:
         handle.remove()
-        group_pack.use_group_packing(model, False)
     assert len(calls) == 1
     torch.testing.assert_close(got[valid], expected[valid], atol=2e-5, rtol=1e-4)
     for g, e in zip(grads, expected_grads):  # float rounding of sums in another order, relative to the tensor's size
@@ -129,34 +134,37 @@ def test_single_token_responses_and_gradient_checkpointing():
         got = group_packed_hidden(model, prompt_ids, prompt_mask, response_ids, response_mask, first, inverse)
         expected = _full_hidden(model, prompt_ids, prompt_mask, response_ids, response_mask)
     torch.testing.assert_close(got, expected, atol=2e-5, rtol=1e-4)
-    group_pack.use_group_packing(model, True)
-    assert group_pack.group_packing(model)
+    assert group_pack.group_packing(model, GROUP_PACKED)
     enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
     enable()
     model.train()
-    assert not group_pack.group_packing(model)
+    assert not group_pack.group_packing(model, GROUP_PACKED)
     model.eval()
-    assert group_pack.group_packing(model)  # no recomputation without training mode
+    assert group_pack.group_packing(model, GROUP_PACKED)  # no recomputation without training mode
 
 
 def test_the_check_accepts_sdpa_llama_and_refuses_what_it_cannot_run():
-    """group_packing_gives_prefix_values: True for an sdpa Llama (and leaves no record behind); False for eager
-    attention; the attention refuses options it does not apply and a forward without its layout;
-    choose_group_packing records the verdict, or the setting."""
+    """group_packing_gives_prefix_values: True for an sdpa Llama; False where attention is not per sequence (eager);
+    the attention refuses options it does not apply and a forward without its layout; the speed plan takes the
+    verdict, or the setting."""
     model = _llama()
-    assert group_packing_gives_prefix_values(model) is True
-    assert not group_pack.group_packing(model)
-    assert group_packing_gives_prefix_values(_llama("eager")) is False
+    assert group_packing_gives_prefix_values(model, GROUP_PACKED) is True
+    assert group_packing_gives_prefix_values(_llama("eager"), ModelPlan(group_packing=True)) is False
     layout = _hand_layout()
     q = k = v = torch.randn(1, 2, 10, 8)
     with pytest.raises(NotImplementedError, match="softcap"):  # an option it does not apply: the check says False
         group_pack.group_packed_attention(None, q, k, v, None, rlhfkit_group_packing=layout, softcap=30.0)
     with pytest.raises(RuntimeError):  # a forward without the layout (a model that drops the keyword)
         group_pack.group_packed_attention(None, q, k, v, None)
+    from rlhfkit.config.ppo_schema import PPOConfig
+
+    cfg = lambda packing: dataclasses.replace(PPOConfig(), ppo=dataclasses.replace(PPOConfig().ppo,  # noqa: E731
+                                                                                   packing=packing))
     engine = LocalEngine()
-    assert choose_group_packing(model, None, "fp32", engine) is True and group_pack.group_packing(model)
-    assert choose_group_packing(model, False, "fp32", engine) is False and not group_pack.group_packing(model)
-    assert choose_group_packing(_llama("eager"), None, "fp32", engine) is False
+    critic = lambda m, packing: plan_model(Target(m, "critic", "ppo", cfg(packing), engine))  # noqa: E731
+    assert critic(model, None).group_packing and not critic(model, False).group_packing
+    assert dict(critic(model, False).off)["group_packing"] == "ppo.packing=false"
+    assert not critic(_llama("eager"), None).group_packing
 
 
 def test_rows_that_do_not_fit_the_packed_row_are_refused():
@@ -183,7 +191,7 @@ def test_a_lora_actor_and_its_adapter_off_reference_take_the_packed_row():
         for name, p in model.named_parameters():
             if "lora_B" in name:
                 p.normal_(0, 0.1)
-    assert group_packing_gives_prefix_values(model) is True
+    assert group_packing_gives_prefix_values(model, GROUP_PACKED) is True
     batch = _batch()
     valid = batch[3].bool()
     weights = torch.randn(*valid.shape, 64)
@@ -196,13 +204,9 @@ def test_a_lora_actor_and_its_adapter_off_reference_take_the_packed_row():
         return hidden.detach(), [p.grad.clone() for p in trained]
 
     expected, expected_grads = run(lambda: _full_hidden(model, *batch))
-    group_pack.use_group_packing(model, True)
-    try:
-        got, grads = run(lambda: shared_prefix_logits(model, *batch, always=True, hidden=True))
-        with torch.no_grad(), adapter_disabled(model):
-            base = shared_prefix_logits(model, *batch, always=True, hidden=True)
-    finally:
-        group_pack.use_group_packing(model, False)
+    got, grads = run(lambda: shared_prefix_logits(model, *batch, GROUP_PACKED, always=True, hidden=True))
+    with torch.no_grad(), adapter_disabled(model):
+        base = shared_prefix_logits(model, *batch, GROUP_PACKED, always=True, hidden=True)
     torch.testing.assert_close(got[valid], expected[valid], atol=2e-5, rtol=1e-4)
     for g, e in zip(grads, expected_grads):
         assert float((g - e).norm()) <= 1e-5 * float(e.norm()) + 1e-7

@@ -12,9 +12,9 @@ from rlhfkit.accel.lean import use_lean_activations
 
 @pytest.fixture
 def switched(monkeypatch, tmp_path):
-    """The kernels on (built into a cache of this test's own), the module's state restored afterwards."""
+    """The kernels built into a cache of this test's own, the module's state restored afterwards."""
     monkeypatch.setenv("RLHFKIT_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.setattr(kernels, "_STATE", {"on": True, "lib": None, "failed": False, "pool": None})
+    monkeypatch.setattr(kernels, "_STATE", {"lib": None, "failed": False, "pool": None})
     assert kernels.usable(torch.zeros(kernels.MIN_WIDTH)), "the C kernels did not build on this machine"
     return tmp_path / "cache"
 
@@ -88,7 +88,9 @@ def test_several_threads_give_the_same_bits(switched, monkeypatch):
             assert torch.equal(a, b)
 
 
-def llama(seed=0):
+def llama(seed=0, fused=True):
+    """A 256-wide Llama (wide enough for the kernels) with its lean modules, their element-wise work in C (`fused`,
+    the speed plan's `fused_kernels`) or in PyTorch's operators."""
     torch.manual_seed(seed)
     config = LlamaConfig(vocab_size=97, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
@@ -97,7 +99,7 @@ def llama(seed=0):
         for name, p in model.named_parameters():
             if "norm" in name:
                 p.uniform_(0.5, 1.5)
-    use_lean_activations(model)
+    use_lean_activations(model, fused=fused)
     return model
 
 
@@ -110,8 +112,7 @@ def test_lean_training_with_the_kernels_matches_pytorchs_operators(switched, mon
         monkeypatch.setattr(kernels, name, lambda *a, _f=original, _n=name: calls.append(_n) or _f(*a))
     results = []
     for on in (False, True):
-        kernels.enable(on)
-        model = llama()
+        model = llama(fused=on)
         # use_lean_activations checked each module on a random input, with and without autograd: with the
         # kernels on, through them
         assert (calls.count("rms_norm_forward"), calls.count("silu_mul_backward")) == ((10, 2) if on else (0, 0))
@@ -142,13 +143,11 @@ def test_narrow_models_and_other_dtypes_stay_on_pytorch(switched):
     assert not kernels.usable(torch.zeros(4, 64), width=kernels.MIN_WIDTH - 64)
     assert not kernels.usable(torch.zeros(kernels.MIN_WIDTH, dtype=torch.bfloat16))
     assert not kernels.usable(torch.zeros(kernels.MIN_WIDTH), torch.zeros(4, dtype=torch.float64))
-    kernels.enable(False)
-    assert not kernels.usable(torch.zeros(kernels.MIN_WIDTH))
 
 
 def test_a_failing_compiler_falls_back_once_with_a_message(monkeypatch, tmp_path, capsys):
     monkeypatch.setenv("RLHFKIT_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(kernels, "_STATE", {"on": True, "lib": None, "failed": False, "pool": None})
+    monkeypatch.setattr(kernels, "_STATE", {"lib": None, "failed": False, "pool": None})
     monkeypatch.setattr(kernels, "FLAGS", [*kernels.FLAGS, "-Wl,--no-such-linker-option"])
     x = torch.randn(kernels.MIN_WIDTH)
     assert not kernels.usable(x) and not kernels.usable(x)
@@ -168,15 +167,28 @@ def test_the_build_is_cached_per_source(switched):
     assert kernels.build() == first and first.stat().st_mtime_ns == stamp
 
 
-def test_the_engine_switches_them(monkeypatch):
-    from rlhfkit.config.schema import EngineConfig
-    from rlhfkit.engine.backends import make_engine
+def test_the_speed_plan_switches_them(switched):
+    """`engine.fused_kernels` is the speed plan's switch: the lean modules and the rotation a wide model gets run in C
+    with it on, PyTorch's operators with it off; a narrow model (the tests' tiny ones) never takes them."""
+    import dataclasses
 
-    monkeypatch.setattr(kernels, "_STATE", {"on": False, "lib": None, "failed": False, "pool": None})
-    make_engine(EngineConfig(fused_kernels=True))
-    assert kernels._STATE["on"]
-    make_engine(EngineConfig(fused_kernels=False))
-    assert not kernels._STATE["on"]
+    from rlhfkit.config.schema import SFTConfig
+    from rlhfkit.engine.local import LocalEngine
+    from rlhfkit.speed.registry import Target, plan_model
+
+    def plan(model, fused: bool):
+        cfg = dataclasses.replace(SFTConfig(), engine=dataclasses.replace(SFTConfig().engine, fused_kernels=fused))
+        return plan_model(Target(model, "policy", "sft", cfg, LocalEngine()))
+
+    for fused in (True, False):
+        model = llama(fused=False)
+        model.model.layers[0].mlp.__class__ = type(model.model.layers[0].mlp).__mro__[1]  # one MLP left to switch
+        assert plan(model, fused).fused_kernels is fused
+        assert model.model.layers[0].mlp.fused is fused  # switched by the plan's installation
+    narrow = LlamaForCausalLM(LlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                                          num_attention_heads=4))
+    decided = plan(narrow, True)
+    assert not decided.fused_kernels and dict(decided.off)["fused_kernels"] == f"hidden size 64 < {kernels.MIN_WIDTH}"
 
 
 def test_rotary_kernel_gives_transformers_rotation(switched):
@@ -221,6 +233,9 @@ def test_fused_rotary_in_a_model_and_only_there(switched, monkeypatch):
     original = kernels.rotary
     monkeypatch.setattr(kernels, "rotary", lambda *a, **kw: calls.append(1) or original(*a, **kw))
     plain = llama()
+    import transformers.models.llama.modeling_llama as modeling
+
+    transformers_rotation = modeling.apply_rotary_pos_emb
     plain_loss = plain(input_ids=ids, labels=ids).loss
     plain_loss.backward()
     fused = llama()
@@ -234,12 +249,13 @@ def test_fused_rotary_in_a_model_and_only_there(switched, monkeypatch):
     for (name, p), q in zip(fused.named_parameters(), plain.parameters()):
         close(p.grad, q.grad, 2e-5)
     calls.clear()
-    other = llama()  # not switched: the same transformers module, its own cos and sin untagged
+    assert modeling.apply_rotary_pos_emb is transformers_rotation  # only while the switched model's forward runs
+    other = llama()  # not switched: the same transformers module, transformers' function
     other(input_ids=ids, labels=ids).loss.backward()
     assert calls == []
-    kernels.enable(False)  # switched off: transformers' function for the switched model too
-    fused(input_ids=ids, labels=ids)
-    assert calls == []
+    with pytest.raises(RuntimeError):  # put back when the forward raises too
+        fused(input_ids=ids[:, :0].float())
+    assert modeling.apply_rotary_pos_emb is transformers_rotation
 
 
 def test_a_hanging_compiler_is_given_up_on(monkeypatch, tmp_path, capsys):
@@ -249,7 +265,7 @@ def test_a_hanging_compiler_is_given_up_on(monkeypatch, tmp_path, capsys):
     monkeypatch.setenv("CC", str(compiler))
     monkeypatch.setenv("RLHFKIT_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.setattr(kernels, "BUILD_TIMEOUT_S", 1)
-    monkeypatch.setattr(kernels, "_STATE", {"on": True, "lib": None, "failed": False, "pool": None})
+    monkeypatch.setattr(kernels, "_STATE", {"lib": None, "failed": False, "pool": None})
     assert not kernels.usable(torch.zeros(kernels.MIN_WIDTH))
     assert "slowcc took more than 1 s" in capsys.readouterr().err
 

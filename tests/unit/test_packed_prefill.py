@@ -1,4 +1,4 @@
-"""The rollout's padding-free prefill (rollout.generate._packed_prefill): left-padded prompts go through the model
+"""The rollout's padding-free prefill (rollout.generate._packed_prefill, the speed plan's `packed_prefill`): left-padded prompts go through the model
 packed, and the KV cache they leave is the padded prefill's."""
 
 from __future__ import annotations
@@ -10,7 +10,11 @@ from transformers import LlamaConfig, LlamaForCausalLM
 import rlhfkit.models.segments as segments
 import rlhfkit.rollout.generate as generate
 from rlhfkit.config.ppo_schema import GenConfig
-from rlhfkit.models.forward import pack_padded, unpack_states, use_padding_free
+from rlhfkit.models.forward import pack_padded, unpack_states
+from rlhfkit.speed.checks import group_decode_is_exact, packed_prefill_is_exact
+from rlhfkit.speed.plan import REFERENCE, ModelPlan
+
+PACKED = ModelPlan(segment_attention=True, packed_prefill=True)
 
 from conftest import sharpened
 
@@ -51,7 +55,7 @@ def test_unpack_states_puts_packed_keys_back_into_the_left_padded_layout():
 def _prefill(model, ids, mask, packed: bool):
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
     with torch.no_grad():
-        return generate._prefill(model, ids, mask, positions, ids.size(1) + 4, packed=packed)
+        return generate.prefill(model, ids, mask, positions, ids.size(1) + 4, PACKED if packed else REFERENCE)
 
 
 @pytest.mark.parametrize("row_tokens", [4096, 9])  # one packed row; bins of at most 9 tokens (several rows)
@@ -79,17 +83,18 @@ def test_packed_prefill_leaves_the_padded_prefills_cache_and_logits(row_tokens, 
 
 
 def _sample(model, ids, mask, packed: bool, greedy: bool):
-    use_padding_free(model, packed)
+    # each distinct prompt once and decoded in groups (as a PPO actor's plan has them), prefilled packed or not
+    plan = ModelPlan(segment_attention=True, packed_prefill=packed, shared_prompt=True, group_decode=True)
     torch.manual_seed(0)
     with torch.no_grad():
-        return generate.sample_tokens(model, ids, mask, GenConfig(max_new_tokens=6, min_new_tokens=6), [2], 0,
+        return generate.sample_tokens(model, ids, mask, GenConfig(max_new_tokens=6, min_new_tokens=6), [2], 0, plan,
                                       greedy=greedy)
 
 
 @pytest.mark.parametrize("group", [1, 3])  # distinct prompts (plain cache); 3 samples per prompt (group decode)
 def test_sampling_after_a_packed_prefill_draws_what_the_padded_prefill_draws(group, monkeypatch):
-    """A model recorded padding-free (and passing the check) prefills packed: the same tokens, greedy and
-    sampled from the same random numbers, with the same log-probs, as the padded prefill; with groups too."""
+    """A plan with the packed prefill prefills packed: the same tokens, greedy and sampled from the same random
+    numbers, with the same log-probs, as the padded prefill; with groups too."""
     model = _llama()
     ids, mask = _prompts([4, 1, 6], group)
     calls = []
@@ -97,40 +102,37 @@ def test_sampling_after_a_packed_prefill_draws_what_the_padded_prefill_draws(gro
     monkeypatch.setattr(generate, "_packed_prefill", lambda *a: calls.append(a[1].shape) or real_packed(*a))
     for greedy in (True, False):
         tokens, logprobs = _sample(model, ids, mask, True, greedy)
-        assert calls[-1] == (3, 6)  # the three distinct prompts, packed (after the check's own 2 x 6, once)
+        assert calls[-1] == (3, 6)  # the three distinct prompts, packed
         calls.clear()
         plain_tokens, plain_logprobs = _sample(model, ids, mask, False, greedy)
         assert not calls
         assert torch.equal(tokens, plain_tokens)
         torch.testing.assert_close(logprobs, plain_logprobs, atol=1e-5, rtol=1e-5)
-    assert model._rlhfkit_packed_prefill_exact is True
-    if group > 1:
-        assert model._rlhfkit_group_decode_exact is True  # the packed prefill filled a group cache
 
 
 def test_the_check_refuses_attention_that_does_not_run_per_packed_sequence(monkeypatch):
-    """packed_prefill_is_exact: True for a Llama with sdpa (cached on the model), also one that trains with
-    gradient checkpointing (the prefill runs without autograd); False with eager attention (no per-sequence path)
-    and where the attention ignores the call's packing (it would attend from one prompt into another: the values
-    differ)."""
-    model = _llama()
-    assert generate.packed_prefill_is_exact(model) is True
-    assert model._rlhfkit_packed_prefill_exact is True
+    """packed_prefill_is_exact: True for a Llama with sdpa, also one that trains with gradient checkpointing (the
+    prefill runs without autograd); False without attention per sequence (eager: none) and where the attention
+    ignores the call's spans (it would attend from one prompt into another: the values differ)."""
+    assert packed_prefill_is_exact(_llama(), PACKED) is True
     checkpointed = _llama()
     checkpointed.gradient_checkpointing_enable()
     checkpointed.train()
-    assert generate.packed_prefill_is_exact(checkpointed) is True and checkpointed.training
-    assert generate.packed_prefill_is_exact(_llama("eager")) is False
-    monkeypatch.setattr(generate, "packed_attention", lambda model: torch.no_grad())  # plain sdpa over the row
-    assert generate.packed_prefill_is_exact(_llama()) is False
+    assert packed_prefill_is_exact(checkpointed, PACKED) is True and checkpointed.training
+    assert packed_prefill_is_exact(_llama("eager"), PACKED) is False
+    assert packed_prefill_is_exact(_llama(), ModelPlan(packed_prefill=True)) is False  # no per-sequence attention
+    ignoring = _llama()
+    for layer in ignoring.model.layers:  # an attention that drops the call's keyword arguments (the spans)
+        forward = layer.self_attn.forward
+        layer.self_attn.forward = lambda *a, _f=forward, **k: _f(*a, **{n: v for n, v in k.items()
+                                                                       if n != segments.SPANS})
+    assert packed_prefill_is_exact(ignoring, PACKED) is False
 
 
 def test_both_exactness_checks_pass_under_bf16_autocast_over_float32_weights():
     """engine.precision=bf16 on the local engine runs the rollout (and these checks in it) under bf16 autocast
     with float32 weights: the checks allow bf16's rounding there, as for bf16 weights, rather than demanding
     float32's 1e-4 and turning the packed prefill and the group decode off under bf16."""
-    from rlhfkit.rollout.group_decode import group_decode_is_exact
-
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        assert generate.packed_prefill_is_exact(_llama()) is True
+        assert packed_prefill_is_exact(_llama(), PACKED) is True
         assert group_decode_is_exact(_llama()) is True

@@ -1,16 +1,20 @@
 """Padding-free forwards over padded rollout rows (`forward.pack_padded`, `packed_outputs`): the packing by hand,
 and the response log-probs, critic values and reward scores of the PPO loops, values and gradients, against the
-padded forward's; the one-off check that decides them (`packing_gives_padded_values`)."""
+padded forward's; the one-off check that decides them (`speed.checks.packing_gives_padded_values`)."""
 
 import pytest
 import torch
 from transformers import LlamaForSequenceClassification
 
 from rlhfkit.models import load_causal_lm, load_tokenizer
-from rlhfkit.models.forward import (pack_padded, packing_gives_padded_values, padding_free, read_packed,
-                                    sequence_scores, use_head_logprobs, use_padding_free)
+from rlhfkit.models.forward import pack_padded, read_packed, sequence_scores
 from rlhfkit.models.lora import base_model
+from rlhfkit.models.segments import SPANS
 from rlhfkit.rollout.experience import response_logprobs_and_entropy, response_values
+from rlhfkit.speed.checks import packing_gives_padded_values
+from rlhfkit.speed.plan import ModelPlan
+
+PACKED = ModelPlan(segment_attention=True, padding_free=True)  # padding-free forwards, attention per sequence
 
 from conftest import sharpened
 from test_chunked_logprobs import _batch
@@ -58,24 +62,20 @@ def test_response_logprobs_padding_free_equal_the_padded_forward(tiny_model_dir,
     if checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()
-    use_head_logprobs(model, True)
     valid = batch.response_mask.bool()
     upstream = torch.randn(valid.shape, generator=torch.Generator().manual_seed(3))
 
     def run(packing: bool):
-        use_padding_free(model, packing)
+        plan = ModelPlan(head_chunks=True, segment_attention=packing, padding_free=packing)
         model.zero_grad(set_to_none=True)
-        logp, ent = response_logprobs_and_entropy(model, batch, temperature=0.7)
+        logp, ent = response_logprobs_and_entropy(model, batch, plan, temperature=0.7)
         torch.where(valid, logp * upstream, 0).sum().backward()
         return logp.detach(), ent, _grads(model)
 
     padded, packed = run(False), run(True)
-    assert padding_free(model)
     torch.testing.assert_close(packed[0], padded[0], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(packed[1][valid], padded[1][valid], atol=1e-5, rtol=1e-5)
     _assert_grads_close(packed[2], padded[2])
-    use_padding_free(model, False)
-    use_head_logprobs(model, False)
 
 
 def _scalar_model(seed: int = 0):
@@ -101,12 +101,12 @@ def test_critic_values_and_reward_scores_padding_free_equal_the_padded_forward()
     upstream = torch.randn(valid.shape, generator=g)
 
     def run(packing: bool):
-        use_padding_free(critic, packing)
+        plan = PACKED if packing else ModelPlan()
         critic.zero_grad(set_to_none=True)
-        values = response_values(critic, batch)
+        values = response_values(critic, batch, plan)
         torch.where(valid, values * upstream, 0).sum().backward()
         with torch.no_grad():
-            scores = sequence_scores(critic, batch.input_ids, batch.attention_mask)
+            scores = sequence_scores(critic, batch.input_ids, batch.attention_mask, plan)
         return values.detach(), scores, _grads(critic)
 
     padded, packed = run(False), run(True)
@@ -116,21 +116,21 @@ def test_critic_values_and_reward_scores_padding_free_equal_the_padded_forward()
     assert torch.equal(packed[0][~real], torch.zeros(int((~real).sum())))  # padding states: 0
     torch.testing.assert_close(packed[1], padded[1], atol=1e-5, rtol=1e-5)
     _assert_grads_close(packed[2], padded[2])
-    use_padding_free(critic, False)
 
 
 def test_the_check_passes_plain_models_and_refuses_one_that_ignores_packed_positions(tiny_model_dir):
     tok = load_tokenizer(str(tiny_model_dir))
     model = sharpened(load_causal_lm(str(tiny_model_dir), tokenizer=tok)).train()
-    assert packing_gives_padded_values(model)
-    assert packing_gives_padded_values(_scalar_model())
+    assert packing_gives_padded_values(model, PACKED)
+    assert packing_gives_padded_values(_scalar_model(), PACKED)
     inner = base_model(model).model
     plain_forward = inner.forward
 
-    def positions_ignored(*args, **kwargs):  # a model numbering positions its own way (0..T-1 along the row)
-        kwargs["position_ids"] = None
+    def positions_ignored(*args, **kwargs):  # a model numbering positions its own way (0..T-1 along the row) that
+        kwargs["position_ids"] = None     # does not pass the call's keyword arguments (the spans) on to its attention
+        kwargs.pop(SPANS, None)
         return plain_forward(*args, **kwargs)
 
     inner.forward = positions_ignored
-    assert not packing_gives_padded_values(model)
+    assert not packing_gives_padded_values(model, PACKED)
     assert model.training  # the check restores the mode

@@ -22,7 +22,10 @@ from rlhfkit.rollout.experience import add_rewards
 from rlhfkit.rollout.batch import RolloutBatch
 from rlhfkit.rollout.experience import response_logprobs
 from rlhfkit.stages.ppo_setup import load_ppo_models
+from rlhfkit.speed.plan import REFERENCE
 from rlhfkit.stages.ppo_update import PtxText, critic_update_with_values, ppo_update, single_step
+
+PLANS = {"actor": REFERENCE, "critic": REFERENCE, "reference": REFERENCE}  # plain transformers forwards throughout
 
 
 def prompt_rows(tok, prompts: list[str]) -> list[dict]:
@@ -52,9 +55,9 @@ def rollout(tiny_model_dir):
     cfg = ppo_config()
     rows = prompt_rows(tok, ["say apple", "say a river stone cloud", "say honey honey", "say tiger"])
     torch.manual_seed(1)
-    batch = generate_all(actor, engine, tok, rows, cfg.gen)
+    batch = generate_all(actor, engine, tok, rows, cfg.gen, REFERENCE)
     batch.response_mask[0, 3:] = 0  # make the response lengths differ for sure
-    batch = add_model_outputs(batch, actor, critic, actor, cfg.gen.temperature, 4)
+    batch = add_model_outputs(batch, actor, critic, actor, PLANS, cfg.gen.temperature, 4)
     batch.ref_logprobs = batch.ref_logprobs - 0.1 * torch.rand_like(batch.ref_logprobs) * batch.response_mask
     scores = torch.tensor([1.0, -0.5, 0.3, 2.0], device=engine.device)
     batch, _ = add_advantages(batch, scores, 0.1, cfg.ppo)
@@ -76,7 +79,7 @@ def one_update(tmp_path, rollout, micro: int, **sections) -> tuple[dict, list, l
         source = tmp_path / cfg.data.ptx
         source.write_text("say apple apple\n\nsay a river stone cloud green\n\nhoney\n\ntiger tiger")
         ptx = PtxText(str(source), tok, 32, seed=0)
-    metrics = ppo_update(batch, a, c, cfg, engine, iteration=0, ptx=ptx, pad_id=tok.pad_token_id)
+    metrics = ppo_update(batch, a, c, cfg, engine, iteration=0, plans=PLANS, ptx=ptx, pad_id=tok.pad_token_id)
     return metrics, [p.detach().clone() for p in a.module.parameters()], [p.detach().clone() for p in
                                                                           c.module.parameters()]
 
@@ -134,13 +137,14 @@ def test_a_mini_batch_with_every_row_left_out_takes_no_step(rollout):
     cfg = ppo_config(train={"micro_batch_size": 2, "weight_decay": 0.1})
     engine = LocalEngine()
     a, c = engine.prepare(copy.deepcopy(actor), cfg.train, 10), engine.prepare(copy.deepcopy(critic), cfg.train, 10)
-    ppo_update(batch, a, c, cfg, engine, iteration=0)  # a real step first: Adam now has momentum
+    ppo_update(batch, a, c, cfg, engine, iteration=0, plans=PLANS)  # a real step first: Adam now has momentum
     before = [p.detach().clone() for p in list(a.module.parameters()) + list(c.module.parameters())]
     empty = replace(batch, response_mask=torch.zeros_like(batch.response_mask))
-    metrics = ppo_update(empty, a, c, cfg, engine, iteration=1)
+    metrics = ppo_update(empty, a, c, cfg, engine, iteration=1, plans=PLANS)
     after = list(a.module.parameters()) + list(c.module.parameters())
     assert all(torch.equal(x, y) for x, y in zip(before, after)) and metrics["empty_steps"] == 1.0
-    _, _, critic_metrics = critic_update_with_values(add_rewards(empty, batch.scores, 0.1, cfg.ppo), c, cfg, engine)
+    _, _, critic_metrics = critic_update_with_values(add_rewards(empty, batch.scores, 0.1, cfg.ppo), c, cfg, engine,
+                                                     REFERENCE)
     assert all(torch.equal(x, y) for x, y in zip(before[-len(list(c.module.parameters())):], c.module.parameters()))
     assert critic_metrics["empty_steps"] == 1.0
 
@@ -157,11 +161,12 @@ def test_critic_update_with_values_equals_values_then_update(rollout):
         group["eps"] = 1.0  # as in one_update: parameters after one Adam step then compare the gradients
     frozen_actor = engine.prepare(copy.deepcopy(actor), cfg.train, 10)
 
-    with_values = replace(batch, values=add_model_outputs(batch, actor, separate_critic.module, actor, 0.8, 2).values)
+    with_values = replace(batch, values=add_model_outputs(batch, actor, separate_critic.module, actor, PLANS, 0.8,
+                                                          2).values)
     separate, separate_adv = add_advantages(with_values, batch.scores, 0.1, cfg.ppo)
-    separate_metrics = ppo_update(separate, frozen_actor, separate_critic, cfg, engine, 0, update_actor=False)
+    separate_metrics = ppo_update(separate, frozen_actor, separate_critic, cfg, engine, 0, PLANS, update_actor=False)
     fused, fused_adv, fused_metrics = critic_update_with_values(add_rewards(batch, batch.scores, 0.1, cfg.ppo),
-                                                                fused_critic, cfg, engine)
+                                                                fused_critic, cfg, engine, REFERENCE)
 
     for key in ("values", "advantages", "returns"):
         torch.testing.assert_close(getattr(fused, key), getattr(separate, key), atol=1e-5, rtol=1e-5)
@@ -186,8 +191,8 @@ def test_lora_reference_is_the_actor_with_its_adapter_disabled(tmp_path, tiny_mo
         for name, p in models.actor.module.named_parameters():
             if "lora_B" in name:
                 p.normal_(0, 0.5)
-    with_ref = add_model_outputs(batch, models.actor.module, models.critic.module, None, 0.8, 4)
-    base = response_logprobs(plain_actor, batch, 0.8) * batch.response_mask
+    with_ref = add_model_outputs(batch, models.actor.module, models.critic.module, None, models.plans, 0.8, 4)
+    base = response_logprobs(plain_actor, batch, REFERENCE, 0.8) * batch.response_mask
     torch.testing.assert_close(with_ref.ref_logprobs, base, atol=1e-5, rtol=1e-5)
     assert (with_ref.old_logprobs - base).abs().max() > 1e-2  # the adapted actor itself differs
 
@@ -279,13 +284,14 @@ def test_entropy_bonus_and_kl_clamp_enter_the_actor_loss_as_written(rollout):
     from rlhfkit.stages.ppo_update import actor_loss
 
     tok, actor, _, batch = rollout
-    plain, stats = actor_loss(actor, batch, ppo_config().ppo, 0.8, 6)
-    bonus, _ = actor_loss(actor, batch, ppo_config(ppo={"entropy_coef": 0.3}).ppo, 0.8, 6)
-    entropy = masked_mean(entropy_from_logits(response_logits(actor, batch, 0.8)), batch.response_mask)
+    plain, stats = actor_loss(actor, batch, ppo_config().ppo, 0.8, 6, REFERENCE)
+    bonus, _ = actor_loss(actor, batch, ppo_config(ppo={"entropy_coef": 0.3}).ppo, 0.8, 6, REFERENCE)
+    entropy = masked_mean(entropy_from_logits(response_logits(actor, batch, REFERENCE, 0.8)), batch.response_mask)
     assert bonus.item() == pytest.approx(plain.item() - 0.3 * entropy.item(), abs=1e-6)
     assert stats["entropy"] == pytest.approx(entropy.item(), abs=1e-6)
     # the k3 loss term with its estimate clamped at 0.01 per token
-    clamped, cstats = actor_loss(actor, batch, ppo_config(ppo={"kl_loss_coef": 2.0, "kl_clamp": 0.01}).ppo, 0.8, 6)
+    clamped, cstats = actor_loss(actor, batch, ppo_config(ppo={"kl_loss_coef": 2.0, "kl_clamp": 0.01}).ppo, 0.8, 6,
+                                 REFERENCE)
     logp = token_logprobs_of(actor, batch)
     want = masked_mean(kl_penalty(logp, batch.ref_logprobs, "k3").clamp(-0.01, 0.01), batch.response_mask)
     assert cstats["kl_loss"] == pytest.approx(want.item(), abs=1e-6) and cstats["kl_loss"] <= 0.01
@@ -295,7 +301,7 @@ def test_entropy_bonus_and_kl_clamp_enter_the_actor_loss_as_written(rollout):
 def token_logprobs_of(actor, batch):
     from rlhfkit.rollout.experience import response_logprobs
 
-    return response_logprobs(actor, batch, 0.8)
+    return response_logprobs(actor, batch, REFERENCE, 0.8)
 
 
 def test_a_zero_value_head_starts_every_value_at_zero_and_bf16_recomputes_old_logprobs(tmp_path, tiny_model_dir,
@@ -309,7 +315,7 @@ def test_a_zero_value_head_starts_every_value_at_zero_and_bf16_recomputes_old_lo
     models = load_ppo_models(cfg, tok, LocalEngine(), 10)
     assert any("fresh value head" in n for n in models.notes)
     with torch.no_grad():
-        assert response_values(models.critic.module, batch).abs().max().item() == 0.0
+        assert response_values(models.critic.module, batch, models.plans["critic"]).abs().max().item() == 0.0
     assert not PPOSteps(cfg, models, tok, LocalEngine()).recompute_old  # float32: the sampling log-probs
     bf16 = ppo_config(actor=str(tiny_model_dir), reward=f"{tmp_path / 'r.py'}:f", engine={"precision": "bf16"})
     assert PPOSteps(bf16, models, tok, LocalEngine()).recompute_old
@@ -335,7 +341,7 @@ def test_a_zero_value_head_is_zero_however_critic_names_the_causal_lm_folder(tmp
         models = load_ppo_models(cfg, tok, LocalEngine(), 10)
         assert f"critic: {critic} (fresh value head)" in models.notes
         with torch.no_grad():
-            assert response_values(models.critic.module, batch).abs().max().item() == 0.0
+            assert response_values(models.critic.module, batch, models.plans["critic"]).abs().max().item() == 0.0
 
 
 @pytest.mark.parametrize("second,expected", [

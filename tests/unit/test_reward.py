@@ -17,6 +17,7 @@ from rlhfkit.data.templates import Template, encode_prompt, encode_response
 from rlhfkit.data.tokenize import pad_sequences
 from rlhfkit.models import load_scalar_model, load_tokenizer
 from rlhfkit.models.forward import sequence_scores
+from rlhfkit.speed.plan import REFERENCE, ModelPlan
 from rlhfkit.models.reward_fn import ModelReward
 from rlhfkit.errors import RunError
 from rlhfkit.stages.reward import END_IDS_KEY, MEAN_KEY, STD_KEY, run_rm
@@ -43,7 +44,7 @@ def scores(model, seqs: list[list[int]], pad_id: int, side: str) -> torch.Tensor
     ids = pad_sequences(seqs, pad_id, side)  # (B, T)
     mask = pad_sequences([[1] * len(s) for s in seqs], 0, side)
     with torch.no_grad():
-        return sequence_scores(model, ids, mask)
+        return sequence_scores(model, ids, mask, REFERENCE)
 
 
 @pytest.mark.parametrize("pad_is_eos", [False, True], ids=["pad!=eos", "pad==eos"])
@@ -216,7 +217,10 @@ def test_a_folder_trained_plain_is_rendered_plain_downstream(chat_model_dir, tmp
 def test_packed_pairs_score_and_train_as_padded_ones(tiny_model_dir):
     """Chosen and rejected sequences packed without padding (positions restarting per sequence, each score
     read at its sequence's last token) give the padded batch's scores and the same gradients."""
-    from rlhfkit.stages.reward import pair_scores, packing_is_exact
+    from rlhfkit.models.stage_forward import pair_scores
+    from rlhfkit.speed.checks import rm_packing_is_exact
+
+    plan = ModelPlan(segment_attention=True, packing=True)
 
     tok = load_tokenizer(str(tiny_model_dir))
     model = sharpened(load_scalar_model(str(tiny_model_dir), tokenizer=tok))
@@ -226,7 +230,7 @@ def test_packed_pairs_score_and_train_as_padded_ones(tiny_model_dir):
 
     def scores_and_grads(packed):
         model.zero_grad()
-        chosen, rejected = pair_scores(model, rows, tok.pad_token_id, torch.device("cpu"), packed)
+        chosen, rejected = pair_scores(model, rows, tok.pad_token_id, torch.device("cpu"), plan, packed)
         (chosen - 2 * rejected).sum().backward()
         return torch.cat([chosen, rejected]).detach(), [p.grad.clone() for p in model.parameters()]
 
@@ -235,7 +239,7 @@ def test_packed_pairs_score_and_train_as_padded_ones(tiny_model_dir):
     torch.testing.assert_close(packed, padded, atol=1e-5, rtol=1e-5)
     for a, b in zip(packed_grads, padded_grads):  # float rounding relative to each gradient's scale
         torch.testing.assert_close(a, b, atol=1e-5 * float(b.abs().max()) + 1e-6, rtol=1e-3)
-    assert packing_is_exact(model, rows, tok.pad_token_id, torch.device("cpu"))
+    assert rm_packing_is_exact(model, plan, rows, tok.pad_token_id, torch.device("cpu"))
 
 
 @pytest.mark.parametrize("forward_batch_size, rows", [(None, 4), (6, 6)])

@@ -17,9 +17,13 @@ from rlhfkit.rollout import (RolloutBatch, add_advantages, add_model_outputs, ad
                              ended_with_eos, generate_rollout, response_mask)
 from rlhfkit.rollout.experience import response_logprobs, response_values
 from rlhfkit.rollout.generate import ignored_generation_settings
+from rlhfkit.speed.plan import REFERENCE, ModelPlan
 
 
 CPU = LocalEngine  # the real single-process engine
+# what a PPO actor's plan has for sampling and for its log-probs of groups: each distinct prompt once, group decode
+ACTOR = ModelPlan(shared_prompt=True, group_decode=True)
+PLANS = {"actor": ACTOR, "critic": REFERENCE, "reference": ACTOR}
 
 
 @pytest.fixture(scope="module")
@@ -86,10 +90,10 @@ def test_batched_generation_equals_one_prompt_at_a_time(tiny):
     tok, model = tiny
     rows = prompt_rows(tok, ["say apple", "say a very long river stone cloud green", "say honey"])
     cfg = GenConfig(max_new_tokens=6)
-    batch = generate_rollout(model, CPU(), tok, rows, cfg, greedy=True)
+    batch = generate_rollout(model, CPU(), tok, rows, cfg, ACTOR, greedy=True)
     assert batch.prompt_mask.sum(-1).tolist() == [len(r["prompt_ids"]) for r in rows]
     for i, row in enumerate(rows):
-        alone = generate_rollout(model, CPU(), tok, [row], cfg, greedy=True)
+        alone = generate_rollout(model, CPU(), tok, [row], cfg, ACTOR, greedy=True)
         n = int(alone.response_mask.sum())
         assert int(batch.response_mask[i].sum()) == n
         assert batch.response_ids[i, :n].tolist() == alone.response_ids[0, :n].tolist()
@@ -101,18 +105,19 @@ def test_logprobs_and_values_ignore_padding_and_post_eos_tokens(tiny, tiny_model
     critic = load_scalar_model(str(tiny_model_dir), tokenizer=tok).eval()
     rows = prompt_rows(tok, ["say apple", "say a very long river stone cloud green"])
     torch.manual_seed(0)
-    batch = generate_rollout(model, CPU(), tok, rows, GenConfig(max_new_tokens=5))
+    batch = generate_rollout(model, CPU(), tok, rows, GenConfig(max_new_tokens=5), ACTOR)
     batch.response_mask[0, 2:] = 0  # pretend row 0 stopped early: everything after must be ignored
     batch.response_ids[0, 2:] = 17
-    full = add_model_outputs(batch, model, critic, model, temperature=0.7, micro_batch_size=2)
+    full = add_model_outputs(batch, model, critic, model, PLANS, temperature=0.7, micro_batch_size=2)
     assert (full.old_logprobs[0, 2:] == 0).all() and (full.values[0, 2:] == 0).all()
     assert torch.equal(full.old_logprobs, full.ref_logprobs)  # reference = same weights -> KL 0
     for i in range(2):
         alone = batch.select([i])  # no padding at all
         n = int(alone.response_mask.sum())
-        expected = response_logprobs(model, alone, temperature=0.7)[0, :n]
+        expected = response_logprobs(model, alone, REFERENCE, temperature=0.7)[0, :n]
         torch.testing.assert_close(full.old_logprobs[i, :n], expected, atol=1e-5, rtol=1e-5)
-        torch.testing.assert_close(full.values[i, :n], response_values(critic, alone)[0, :n], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(full.values[i, :n], response_values(critic, alone, REFERENCE)[0, :n], atol=1e-5,
+                                   rtol=1e-5)
 
 
 @pytest.mark.parametrize("top_k, top_p", [(0, 1.0), (5, 0.8)])
@@ -123,9 +128,9 @@ def test_sampled_logprobs_are_the_old_logprobs_of_a_full_forward(tiny, top_k, to
     rows = prompt_rows(tok, ["say apple", "say a very long river stone cloud green", "say honey"])
     torch.manual_seed(0)
     batch = generate_rollout(model, CPU(), tok, rows, GenConfig(max_new_tokens=6, temperature=0.7, top_k=top_k,
-                                                                top_p=top_p))
-    forward = add_model_outputs(batch, model, None, model, temperature=0.7, micro_batch_size=2)
-    sampled = add_model_outputs(batch, model, None, model, temperature=0.7, micro_batch_size=2,
+                                                                top_p=top_p), ACTOR)
+    forward = add_model_outputs(batch, model, None, model, PLANS, temperature=0.7, micro_batch_size=2)
+    sampled = add_model_outputs(batch, model, None, model, PLANS, temperature=0.7, micro_batch_size=2,
                                 old_from_sampling=True)
     assert sampled.values is None and (sampled.old_logprobs[batch.response_mask == 0] == 0).all()
     torch.testing.assert_close(sampled.old_logprobs, forward.old_logprobs, atol=1e-5, rtol=1e-5)
@@ -279,7 +284,8 @@ def grouped_batch(tok, model, n: int = 3) -> RolloutBatch:
     """Two prompts of different lengths (so one is left-padded), n samples each, one response cut short."""
     rows = prompt_rows(tok, ["say apple", "say a very long river stone cloud green"])
     torch.manual_seed(0)
-    batch = generate_rollout(model, CPU(), tok, [r for r in rows for _ in range(n)], GenConfig(max_new_tokens=6))
+    batch = generate_rollout(model, CPU(), tok, [r for r in rows for _ in range(n)], GenConfig(max_new_tokens=6),
+                             ACTOR)
     batch.response_mask[1, 3:] = 0
     batch.response_ids[1, 3:] = tok.pad_token_id
     return RolloutBatch(**{**batch.__dict__, "group": torch.arange(2).repeat_interleave(n),
@@ -311,7 +317,7 @@ def test_prompt_shared_by_a_group_is_computed_once_with_the_same_logprobs_and_gr
     full, full_grads = run(lambda: causal_logits(model, batch.input_ids, batch.attention_mask,
                                                  keep=width + 1)[:, -(width + 1):-1])
     shared, shared_grads = run(lambda: shared_prefix_logits(model, batch.prompt_ids, batch.prompt_mask,
-                                                            batch.response_ids, batch.response_mask))
+                                                            batch.response_ids, batch.response_mask, ACTOR))
     torch.testing.assert_close(shared * valid, full * valid, atol=1e-5, rtol=1e-5)
     for a, b in zip(shared_grads, full_grads):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
@@ -319,7 +325,7 @@ def test_prompt_shared_by_a_group_is_computed_once_with_the_same_logprobs_and_gr
     mixed = [0, 3, 1, 4, 2, 5]
     interleaved, interleaved_grads = run(lambda: shared_prefix_logits(
         model, batch.prompt_ids[mixed], batch.prompt_mask[mixed], batch.response_ids[mixed],
-        batch.response_mask[mixed]), weights[mixed])
+        batch.response_mask[mixed], ACTOR), weights[mixed])
     torch.testing.assert_close(interleaved * valid[mixed], full[mixed] * valid[mixed], atol=1e-5, rtol=1e-5)
     for a, b in zip(interleaved_grads, full_grads):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
@@ -327,22 +333,25 @@ def test_prompt_shared_by_a_group_is_computed_once_with_the_same_logprobs_and_gr
     # rank makes the same two calls), which gives the same logits
     two = [0, 3]
     assert shared_prefix_logits(model, batch.prompt_ids[two], batch.prompt_mask[two], batch.response_ids[two],
-                                batch.response_mask[two]) is None
+                                batch.response_mask[two], ACTOR) is None
     with torch.no_grad():
         forced = shared_prefix_logits(model, batch.prompt_ids[two], batch.prompt_mask[two], batch.response_ids[two],
-                                      batch.response_mask[two], always=True)
+                                      batch.response_mask[two], ACTOR, always=True)
+        # a plan without the shared prompt: the caller's plain forward
+        assert shared_prefix_logits(model, batch.prompt_ids, batch.prompt_mask, batch.response_ids,
+                                    batch.response_mask, REFERENCE, always=True) is None
     torch.testing.assert_close(forced * valid[two], full[two] * valid[two], atol=1e-5, rtol=1e-5)
     # under gradient checkpointing transformers drops the cache in every layer of a model in training mode,
     # with or without autograd: no sharing then (a no-grad forward of the training actor included)
     model.gradient_checkpointing_enable()
     assert shared_prefix_logits(model, batch.prompt_ids, batch.prompt_mask, batch.response_ids,
-                                batch.response_mask) is None
+                                batch.response_mask, ACTOR) is None
     with torch.no_grad():
         assert shared_prefix_logits(model, batch.prompt_ids, batch.prompt_mask, batch.response_ids,
-                                    batch.response_mask) is None
+                                    batch.response_mask, ACTOR) is None
         model.eval()
         evaluated = shared_prefix_logits(model, batch.prompt_ids, batch.prompt_mask, batch.response_ids,
-                                         batch.response_mask)
+                                         batch.response_mask, ACTOR)
     torch.testing.assert_close(evaluated * valid, full * valid, atol=1e-5, rtol=1e-5)
 
 
@@ -357,12 +366,12 @@ def test_group_rows_share_micro_batches_and_give_the_same_experience(tiny):
     batch = grouped_batch(tok, model, n=2)
     chunks = length_sorted_chunks(batch, 2)
     assert sorted(sorted(batch.group[c].tolist()) for c in chunks) == [[0, 0], [1, 1]]
-    grouped = add_model_outputs(batch, model, None, model, temperature=0.7, micro_batch_size=2)
-    plain = add_model_outputs(replace(batch, group=None, groups_share_prompts=False), model, None, model,
+    grouped = add_model_outputs(batch, model, None, model, PLANS, temperature=0.7, micro_batch_size=2)
+    plain = add_model_outputs(replace(batch, group=None, groups_share_prompts=False), model, None, model, PLANS,
                               temperature=0.7, micro_batch_size=2)
     torch.testing.assert_close(grouped.old_logprobs, plain.old_logprobs, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(grouped.ref_logprobs, plain.ref_logprobs, atol=1e-5, rtol=1e-5)
-    whole = add_model_outputs(batch, model, None, model, temperature=0.7, micro_batch_size=batch.size)
+    whole = add_model_outputs(batch, model, None, model, PLANS, temperature=0.7, micro_batch_size=batch.size)
     torch.testing.assert_close(whole.ref_logprobs, plain.ref_logprobs, atol=1e-5, rtol=1e-5)
 
 
@@ -375,10 +384,10 @@ def test_old_logprobs_of_a_checkpointed_actor_in_training_mode_see_the_prompt(ti
     tok, _ = tiny
     model = sharpened(load_causal_lm(str(tiny_model_dir), tokenizer=tok))
     batch = grouped_batch(tok, model.eval())
-    expected = add_model_outputs(batch, model, None, model, temperature=1.0, micro_batch_size=6)
+    expected = add_model_outputs(batch, model, None, model, PLANS, temperature=1.0, micro_batch_size=6)
     model.gradient_checkpointing_enable()
     model.train()
-    got = add_model_outputs(batch, model, None, model, temperature=1.0, micro_batch_size=6)
+    got = add_model_outputs(batch, model, None, model, PLANS, temperature=1.0, micro_batch_size=6)
     torch.testing.assert_close(got.old_logprobs, expected.old_logprobs, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(got.ref_logprobs, expected.ref_logprobs, atol=1e-5, rtol=1e-5)
 
@@ -396,11 +405,11 @@ def test_generation_prefills_a_shared_prompt_once_and_samples_the_same(tiny, mon
     real_unique = generate.unique_rows
     monkeypatch.setattr(generate, "unique_rows", lambda *a: calls.append(real_unique(*a)) or calls[-1])
     torch.manual_seed(0)
-    shared = generate_rollout(model, CPU(), tok, rows, cfg)
+    shared = generate_rollout(model, CPU(), tok, rows, cfg, ACTOR)
     assert calls and calls[0][0].tolist() == [0, 3]  # two prompts prefilled, not six
     monkeypatch.setattr(generate, "unique_rows", lambda *a: None)
     torch.manual_seed(0)
-    every_row = generate_rollout(model, CPU(), tok, rows, cfg)
+    every_row = generate_rollout(model, CPU(), tok, rows, cfg, ACTOR)
     assert torch.equal(shared.response_ids, every_row.response_ids)
     torch.testing.assert_close(shared.sample_logprobs, every_row.sample_logprobs, atol=1e-5, rtol=1e-5)
 
@@ -414,10 +423,10 @@ def test_one_prompts_samples_in_a_call_decode_in_a_group_as_every_row_does(tiny,
     rows = [r for r in prompt_rows(tok, ["say a very long river stone cloud green"]) for _ in range(4)]
     cfg = GenConfig(max_new_tokens=6)
     torch.manual_seed(0)
-    shared = generate_rollout(model, CPU(), tok, rows, cfg)
+    shared = generate_rollout(model, CPU(), tok, rows, cfg, ACTOR)
     monkeypatch.setattr(generate, "unique_rows", lambda *a: None)
     torch.manual_seed(0)
-    every_row = generate_rollout(model, CPU(), tok, rows, cfg)
+    every_row = generate_rollout(model, CPU(), tok, rows, cfg, ACTOR)
     assert torch.equal(shared.response_ids, every_row.response_ids)
     torch.testing.assert_close(shared.sample_logprobs, every_row.sample_logprobs, atol=1e-5, rtol=1e-5)
 
@@ -444,8 +453,8 @@ def test_the_kv_cache_goes_by_the_keyword_the_model_class_takes(tiny, tiny_model
     cfg = GenConfig(max_new_tokens=6)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        plain = generate_rollout(model, CPU(), tok, rows, cfg, greedy=True)
-        grouped = generate_rollout(model, CPU(), tok, [r for r in rows for _ in range(2)], cfg, greedy=True)
+        plain = generate_rollout(model, CPU(), tok, rows, cfg, ACTOR, greedy=True)
+        grouped = generate_rollout(model, CPU(), tok, [r for r in rows for _ in range(2)], cfg, ACTOR, greedy=True)
     assert not [w for w in caught if "past_key_values" in str(w.message)], [str(w.message) for w in caught]
     assert torch.equal(grouped.response_ids[::2], plain.response_ids)
     with torch.no_grad():
@@ -471,7 +480,7 @@ def test_generation_batch_size_counts_prompts_and_keeps_each_prompts_samples_in_
     real = evaluate.generate_rollout
     monkeypatch.setattr(evaluate, "generate_rollout", lambda m, e, t, part, *a: sizes.append(
         [r["prompt_text"] for r in part]) or real(m, e, t, part, *a))
-    batch = generate_all(model, CPU(), tok, rows, GenConfig(max_new_tokens=3, generation_batch_size=2),
+    batch = generate_all(model, CPU(), tok, rows, GenConfig(max_new_tokens=3, generation_batch_size=2), ACTOR,
                          group_size=3)
     assert [len(s) for s in sizes] == [6, 6, 3] and batch.size == 15
     assert all(len(set(s)) == len(s) // 3 for s in sizes)  # whole groups in each call
@@ -483,8 +492,6 @@ def test_a_reward_model_gives_identical_sequences_the_very_same_score(tiny, tmp_
     rows of a batch their scores differed in the last bits (measured 0.2678722143 vs 0.2678722441 padding-free),
     which GRPO turned into advantages of +-0.015 and DAPO's equal-group filter missed. Distinct rows score as
     alone."""
-    from rlhfkit.models.forward import use_padding_free
-
     from rlhfkit.demo.tiny import build_tiny_llama, save_model_folder
 
     tok, _ = tiny
@@ -492,8 +499,8 @@ def test_a_reward_model_gives_identical_sequences_the_very_same_score(tiny, tmp_
     folder = tmp_path / "rm"  # 256 wide: the CPU's fast GEMMs, whose sums depend on the rows around
     save_model_folder(build_tiny_llama(len(tok), hidden=256, layers=2, heads=4), tok, folder)
     rm = load_scalar_model(str(folder), tokenizer=tok).eval()
-    use_padding_free(rm, padding_free)
-    reward = ModelReward(rm, tok, Template.for_tokenizer(tok), "auto", 2, torch.device("cpu"))
+    plan = ModelPlan(segment_attention=padding_free, padding_free=padding_free)
+    reward = ModelReward(rm, tok, Template.for_tokenizer(tok), "auto", 2, torch.device("cpu"), plan=plan)
     prompts = [[1, 5, 6], [1, 7], [1, 5, 6, 8, 9, 10], [1, 7], [1, 11, 12]]
     responses = [[20, 21, 2, 0], [22, 23, 24, 2], [25, 2, 0, 0], [22, 23, 24, 2], [26, 27, 28, 29]]
     masks = [[1, 1, 1, 0], [1, 1, 1, 1], [1, 1, 0, 0], [1, 1, 1, 1], [1, 1, 1, 1]]

@@ -143,7 +143,12 @@ def test_packed_rows_give_the_padded_loss_and_gradients(tiny_model_dir):
     sequence, or transformers' block-diagonal mask), so the summed NLL, its token count and every gradient equal the padded batch's."""
     from rlhfkit.data.tokenize import collate_packed
     from rlhfkit.models import load_causal_lm
-    from rlhfkit.stages.sft import lm_forward, packing_is_exact
+    from rlhfkit.models.stage_forward import lm_forward
+    from rlhfkit.speed.checks import sft_packing_is_exact
+    from rlhfkit.speed.plan import ModelPlan
+
+    per_sequence = ModelPlan(segment_attention=True, packing=True)
+    masked = ModelPlan(packing=True)  # transformers' block-diagonal mask, no per-sequence attention
 
     tok = load_tokenizer(str(tiny_model_dir))
     model = sharpened(load_causal_lm(str(tiny_model_dir), tokenizer=tok))
@@ -158,7 +163,7 @@ def test_packed_rows_give_the_padded_loss_and_gradients(tiny_model_dir):
 
     def loss_and_grads(batch):
         model.zero_grad()
-        nll, count = lm_forward(model, batch, torch.device("cpu"))
+        nll, count = lm_forward(model, batch, torch.device("cpu"), per_sequence)
         nll.backward()
         return nll.detach(), count, [p.grad.clone() for p in model.parameters()]
 
@@ -171,11 +176,12 @@ def test_packed_rows_give_the_padded_loss_and_gradients(tiny_model_dir):
         # kernel: the sharpened model's gradients (up to ~250) then differ by float rounding of their scale
         # (up to 1.6e-6 of it measured on an AVX2 host)
         torch.testing.assert_close(a, b, atol=5e-6 * float(b.abs().max()) + 1e-6, rtol=1e-4)
-    assert packing_is_exact(model, rows, tok.pad_token_id, torch.device("cpu"))
-    # an attention that ignores the packed positions (here: every row attends across the whole bin) is caught
+    for plan in (per_sequence, masked):
+        assert sft_packing_is_exact(model, plan, rows, tok.pad_token_id, torch.device("cpu"))
+    # a model whose mask ignores the packed positions (here: every row attends across the whole bin) is caught
     plain_forward = model.forward
     model.forward = lambda **kw: plain_forward(**{**kw, "attention_mask": torch.ones_like(kw["input_ids"])})
-    assert not packing_is_exact(model, rows, tok.pad_token_id, torch.device("cpu"))
+    assert not sft_packing_is_exact(model, masked, rows, tok.pad_token_id, torch.device("cpu"))
 
 
 @pytest.mark.parametrize("chat", [False, True])

@@ -5,13 +5,13 @@ AMD EPYC of the benchmarks it reaches ~105 GFLOP/s per core where oneDNN (also i
 behind its bf16 and inductor CPU kernels) reaches ~235 with the same float32 arithmetic. Linear layers are
 ~70% of a PPO iteration on CPU, forward and backward.
 
-`use_fast_cpu_linear(model)` switches the model's linear layers to a subclass whose forward and input-gradient
-GEMMs call oneDNN (the weight gradient's too on Zen 5, `onednn_weight_grads`; on Zen 4 MKL is faster for its
-transposed operands), on AMD CPUs only (on Intel CPUs MKL is fast already, and nothing changes). PPO switches
-all four models on every AMD CPU (its rollouts and frozen forwards gain); SFT, RM and DPO, which only train, on
-Zen 5 and later (`use_fast_cpu_linear_for_training`). Everything else
-falls back to `F.linear`: other dtypes and devices, ZeRO-3 partitioned weights (DeepSpeed owns those
-linears), and small matmuls (decode steps of a few rows, LoRA's rank-r factors), where oneDNN's per-call
+`use_fast_cpu_linear(model)` (through `accel.install`, where the model's speed plan has `onednn_linear`) switches the
+model's linear layers to a subclass whose forward and input-gradient GEMMs call oneDNN (the weight gradient's too
+on Zen 5, `onednn_weight_grads`; on Zen 4 MKL is faster for its transposed operands). The plan has it on AMD CPUs
+only (`onednn_is_faster`; on Intel CPUs MKL is fast already): for all four PPO models on every AMD CPU (its rollouts
+and frozen forwards gain), for SFT, RM and DPO, which only train, on Zen 5 and later (`onednn_weight_grads`).
+Everything else falls back to `F.linear`: other dtypes and devices, ZeRO-3 partitioned weights (DeepSpeed owns
+those linears), and small matmuls (decode steps of a few rows, LoRA's rank-r factors), where oneDNN's per-call
 overhead loses.
 """
 
@@ -178,17 +178,9 @@ def gemm_policy() -> str:
     return "onednn-all" if onednn_weight_grads() else "onednn"
 
 
-def use_fast_cpu_linear_for_training(model: torch.nn.Module, device: torch.device) -> int:
-    """`use_fast_cpu_linear` for a step that only trains (SFT, RM, DPO), where oneDNN gains only with its weight
-    gradients too (`onednn_weight_grads`); 0 elsewhere."""
-    return use_fast_cpu_linear(model, device) if onednn_weight_grads() else 0
-
-
-def use_fast_cpu_linear(model: torch.nn.Module, device: torch.device) -> int:
-    """Make `model`'s float32 linear layers use oneDNN where that is faster (`onednn_is_faster`).
-    Returns the number of layers switched (0 on a GPU, or where MKL is fast)."""
-    if device.type != "cpu" or not onednn_is_faster():
-        return 0
+def use_fast_cpu_linear(model: torch.nn.Module) -> int:
+    """Switch `model`'s linear layers of at least `MIN_DIM` inputs and outputs to `FastCPULinear` (each call still
+    takes oneDNN only for float32 CPU tensors of at least `MIN_ROWS` rows). Returns the number of layers switched."""
     switched = 0
     for module in model.modules():
         if type(module) is torch.nn.Linear and min(module.in_features, module.out_features) >= MIN_DIM:
@@ -258,7 +250,7 @@ def _fusable_groups(model: torch.nn.Module, layers: list[FastCPULinear]) -> list
 
 
 @contextlib.contextmanager
-def packed_weights(model: torch.nn.Module):
+def packed_weights(model: torch.nn.Module, enabled: bool = True):
     """While active, `model`'s oneDNN linear layers multiply by a copy of their weight reordered once into
     oneDNN's blocked layout, instead of reordering the plain weight inside every call. For the many small
     matmuls of decoding (a few rows per token step) that is ~30% less time per linear layer (5M Llama, 16 rows:
@@ -270,9 +262,9 @@ def packed_weights(model: torch.nn.Module):
     Sibling projections of one input (`FUSABLE`: q/k/v, gate/up) share one copy of their weights concatenated and
     run as one GEMM (`_FusedProjections`): 4 instead of 7 GEMMs per Llama layer and decode step (5M Llama,
     8 prompts x 4 samples x 32 tokens: 0.88 instead of 0.92 s per rollout, with the no-grad RMSNorm and SwiGLU
-    of `accel/lean.py`)."""
+    of `accel/lean.py`). `enabled`: the model's speed plan's `onednn_linear` (off: a no-op)."""
     layers = [m for m in model.modules() if isinstance(m, FastCPULinear) and m.weight.device.type == "cpu"
-              and m.weight.dtype == torch.float32 and is_whole(m.weight)]
+              and m.weight.dtype == torch.float32 and is_whole(m.weight)] if enabled else []
     groups: list[_FusedProjections] = []
     try:
         with torch.no_grad():

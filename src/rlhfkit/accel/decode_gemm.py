@@ -13,14 +13,15 @@ in a fixed tree, so a row's outputs are the same bits for any number of rows, an
 the row in the batch (a sequence decodes alike whatever decodes beside it). They differ from MKL's by float
 rounding, as MKL's own one-row and many-row products do from each other.
 
-Where: `streaming_decode(model)`, opened by `rollout.generate.generate_rollout` around its sampling loop, switches
-the model's plain float32 `nn.Linear` layers with at least `kernels.MIN_WIDTH` inputs (the benchmark and real
-models' widths; the tests' tiny models stay on MKL, as with the fused element-wise kernels) to `DecodeLinear`
-while it is open. A call without autograd of at most `MAX_ROWS` rows takes the kernel; anything else (the prefill,
-grad mode, other dtypes, ZeRO-3 partitions, autocast) is `F.linear`. Above `MAX_ROWS` rows MKL's blocked GEMM is
-as fast or faster (measured: the 5M model's layers at 64 rows 5.1 against 5.6 ms per step). Built like
-`accel/kernels.py` (the same cache folder; `engine.fused_kernels` switches both), with -fopenmp: GCC's libgomp,
-the OpenMP runtime PyTorch's CPU wheel has already loaded under the same name, so both share one thread pool.
+Where: `streaming_decode(model, plan.streaming_decode)`, opened by `rollout.generate.generate_rollout` around its
+sampling loop, switches the model's plain float32 `nn.Linear` layers with at least `kernels.MIN_WIDTH` inputs (the
+benchmark and real models' widths; the tests' tiny models stay on MKL, as with the fused element-wise kernels) to
+`DecodeLinear` while it is open. A call without autograd of at most `MAX_ROWS` rows takes the kernel; anything
+else (the prefill, grad mode, other dtypes, ZeRO-3 partitions, autocast) is `F.linear`. Above `MAX_ROWS` rows MKL's
+blocked GEMM is as fast or faster (measured: the 5M model's layers at 64 rows 5.1 against 5.6 ms per step). Built
+like `accel/kernels.py` (the same cache folder; `engine.fused_kernels` switches both in the speed plan), with
+-fopenmp: GCC's libgomp, the OpenMP runtime PyTorch's CPU wheel has already loaded under the same name, so both
+share one thread pool.
 On CPUs without AVX-512, or where it does not build, decoding stays on MKL.
 """
 
@@ -135,8 +136,8 @@ def _library():
 
 
 def available() -> bool:
-    """Switched on (`engine.fused_kernels`) and built for this CPU."""
-    return kernels.enabled() and _library() is not None
+    """Built for this CPU (AVX-512) and loaded."""
+    return _library() is not None
 
 
 def takes(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
@@ -183,10 +184,11 @@ def decode_layers(model: torch.nn.Module) -> list[torch.nn.Linear]:
 
 
 @contextlib.contextmanager
-def streaming_decode(model: torch.nn.Module):
-    """While open, `model`'s decode-sized linear calls run the streaming kernel (see the module); yields how many
-    layers were switched (0 where the kernel is off or unavailable). The layers are plain `nn.Linear`s again after."""
-    layers = decode_layers(model) if available() else []
+def streaming_decode(model: torch.nn.Module, enabled: bool = True):
+    """While open, `model`'s decode-sized linear calls run the streaming kernel (see the module) where `enabled`
+    (its speed plan's `streaming_decode`); yields how many layers were switched (0 where the kernel is off or
+    unavailable). The layers are plain `nn.Linear`s again after."""
+    layers = decode_layers(model) if enabled and available() else []
     for layer in layers:
         layer.__class__ = DecodeLinear
     try:

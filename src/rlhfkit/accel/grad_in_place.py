@@ -9,15 +9,17 @@ micro-batch), and memory that large comes fresh from the system each time: zero-
 benchmark host against 7 ms for the same fill into memory written shortly before.
 
 Where the engine keeps a model's gradients between steps and nothing else watches their accumulation (the local
-engine with `keep_grads`; DeepSpeed's hooks on accumulation rule it out there), it calls `enable` on the model: its
-trainable CPU matrices of at least `MIN_ELEMENTS` elements are tagged (GPUs reuse their memory through the caching
-allocator, and CUDA's `index_add_` adds with atomics, in no fixed order), and the backwards above add their
-gradient into `.grad` in place and hand autograd none for it. The sum is the same; only the order of its float
-additions differs (the rows of one backward are added to `.grad` one by one rather than to a zeroed temporary
-first), a rounding difference. Smaller matrices (the tests' tiny models) keep autograd's own accumulation.
+engine with `keep_grads` on a CPU; DeepSpeed's hooks on accumulation rule it out there), the model's speed plan has
+`grad_in_place` (`speed.registry`): `accel.install` calls `enable`, which routes its plain embeddings with such a
+weight through `embedding`, and the chunked head's callers pass `target` as its `grad_target`. Only trainable
+float32 CPU matrices of at least `MIN_ELEMENTS` elements take it (GPUs reuse their memory through the caching
+allocator, and CUDA's `index_add_` adds with atomics, in no fixed order): the backwards above add their gradient
+into `.grad` in place and hand autograd none for it. The sum is the same; only the order of its float additions
+differs (the rows of one backward are added to `.grad` one by one rather than to a zeroed temporary first), a
+rounding difference. Smaller matrices (the tests' tiny models) keep autograd's own accumulation.
 
-The tag means "`.grad` is this parameter's accumulator": the tagged parameters' gradients are for
-`loss.backward()`; `torch.autograd.grad` through a tagged model would write into `.grad` instead of returning them.
+A model with this path on has `.grad` as its large matrices' accumulator: their gradients are for
+`loss.backward()`; `torch.autograd.grad` through it would write into `.grad` instead of returning them.
 """
 
 from __future__ import annotations
@@ -26,29 +28,28 @@ import torch
 import torch.nn.functional as F
 
 MIN_ELEMENTS = 1 << 22  # 4M elements (16 MiB of float32): smaller temporaries are cheap enough
-_TAG = "_rlhfkit_grad_in_place"
+
+
+def takes(p: torch.Tensor) -> bool:
+    """Whether a gradient of `p` may be added in place: a trainable float32 CPU leaf of at least `MIN_ELEMENTS`."""
+    return (p.requires_grad and p.grad_fn is None and p.dtype == torch.float32 and p.device.type == "cpu"
+            and p.numel() >= MIN_ELEMENTS)
 
 
 def enable(module: torch.nn.Module) -> int:
-    """Tag `module`'s trainable float32 CPU parameters of at least `MIN_ELEMENTS` elements for in-place accumulation
-    and route its plain `nn.Embedding`s with such a weight through `embedding`. Returns the number tagged."""
-    tagged = 0
-    for p in module.parameters():
-        if p.requires_grad and p.dtype == torch.float32 and p.device.type == "cpu" and p.numel() >= MIN_ELEMENTS \
-                and not getattr(p, _TAG, False):
-            setattr(p, _TAG, True)
-            tagged += 1
+    """Route `module`'s plain `nn.Embedding`s whose weight `takes` it through `embedding`. Returns how many of its
+    parameters take it (its embedding and LM-head matrices, where large enough)."""
     for m in module.modules():
-        if type(m) is torch.nn.Embedding and getattr(m.weight, _TAG, False) and m.max_norm is None \
-                and not m.scale_grad_by_freq and not m.sparse:
+        if type(m) is torch.nn.Embedding and takes(m.weight) and m.max_norm is None and not m.scale_grad_by_freq \
+                and not m.sparse:
             m.__class__ = InPlaceEmbedding
-    return tagged
+    return sum(takes(p) for p in module.parameters())
 
 
 def target(weight: torch.Tensor) -> torch.Tensor | None:
     """The tensor a gradient of `weight` is to be added into in place, or None (autograd's accumulation): the
-    kept float32 `.grad` of a tagged leaf parameter."""
-    if not getattr(weight, _TAG, False) or not weight.requires_grad or weight.grad_fn is not None:
+    kept float32 `.grad` of a leaf parameter that `takes` it (callers pass this only where the plan says so)."""
+    if not takes(weight):
         return None
     grad = weight.grad
     if grad is None or grad.shape != weight.shape or grad.dtype != torch.float32 or not grad.is_contiguous() \

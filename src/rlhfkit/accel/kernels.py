@@ -23,7 +23,9 @@ computed by one routine both in the forward and where `lean` recomputes it for b
 With several torch threads, a tensor of at least 2 x `MIN_SPLIT` elements is split over up to that many threads
 (ctypes releases the GIL); smaller ones run on the calling thread, which is faster there (memory-bound loops; a
 handoff costs ~0.1 ms; a 5M-element SwiGLU backward on 2 threads: 2.6 against 5.7 ms on one, eager 13.9).
-`enable(on)` switches the kernels (`engine.fused_kernels`, on by default for CPU runs); a bare import leaves them off.
+Whether a model's modules call them is its speed plan's (`plan.fused_kernels`, `engine.fused_kernels`): the lean
+modules and the rotation that `accel.install` puts in are made to use them or not; nothing here is switched per
+process.
 """
 
 from __future__ import annotations
@@ -151,23 +153,13 @@ void silu_mul_backward(const float *restrict d, const float *restrict g, const f
 BUILD_TIMEOUT_S = 120
 FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-ffp-contract=off", "-fopenmp-simd", "-fPIC", "-shared"]
 
-_STATE: dict = {"on": False, "lib": None, "failed": False, "pool": None}
+_STATE: dict = {"lib": None, "failed": False, "pool": None}
 _LOCK = threading.Lock()
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 _SIGNATURES = {"rms_forward": [_P, _P, _P, _P, _F, _I, _I, _I], "rms_output": [_P, _P, _P, _P, _I, _I, _I],
                "rms_backward": [_P, _P, _P, _P, _P, _P, _I, _I, _I], "silu_mul_forward": [_P, _P, _P, _I, _I],
                "silu_mul_backward": [_P, _P, _P, _P, _P, _I, _I],
                "rope": [_P, _P, _P, _P, ctypes.c_int] + [_I] * 13}
-
-
-def enable(on: bool) -> None:
-    """Switch the kernels on or off for this process (the library is built on the first use)."""
-    _STATE["on"] = bool(on)
-
-
-def enabled() -> bool:
-    """Switched on for this process (whether they build is known at the first use)."""
-    return _STATE["on"]
 
 
 def cache_dir() -> Path:
@@ -248,10 +240,15 @@ def _library():
     return load_once(_STATE, _load, "fused CPU kernels", "using PyTorch's operators")
 
 
+def available() -> bool:
+    """Whether the library builds and loads here (built on the first call; a failure is said once)."""
+    return _library() is not None
+
+
 def usable(*tensors: torch.Tensor, width: int | None = None) -> bool:
-    """Whether the kernels take these tensors: switched on, float32 on CPU, rows at least `MIN_WIDTH` wide
-    (`width`, else the first tensor's last dimension), and the library built."""
-    return (_STATE["on"] and (tensors[0].shape[-1] if width is None else width) >= MIN_WIDTH
+    """Whether the kernels take these tensors: float32 on CPU, rows at least `MIN_WIDTH` wide (`width`, else the
+    first tensor's last dimension), and the library built."""
+    return ((tensors[0].shape[-1] if width is None else width) >= MIN_WIDTH
             and all(t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors)
             and _library() is not None)
 

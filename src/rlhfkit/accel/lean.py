@@ -17,12 +17,14 @@ the gate and up outputs), recomputed bit for bit. This is done with autograd's s
 oneDNN linears and hooks see them unchanged); a tensor saved by a layer is replaced by its recipe only when it
 is, storage and version, the output the lean module registered. SmolLM2: another ~2,700 floats per token and layer.
 
-On CPU, rows at least `kernels.MIN_WIDTH` wide run these forwards, backwards and recomputations as fused C loops
-(`accel/kernels.py`, `engine.fused_kernels`), with and without autograd alike: the same values to float rounding.
+With `fused` (the speed plan's `fused_kernels`), rows at least `kernels.MIN_WIDTH` wide run these forwards,
+backwards and recomputations as fused C loops (`accel/kernels.py`), with and without autograd alike: the same values
+to float rounding.
 
-`use_lean_activations(model)` switches the modules of the known Llama-family classes (by class swap, like
-`cpu_linear.FastCPULinear`: same parameters, same state dict) after checking on a random input that the lean
-forward gives the module's own values; ZeRO-3 partitioned weights and anything unusual keep the original forward.
+`use_lean_activations(model, fused)` (through `accel.install`, where the plan has `lean_activations`) switches the
+modules of the known Llama-family classes (by class swap, like `cpu_linear.FastCPULinear`: same parameters, same
+state dict) after checking on a random input that the lean forward gives the module's own values; ZeRO-3
+partitioned weights and anything unusual keep the original forward.
 """
 
 from __future__ import annotations
@@ -138,8 +140,9 @@ class _RMSNormFunction(torch.autograd.Function):
     """y = w * (x / rms(x)), rms over the last dim in float32; keeps x and 1 / rms for backward."""
 
     @staticmethod
-    def forward(ctx, x, weight, eps):
-        if kernels.usable(x, weight):  # one fused loop for 1 / rms and the output
+    def forward(ctx, x, weight, eps, fused):
+        ctx.fused = fused
+        if fused and kernels.usable(x, weight):  # one fused loop for 1 / rms and the output
             out, inv_rms = kernels.rms_norm_forward(x, weight, eps)
             ctx.save_for_backward(x, weight, inv_rms)
             return register_recomputable(out, kernels.norm_output, x, weight, inv_rms)
@@ -151,10 +154,10 @@ class _RMSNormFunction(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad):
         x, weight, inv_rms = ctx.saved_tensors
-        if kernels.usable(x, weight, grad, inv_rms) and grad.shape == x.shape:
+        if ctx.fused and kernels.usable(x, weight, grad, inv_rms) and grad.shape == x.shape:
             grad_x, grad_weight = kernels.rms_norm_backward(grad, x, weight, inv_rms)
             return (grad_x if ctx.needs_input_grad[0] else None,
-                    grad_weight if ctx.needs_input_grad[1] else None, None)
+                    grad_weight if ctx.needs_input_grad[1] else None, None, None)
         normed = x.float() * inv_rms  # recomputed: the one tensor not kept
         grad_weight = None
         if ctx.needs_input_grad[1]:
@@ -166,16 +169,17 @@ class _RMSNormFunction(torch.autograd.Function):
             g = (grad * weight).float()
             mean = (g * normed).mean(-1, keepdim=True)
             grad_x = torch.addcmul(g, normed, mean, value=-1).mul_(inv_rms).to(x.dtype)
-        return grad_x, grad_weight, None
+        return grad_x, grad_weight, None, None
 
 
 class _SiluMulFunction(torch.autograd.Function):
     """SiLU(gate) * up; keeps gate and up, recomputes SiLU(gate) in backward."""
 
     @staticmethod
-    def forward(ctx, gate, up):
+    def forward(ctx, gate, up, fused):
         ctx.save_for_backward(gate, up)
-        if kernels.usable(gate, up) and gate.shape == up.shape:
+        ctx.fused = fused
+        if fused and kernels.usable(gate, up) and gate.shape == up.shape:
             return register_recomputable(kernels.silu_mul(gate, up), kernels.silu_mul, gate, up)
         return register_recomputable(_silu_mul(gate, up), _silu_mul, gate, up)
 
@@ -183,9 +187,10 @@ class _SiluMulFunction(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad):
         gate, up = ctx.saved_tensors
-        if kernels.usable(gate, up, grad) and gate.shape == up.shape == grad.shape:
+        if ctx.fused and kernels.usable(gate, up, grad) and gate.shape == up.shape == grad.shape:
             grad_gate, grad_up = kernels.silu_mul_backward(grad, gate, up)
-            return (grad_gate if ctx.needs_input_grad[0] else None, grad_up if ctx.needs_input_grad[1] else None)
+            return (grad_gate if ctx.needs_input_grad[0] else None, grad_up if ctx.needs_input_grad[1] else None,
+                    None)
         sig = torch.sigmoid(gate)
         silu = gate * sig
         grad_up = grad * silu if ctx.needs_input_grad[1] else None
@@ -195,11 +200,13 @@ class _SiluMulFunction(torch.autograd.Function):
             # buffer (seven passes over the (tokens, MLP) tensors and three of them fresh, where the plain
             # expression takes nine passes and nine fresh tensors: 2.3 vs 1.4 ms per 20M layer and micro-batch)
             grad_gate = sig.addcmul_(silu, sig, value=-1).add_(silu).mul_(up).mul_(grad)
-        return grad_gate, grad_up
+        return grad_gate, grad_up, None
 
 
 class LeanRMSNorm(torch.nn.Module):
     """Stands in for a Llama-style RMSNorm (`weight`, `variance_epsilon`); see the module docstring."""
+
+    fused = False  # the element-wise work in C (`kernels`), set per switched class (`_lean_class`)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         if not (torch.is_grad_enabled() and hidden_states.requires_grad) or is_partitioned(self.weight):
@@ -208,37 +215,42 @@ class LeanRMSNorm(torch.nn.Module):
                 # no autograd (decoding, frozen models): the fused kernel where the training forward takes it (the
                 # same bits: a reference computed by the policy gives it exactly its own log-probs), else torch's
                 # one-kernel RMSNorm, the same float32 formula, where the class's own forward takes six passes
-                if kernels.usable(hidden_states, self.weight):
+                if self.fused and kernels.usable(hidden_states, self.weight):
                     return kernels.rms_norm_forward(hidden_states, self.weight, self.variance_epsilon)[0]
                 return F.rms_norm(hidden_states, self.weight.shape, self.weight, self.variance_epsilon)
             return type(self).__mro__[1].forward(self, hidden_states)  # the original class's forward
-        return _RMSNormFunction.apply(hidden_states, self.weight, self.variance_epsilon)
+        return _RMSNormFunction.apply(hidden_states, self.weight, self.variance_epsilon, self.fused)
 
 
 class LeanSwiGLU(torch.nn.Module):
     """Stands in for a gate/up/down SiLU MLP; the three projections stay modules (LoRA and hooks see them)."""
 
+    fused = False  # the element-wise work in C (`kernels`), set per switched class (`_lean_class`)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not torch.is_grad_enabled():
             gate, up = self.gate_proj(x), self.up_proj(x)
-            if kernels.usable(gate, up) and gate.shape == up.shape:  # the training forward's arithmetic
+            if self.fused and kernels.usable(gate, up) and gate.shape == up.shape:  # the training forward's arithmetic
                 return self.down_proj(kernels.silu_mul(gate, up))
             return self.down_proj(F.silu(gate, inplace=True).mul_(up))  # the same product, in the gate's buffer
-        return self.down_proj(_SiluMulFunction.apply(self.gate_proj(x), self.up_proj(x)))
+        return self.down_proj(_SiluMulFunction.apply(self.gate_proj(x), self.up_proj(x), self.fused))
 
 
-_LEAN_CLASSES: dict[type, type] = {}
+_LEAN_CLASSES: dict[tuple, type] = {}  # one class per (original, lean, fused), made once: every switched module of
+#                                         a kind shares it, as modules of one transformers class share theirs
 
 
-def _lean_class(original: type, lean: type) -> type:
+def _lean_class(original: type, lean: type, fused: bool) -> type:
     """A subclass of `original` (and of `lean`, for isinstance) whose forward is `lean`'s, falling back to
-    `original.forward` (the first class after it in the MRO)."""
-    if original not in _LEAN_CLASSES:
-        _LEAN_CLASSES[original] = type(f"Lean{original.__name__}", (original, lean), {"forward": lean.forward})
-    return _LEAN_CLASSES[original]
+    `original.forward` (the first class after it in the MRO); `fused`: its element-wise work in C."""
+    key = (original, lean, fused)
+    if key not in _LEAN_CLASSES:
+        _LEAN_CLASSES[key] = type(f"Lean{'Fused' if fused else ''}{original.__name__}", (original, lean),
+                                  {"forward": lean.forward, "fused": fused})
+    return _LEAN_CLASSES[key]
 
 
-def _same_values(module: torch.nn.Module, lean: type, width: int) -> bool:
+def _same_values(module: torch.nn.Module, lean: type, width: int, fused: bool) -> bool:
     """Whether `lean`'s forward and gradients equal the module's own on a random input (float rounding aside),
     and its forward without autograd too (a path of its own)."""
     dtype = next(module.parameters()).dtype
@@ -252,16 +264,18 @@ def _same_values(module: torch.nn.Module, lean: type, width: int) -> bool:
     with torch.enable_grad():
         expected = original.forward(module, x)
         (expected_grad,) = torch.autograd.grad((expected.float() * probe[..., :expected.shape[-1]]).sum(), x)
-        got = _lean_class(original, lean).forward(module, x)
+        module.__class__ = _lean_class(original, lean, fused)  # its forward reads `fused` and its fallback the class
+        try:
+            got = module.forward(x)
+        finally:
+            module.__class__ = original
         (got_grad,) = torch.autograd.grad((got.float() * probe[..., :got.shape[-1]]).sum(), x)
-    module.__class__ = _lean_class(original, lean)  # its fallback to the original forward reads the class
+    module.__class__ = _lean_class(original, lean, fused)
     try:
         with torch.no_grad():
             inference = module.forward(x.detach())
     finally:
         module.__class__ = original
-    for p in module.parameters():
-        p.grad = None
     tol = 1e-5 if dtype == torch.float32 else 2e-2
 
     def close(a: torch.Tensor, b: torch.Tensor) -> bool:  # relative to the largest value: rounding, not a bug
@@ -271,9 +285,12 @@ def _same_values(module: torch.nn.Module, lean: type, width: int) -> bool:
     return close(got, expected) and close(got_grad, expected_grad) and close(inference, expected)
 
 
-def use_lean_activations(model: torch.nn.Module) -> int:
+def use_lean_activations(model: torch.nn.Module, fused: bool = False) -> int:
     """Switch `model`'s Llama-style RMSNorm and SwiGLU MLP modules to their lean forwards (see the module
-    docstring). Returns how many modules were switched; unknown classes and partitioned weights keep theirs."""
+    docstring; `fused`: their element-wise work in C), and open `recompute_saved` around each of its forwards with
+    autograd. Returns how many modules were switched; unknown classes, partitioned weights and modules switched
+    before keep theirs."""
+    hooked = any(isinstance(m, (LeanRMSNorm, LeanSwiGLU)) for m in model.modules())  # switched before: hooks too
     switched = 0
     for module in model.modules():
         name = type(module).__name__
@@ -285,10 +302,10 @@ def use_lean_activations(model: torch.nn.Module) -> int:
             lean, width = LeanSwiGLU, module.gate_proj.in_features
         else:
             continue
-        if _same_values(module, lean, width):
-            module.__class__ = _lean_class(type(module), lean)
+        if _same_values(module, lean, width, fused):
+            module.__class__ = _lean_class(type(module), lean, fused)
             switched += 1
-    if switched and not hasattr(model, "_rlhfkit_recompute_hooks"):
+    if switched and not hooked:
         opened = []  # the contexts of the forwards running now (a model may be called inside its own forward)
 
         def enter(_module, _args):
@@ -302,6 +319,6 @@ def use_lean_activations(model: torch.nn.Module) -> int:
             if context is not None:
                 context.__exit__(None, None, None)
 
-        model._rlhfkit_recompute_hooks = (model.register_forward_pre_hook(enter),
-                                          model.register_forward_hook(leave, always_call=True))
+        model.register_forward_pre_hook(enter)
+        model.register_forward_hook(leave, always_call=True)
     return switched

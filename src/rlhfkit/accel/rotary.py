@@ -12,11 +12,12 @@ is one pass each way (`kernels.rotary`, in C); the forward rounds exactly as tra
 then the sum). Only where the fused kernels are on and take the tensors (`kernels.usable`: float32 on CPU, heads x
 head size at least `kernels.MIN_WIDTH`); everywhere else transformers' own function runs.
 
-How it is switched on without copying transformers' attention: `use_fused_rotary(model)` wraps the modeling
-module's `apply_rotary_pos_emb` (once per module; the wrapper calls the original for every tensor it does not
-know) and tags the cos and sin that `model`'s own rotary-embedding module returns, with a forward hook. So other
-models in the process keep transformers' function, and a recomputation under gradient checkpointing passes the
-same tagged tensors, taking the same path as the forward it repeats.
+How it is switched on without copying transformers' attention: `use_fused_rotary(model)` (through `accel.install`,
+where the model's speed plan has `fused_kernels`) puts a forward pre-hook and a forward hook on `model` that swap the
+modeling module's `apply_rotary_pos_emb` for a dispatching function while `model`'s forward runs, and put
+transformers' own back when it returns (also when it raises). Outside those forwards, and for every other model,
+transformers' function is the one there. Not under gradient checkpointing: its recomputation in backward runs after
+the forward has returned, with transformers' function, and would save other tensors than the forward did.
 """
 
 from __future__ import annotations
@@ -28,7 +29,6 @@ import torch
 
 from rlhfkit.accel import kernels
 
-TAG = "_rlhfkit_fused_rotary"
 # attention classes whose modeling module rotates with apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1)
 ATTENTION_CLASSES = ("LlamaAttention", "MistralAttention", "Qwen2Attention", "Qwen3Attention", "SmolLM3Attention")
 
@@ -57,8 +57,8 @@ def fused_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
 
 
 def _takes(q, k, cos, sin, unsqueeze_dim) -> bool:
-    return (unsqueeze_dim == 1 and getattr(cos, TAG, False) and getattr(sin, TAG, False)
-            and not (cos.requires_grad or sin.requires_grad) and q.dim() == k.dim() == 4 and cos.dim() == 3
+    return (unsqueeze_dim == 1 and not (cos.requires_grad or sin.requires_grad) and q.dim() == k.dim() == 4
+            and cos.dim() == 3
             and cos.shape == sin.shape and q.shape[-1] == k.shape[-1] == cos.shape[-1]
             and q.shape[-1] % 2 == 0 and q.shape[2] == k.shape[2] == cos.shape[1]
             and cos.shape[0] in (1, q.shape[0]) and q.shape[0] == k.shape[0]
@@ -66,16 +66,13 @@ def _takes(q, k, cos, sin, unsqueeze_dim) -> bool:
 
 
 def _dispatching(original):
-    """`original` (a modeling module's apply_rotary_pos_emb) taking the fused path for tagged cos/sin."""
-    if getattr(original, "_rlhfkit_original", None) is not None:
-        return original
+    """`original` (a modeling module's apply_rotary_pos_emb) taking the fused path for the tensors it takes."""
 
     def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
         if _takes(q, k, cos, sin, unsqueeze_dim):
             return fused_rotary(q, k, cos, sin)
         return original(q, k, cos, sin, unsqueeze_dim)
 
-    apply_rotary_pos_emb._rlhfkit_original = original
     apply_rotary_pos_emb.__doc__ = original.__doc__
     return apply_rotary_pos_emb
 
@@ -98,8 +95,6 @@ def _same_values(original, head_dim: int) -> bool:
     q, k = (torch.randn(1, heads, rows, head_dim, generator=g).requires_grad_(True) for _ in range(2))
     angles = torch.rand(1, rows, head_dim, generator=g) * 6
     cos, sin = angles.cos(), angles.sin()
-    setattr(cos, TAG, True)
-    setattr(sin, TAG, True)
     if not _takes(q, k, cos, sin, 1):
         return True
     probe = torch.randn(1, heads, rows, head_dim, generator=g)
@@ -112,34 +107,35 @@ def _same_values(original, head_dim: int) -> bool:
     return all(float((a - b).abs().max()) <= 1e-5 * float(b.abs().max()) + 1e-12 for a, b in zip(*results))
 
 
-def _tag(_module, _args, output):
-    if isinstance(output, tuple) and len(output) == 2 and all(isinstance(t, torch.Tensor) for t in output):
-        for t in output:
-            setattr(t, TAG, True)
-    return output
-
-
 def use_fused_rotary(model: torch.nn.Module) -> int:
-    """Route `model`'s Llama-family attention layers' rotation to `fused_rotary` where the kernels take it (see
-    the module docstring). Returns how many attention layers may take it: 0 for unknown attention classes,
-    another rotation function, or a model without exactly one rotary-embedding module."""
+    """Route `model`'s Llama-family attention layers' rotation to `fused_rotary` while its forward runs, where the
+    kernels take it (see the module docstring). Returns how many attention layers may take it: 0 for unknown
+    attention classes, another rotation function, or a model without exactly one rotary-embedding module."""
     attention = [m for m in model.modules() if type(m).__name__ in ATTENTION_CLASSES]
     rotary = [m for m in model.modules() if type(m).__name__.endswith("RotaryEmbedding")]
     if not attention or len(rotary) != 1:
         return 0
-    modules = {type(m).__module__ for m in attention}
+    modules = [sys.modules.get(name) for name in sorted({type(m).__module__ for m in attention})]
     head_dim = getattr(attention[0], "head_dim", 0)
     if not head_dim or head_dim % 2:
         return 0
-    for name in modules:
-        function = getattr(sys.modules.get(name), "apply_rotary_pos_emb", None)
-        original = getattr(function, "_rlhfkit_original", function)
-        if original is None or not _standard(original) or not _same_values(original, head_dim):
+    for module in modules:
+        function = getattr(module, "apply_rotary_pos_emb", None)
+        if function is None or not _standard(function) or not _same_values(function, head_dim):
             return 0
-    for name in modules:
-        module = sys.modules[name]
-        module.apply_rotary_pos_emb = _dispatching(module.apply_rotary_pos_emb)
-    if not getattr(rotary[0], "_rlhfkit_tagging", False):
-        rotary[0].register_forward_hook(_tag)
-        rotary[0]._rlhfkit_tagging = True
+    swapped = []  # per forward running now (a model may be called inside its own forward): what to put back
+
+    def enter(_module, _args):
+        originals = [module.apply_rotary_pos_emb for module in modules]
+        for module, original in zip(modules, originals):
+            module.apply_rotary_pos_emb = _dispatching(original)
+        swapped.append(originals)
+
+    def leave(_module, _args, _output):
+        if swapped:
+            for module, original in zip(modules, swapped.pop()):
+                module.apply_rotary_pos_emb = original
+
+    model.register_forward_pre_hook(enter)
+    model.register_forward_hook(leave, always_call=True)
     return len(attention)

@@ -190,6 +190,9 @@ class EngineConfig:
     keep_freed_memory: bool = option(True, "CPU runs on Linux: glibc's malloc keeps freed memory for reuse instead "
                                            "of returning it (no page faults per step, ~5-10% faster; the "
                                            "resident memory stays at its peak)")
+    speed: str = option("auto", "the optional speed paths (first log line: which are on, why others are off): "
+                                "auto, each where it applies and its one-off check passes; reference, none: plain "
+                                "transformers forwards, padded batches, no CPU kernels", choices=("auto", "reference"))
     fused_kernels: bool = option(True, "CPU runs: the lean RMSNorm and SwiGLU (load.lean_activations) and the "
                                        "Llama rotary embedding run fused element-wise loops in C, built once per "
                                        "machine by the system's C compiler (cached; without one, PyTorch's "

@@ -20,6 +20,7 @@ from rlhfkit.data.templates import Template
 from rlhfkit.demo.sampling import load_policy, sample
 from rlhfkit.models import load_scalar_model, load_tokenizer
 from rlhfkit.rollout.evaluate import sequence_kl
+from rlhfkit.speed.plan import REFERENCE
 
 
 def mean_stderr(values: list[float]) -> dict:
@@ -38,34 +39,33 @@ def gold_of_policies(folders: dict, prompts: list[str], gen: GenConfig, gold, se
     folder: the sum over response tokens of log pi - log pi_ref on the policy's own samples, a Monte-Carlo
     estimate of KL(pi || pi_ref) in nats per response, the quantity PPO's penalty holds down.
 
-    With `fast`, each model takes the CPU paths PPO's models take (`fast_sampling`), the same for every policy.
+    With `fast`, each model takes the speed paths a PPO actor takes (`sampling_plan`), the same for every policy;
+    else plain transformers forwards.
     """
     results, texts, kl = {}, {}, None
     models = {}
     for name, folder in folders.items():
         model, tokenizer = load_policy(folder)
-        if fast:
-            fast_sampling(model)
-        batch = sample(model, tokenizer, prompts, gen, seed)
+        plan = sampling_plan(model) if fast else REFERENCE
+        batch = sample(model, tokenizer, prompts, gen, seed, plan)
         texts[name] = batch.response_texts
         results[name] = mean_stderr([gold(p, t) for p, t in zip(prompts, batch.response_texts)])
-        models[name] = (model, batch)
+        models[name] = (model, batch, plan)
     if policy in models and reference in models:
-        policy_model, policy_batch = models[policy]
-        kls = sequence_kl(policy_model, models[reference][0], policy_batch, gen.temperature, micro)
+        policy_model, policy_batch, policy_plan = models[policy]
+        plans = {"actor": policy_plan, "reference": models[reference][2]}
+        kls = sequence_kl(policy_model, models[reference][0], plans, policy_batch, gen.temperature, micro)
         kl = mean_stderr(kls.tolist())
     return results, texts, kl
 
 
-def fast_sampling(model) -> None:
-    """Give an evaluated model the CPU paths `rlhfkit ppo` gives its models: oneDNN linear layers where they beat
-    MKL (`cpu_linear.use_fast_cpu_linear`) and the tokens every prompt begins with computed once
-    (`prefix.use_common_prefix`, where its one-off check passes). Same values up to float rounding."""
-    from rlhfkit.accel.cpu_linear import use_fast_cpu_linear
-    from rlhfkit.models.prefix import common_prefix_gives_full_values, use_common_prefix
+def sampling_plan(model):
+    """The speed plan `rlhfkit ppo` gives its actor, decided for an evaluated model with every setting at its
+    default, on the CPU (its CPU kernels installed). Same values up to float rounding."""
+    from rlhfkit.engine.local import LocalEngine
+    from rlhfkit.speed.registry import Target, plan_model
 
-    use_fast_cpu_linear(model, torch.device("cpu"))
-    use_common_prefix(model, common_prefix_gives_full_values(model))
+    return plan_model(Target(model, "actor", "ppo", None, LocalEngine()))
 
 
 class ProxyScorer:
@@ -112,7 +112,8 @@ def evaluate_policy(model, tokenizer, prompts: list[str], gen: GenConfig, gold, 
     texts = batch.response_texts
     result = PolicyEval(prompts, texts, [gold(p, t) for p, t in zip(prompts, texts)])
     if reference is not None:
-        result.kl = sequence_kl(model, reference, batch, gen.temperature, micro).tolist()
+        plans = {"actor": REFERENCE, "reference": REFERENCE}
+        result.kl = sequence_kl(model, reference, plans, batch, gen.temperature, micro).tolist()
     if proxy is not None:
         result.proxy = proxy(batch)
     return result

@@ -22,6 +22,7 @@ from rlhfkit.engine.local import LocalEngine
 from rlhfkit.models import load_causal_lm, load_tokenizer
 from rlhfkit.rollout.batch import RolloutBatch
 from rlhfkit.rollout.evaluate import generate_all
+from rlhfkit.speed.plan import REFERENCE, ModelPlan
 
 
 def load_policy(folder, opts: LoadConfig | None = None):
@@ -44,10 +45,12 @@ def prompt_rows(tokenizer, prompts: list[str]) -> list[dict]:
 
 
 @torch.no_grad()
-def sample(model, tokenizer, prompts: list[str], gen: GenConfig, seed: int) -> RolloutBatch:
-    """One sampled response per prompt (repeat a prompt to get several), with a fixed seed."""
+def sample(model, tokenizer, prompts: list[str], gen: GenConfig, seed: int,
+           plan: ModelPlan = REFERENCE) -> RolloutBatch:
+    """One sampled response per prompt (repeat a prompt to get several), with a fixed seed, on the paths of the
+    model's speed plan (default: plain transformers)."""
     torch.manual_seed(seed)
-    return generate_all(model, LocalEngine(), tokenizer, prompt_rows(tokenizer, prompts), gen)
+    return generate_all(model, LocalEngine(), tokenizer, prompt_rows(tokenizer, prompts), gen, plan)
 
 
 def label_pairs(prompts: list[str], first: list[str], second: list[str], gold: Callable[[str, str], float],

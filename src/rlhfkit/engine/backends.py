@@ -3,7 +3,6 @@ many ranks), both implementing the `Engine` protocol (`engine/protocol.py`)."""
 
 from __future__ import annotations
 
-from rlhfkit.accel import kernels
 from rlhfkit.config.schema import EngineConfig, TrainConfig
 from rlhfkit.engine.cpu_memory import keep_freed_memory
 from rlhfkit.engine.local import LocalEngine
@@ -25,5 +24,4 @@ def make_engine(cfg: EngineConfig, train: TrainConfig | None = None) -> Engine:
     engine = ENGINES[cfg.backend](cfg, train)
     if engine.device.type == "cpu" and cfg.keep_freed_memory:
         keep_freed_memory()
-    kernels.enable(engine.device.type == "cpu" and cfg.fused_kernels)
     return engine

@@ -18,7 +18,6 @@ from safetensors.torch import load_model, save_model
 from rlhfkit.config.schema import TrainConfig
 from rlhfkit.engine.manifest import seal, verified_latest
 from rlhfkit.engine.storage import atomic_folder, publish_checkpoint, rng_state, set_rng_state, write_hf_folder
-from rlhfkit.accel import grad_in_place
 
 
 def lr_lambda(cfg: TrainConfig, total_steps: int):
@@ -123,11 +122,8 @@ class Trainable:
                                betas=tuple(cfg.betas))
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(cfg, total_steps))
         self.bad = False  # a non-finite loss was seen since the last step
-        if keep_grads:
+        if keep_grads:  # the kept .grad is the accumulator and no hook watches it: the speed plan's `grad_in_place`
             allocate_training_state(self.optimizer)
-            # the kept .grad is the accumulator and no hook watches it: the vocabulary matrices' backwards add
-            # into it directly instead of through (V x H) temporaries (`accel/grad_in_place.py`)
-            grad_in_place.enable(module)
 
     def backward(self, loss_sum: torch.Tensor, total: float) -> None:
         """Accumulate the gradient of `loss_sum / total`: `loss_sum` summed over this micro-batch, `total` the
@@ -196,10 +192,12 @@ class AutocastHooks:
     def attach(self, module: torch.nn.Module) -> torch.nn.Module:
         module.register_forward_pre_hook(self.enter)
         module.register_forward_hook(self.leave, always_call=True)
-        # read by `models.forward.mixed_precision`: code that stands in for part of the forward outside it (the LM
-        # head in chunks) runs under the same autocast
-        module._rlhfkit_autocast = (self.device_type, self.dtype)
         return module
+
+    def spec(self) -> tuple[str, torch.dtype]:
+        """(device type, dtype): what a speed plan records (`plan.autocast`), so that code standing in for part of
+        the forward outside it (the LM head in chunks, `models.forward.mixed_precision`) runs under the same."""
+        return self.device_type, self.dtype
 
 
 @contextlib.contextmanager

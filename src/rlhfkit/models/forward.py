@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
-import weakref
 
 import torch
 
@@ -67,12 +66,13 @@ def causal_logits(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, 
         return model(**kwargs).logits[:, -keep:]
 
 
-def packed_logits(model, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+def packed_logits(model, input_ids: torch.Tensor, position_ids: torch.Tensor, plan) -> torch.Tensor:
     """(N, T, V) logits of packed rows (`data.tokenize.collate_packed`): no attention mask, positions that
     restart at 0 for every sequence, from which transformers builds the block-diagonal causal mask (with
-    `segments.packed_attention`: attention runs per sequence instead, where the model allows it)."""
-    with packed_attention(model):
-        return model(input_ids=input_ids, position_ids=position_ids, attention_mask=None, use_cache=False).logits
+    `plan.segment_attention`: attention runs per sequence instead, `segments.packed_attention`)."""
+    with packed_attention(model, plan, position_ids) as spans:
+        return model(input_ids=input_ids, position_ids=position_ids, attention_mask=None, use_cache=False,
+                     **spans).logits
 
 
 def lm_head_weight(model) -> torch.Tensor | None:
@@ -114,65 +114,26 @@ def hidden_states(model, **kwargs) -> torch.Tensor:
 
 
 def final_hidden(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
-                 positions: torch.Tensor) -> torch.Tensor:
+                 positions: torch.Tensor, **extra) -> torch.Tensor:
     """(N, T, H) hidden states that `model`'s LM head would read at every position of a causal forward
-    (`hidden_states`)."""
+    (`hidden_states`); `extra`: more keyword arguments of the forward (a packed forward's spans)."""
     return hidden_states(model, input_ids=input_ids, attention_mask=attention_mask, position_ids=positions,
-                         use_cache=False)
+                         use_cache=False, **extra)
 
 
-# config attributes of models whose logits are not the head's output (a soft cap or a scale after the head)
-_LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_softcapping", "logit_scale", "logits_scaling",
-                     "output_logits_scaling")
-_HEAD_LOGPROBS: "weakref.WeakKeyDictionary[torch.nn.Module, bool]" = weakref.WeakKeyDictionary()
+def head_logprobs_weight(model, plan) -> torch.Tensor | None:
+    """The LM head's (V, H) weight where `model`'s plan runs the head in chunks on the hidden states
+    (`plan.head_chunks`) and the head is a plain linear layer held here (`lm_head_weight`), else None: then
+    log-probs come from the model's own logits."""
+    return lm_head_weight(model) if plan.head_chunks else None
 
 
-@torch.no_grad()
-def head_gives_logits(model, rtol: float = 1e-4) -> bool:
-    """Whether `model`'s logits are its LM head applied to its decoder's output (`lm_head_weight`, then
-    `decoder_outputs`), checked once on a few tokens: a model that changes its logits after the head (Gemma 2's
-    soft cap, Cohere's or Granite's scale) is refused by its config and, for anything else, by the values."""
-    weight = lm_head_weight(model)
-    if weight is None:
-        return False
-    config = base_model(model).config
-    for name in _LOGIT_TRANSFORMS:
-        value = getattr(config, name, None)
-        if value is not None and not ("scal" in name and value == 1):  # a scale of 1 changes nothing
-            return False
-    ids = (torch.arange(8, device=weight.device) * 7 + 3).remainder(weight.size(0))[None]
-    was_training = base_model(model).training
-    model.eval()
-    try:
-        with decoder_outputs(model) as captured:
-            logits = model(input_ids=ids, use_cache=False).logits
-    finally:
-        model.train(was_training)
-    hidden = captured[-1]
-    expected = (hidden.to(weight.dtype) @ weight.T).float()
-    return bool(torch.allclose(logits.float(), expected, rtol=rtol, atol=rtol))
-
-
-def use_head_logprobs(model, on: bool) -> None:
-    """Record for `model` whether its response log-probs may run its LM head in chunks on the hidden states
-    (`head_logprobs_weight`); decided once per run (`stages.common.choose_head_logprobs`)."""
-    _HEAD_LOGPROBS[base_model(model)] = on
-
-
-def head_logprobs_weight(model) -> torch.Tensor | None:
-    """The LM head's (V, H) weight when `use_head_logprobs(model, True)` was recorded and the head is a plain
-    linear layer held here (`lm_head_weight`), else None: then log-probs come from the model's own logits."""
-    if not _HEAD_LOGPROBS.get(base_model(model), False):
-        return None
-    return lm_head_weight(model)
-
-
-def mixed_precision(model):
-    """The autocast `model`'s forward runs under (the local engine's `engine.precision=bf16` hooks), for the code
-    that does part of the forward's work outside it: the LM head in chunks (`algos.linear_token_logprobs`,
-    `linear_lm_loss_sum`) then multiplies in bf16 as the model's own head would, not in float32. A no-op context
-    for a model without it (float32; DeepSpeed's bf16, whose weights are bf16 themselves)."""
-    spec = getattr(model, "_rlhfkit_autocast", None)
+def mixed_precision(plan):
+    """The autocast the model's forward runs under (`plan.autocast`: the local engine's `engine.precision=bf16`
+    hooks), for the code that does part of the forward's work outside it: the LM head in chunks
+    (`algos.linear_token_logprobs`, `linear_lm_loss_sum`) then multiplies in bf16 as the model's own head would,
+    not in float32. A no-op context for a model without it (float32; DeepSpeed's bf16, whose weights are bf16)."""
+    spec = plan.autocast
     return torch.autocast(spec[0], dtype=spec[1]) if spec else contextlib.nullcontext()
 
 
@@ -271,26 +232,14 @@ def token_scores(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | 
                    position_ids=position_ids(attention_mask) if positions is None else positions, use_cache=False)
 
 
-def packed_sequence_scores(model, input_ids: torch.Tensor, positions: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+def packed_sequence_scores(model, input_ids: torch.Tensor, positions: torch.Tensor, ends: torch.Tensor,
+                           plan) -> torch.Tensor:
     """(S,) scores of packed sequences, each read at its last token: `ends` (S, 2) holds (row, column);
-    attention per sequence where the model allows it (`segments.packed_attention`)."""
-    with packed_attention(model):
-        scores = token_scores(model, input_ids, None, positions)
+    attention per sequence where the plan says so (`segments.packed_attention`)."""
+    with packed_attention(model, plan, positions) as spans:
+        scores = scalar_outputs(model, input_ids=input_ids, attention_mask=None, position_ids=positions,
+                                use_cache=False, **spans)
     return scores[ends[:, 0], ends[:, 1]]
-
-
-_PADDING_FREE: "weakref.WeakKeyDictionary[torch.nn.Module, bool]" = weakref.WeakKeyDictionary()
-
-
-def use_padding_free(model, on: bool) -> None:
-    """Record for `model` whether its forwards over padded rollout rows (response hidden states, values, reward
-    scores) run padding-free (`packed_outputs`); decided once per run (`stages.common.choose_padding_free`)."""
-    _PADDING_FREE[base_model(model)] = on
-
-
-def padding_free(model) -> bool:
-    """Whether `use_padding_free(model, True)` was recorded."""
-    return _PADDING_FREE.get(base_model(model), False)
 
 
 def pack_padded(input_ids: torch.Tensor, attention_mask: torch.Tensor,
@@ -334,21 +283,21 @@ def unpack_states(states: torch.Tensor, where: torch.Tensor) -> torch.Tensor:
     return padded.transpose(1, 2)
 
 
-def packed_outputs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+def packed_outputs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, plan,
                    scores: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token outputs of a padded batch from one padding-free forward (`pack_padded`, bins of
-    `segments.packed_row_tokens` tokens, attention per sequence where the model allows it): `(flat, where)`, with
+    `segments.packed_row_tokens` tokens, attention per sequence where the plan says so): `(flat, where)`, with
     `flat` (N * W, H) the hidden states the LM head reads (`hidden_states`) or, with `scores`, (N * W,) a scalar
     model's outputs (`token_scores`), and `where` (B, T) the row of `flat` for each padded position (-1 on
     padding). Equal to the padded forward's at every real token, to float rounding: positions, and the tokens
     each attends to, are the same; no compute is spent on padding."""
-    ids, positions, where = pack_padded(input_ids, attention_mask, packed_row_tokens(model))
-    with packed_attention(model):
+    ids, positions, where = pack_padded(input_ids, attention_mask, packed_row_tokens(model, plan))
+    kwargs = dict(input_ids=ids, attention_mask=None, position_ids=positions, use_cache=False)
+    with packed_attention(model, plan, positions) as spans:
         if scores:
-            flat = token_scores(model, ids, None, positions).flatten()
+            flat = scalar_outputs(model, **kwargs, **spans).flatten()
         else:
-            flat = hidden_states(model, input_ids=ids, attention_mask=None, position_ids=positions, use_cache=False)
-            flat = flat.flatten(0, 1)
+            flat = hidden_states(model, **kwargs, **spans).flatten(0, 1)
     return flat, where
 
 
@@ -357,31 +306,6 @@ def read_packed(flat: torch.Tensor, where: torch.Tensor) -> torch.Tensor:
     out = flat[where.clamp(min=0)]
     keep = (where >= 0).view(*where.shape, *([1] * (flat.dim() - 1)))
     return torch.where(keep, out, torch.zeros((), dtype=out.dtype, device=out.device))
-
-
-@torch.no_grad()
-def packing_gives_padded_values(model, rtol: float = 1e-4) -> bool:
-    """Whether `model`'s padding-free forward (`packed_outputs`) matches its padded one, checked once on two short
-    rows, left-padded: a model whose attention ignores packed positions (it would attend across sequences) or
-    that reads positions its own way is refused by the values."""
-    scalar = scalar_head(model) is not None
-    device = next(base_model(model).parameters()).device
-    vocab = getattr(base_model(model).config, "vocab_size", None) or 2
-    ids = (torch.arange(12, device=device).view(2, 6) * 7 + 3).remainder(vocab)
-    mask = torch.ones_like(ids)
-    mask[1, :3] = 0  # the second row: 3 tokens after left padding
-    was_training = base_model(model).training
-    model.eval()
-    try:
-        if scalar:
-            padded = token_scores(model, ids, mask)
-        else:
-            padded = final_hidden(model, ids, mask, position_ids(mask)).float()
-        flat, where = packed_outputs(model, ids, mask, scores=scalar)
-    finally:
-        model.train(was_training)
-    real = mask.bool()
-    return bool(torch.allclose(flat.float()[where[real]], padded[real], rtol=rtol, atol=rtol))
 
 
 def trim_padding(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -395,11 +319,11 @@ def trim_padding(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> tuple
     return input_ids[:, first:last], attention_mask[:, first:last]
 
 
-def sequence_scores(model, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+def sequence_scores(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, plan) -> torch.Tensor:
     """(B,) reward-model score read at each row's last real token (left or right padding); padding-free where
-    recorded for `model` (`use_padding_free`)."""
-    if padding_free(model):
-        flat, where = packed_outputs(model, input_ids, attention_mask, scores=True)
+    the model's plan says so (`plan.padding_free`)."""
+    if plan.padding_free:
+        flat, where = packed_outputs(model, input_ids, attention_mask, plan, scores=True)
         return flat[where.gather(1, last_valid_index(attention_mask)[:, None]).squeeze(1)]
     input_ids, attention_mask = trim_padding(input_ids, attention_mask)
     scores = token_scores(model, input_ids, attention_mask)

@@ -21,15 +21,13 @@ actor update 7.1 -> 5.9 s, critic update 6.0 -> 5.2 s, reference 2.1 -> 1.8 s.
 
 Positions go on from the prefix's real-token count, as `forward.position_ids` numbers the padded rows; padding (the
 prompts' left padding, the responses' after EOS) is not in the row at all. Values equal the two-forward path's to float
-rounding (the same tokens attended, the same positions). `choose_group_packing` (stages/common.py) records per model
-whether its forwards use it (`use_group_packing`), after `group_packing_gives_prefix_values` finds the two-forward
-path's values; `prefix.shared_prefix_logits(hidden=True)` then takes it where the model can run it now
-(`packable`: sdpa attention, full attention, no gradient checkpointing in training).
+rounding (the same tokens attended, the same positions). A model's speed plan says whether its forwards use it
+(`plan.group_packing`, decided by `speed.registry` after `speed.checks.group_packing_gives_prefix_values` finds the
+two-forward paths' values); `prefix.shared_prefix_logits(hidden=True)` and `prefix.common_prefix_outputs` then take it
+where the model can run it now (`group_packing`: not in training with gradient checkpointing).
 """
 
 from __future__ import annotations
-
-import weakref
 
 import torch
 import torch.nn.functional as F
@@ -37,14 +35,12 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import repeat_kv
 from transformers.masking_utils import AttentionMaskInterface
 
-from rlhfkit.models.forward import (final_hidden, hidden_states, position_ids, scalar_head, scalar_outputs,
-                                    token_scores)
+from rlhfkit.models.forward import hidden_states, scalar_outputs
 from rlhfkit.models.lora import attention_implementation, base_model
 from rlhfkit.models.segments import packed_row_tokens
 
 NAME = "rlhfkit_group_packed"
 _UNSUPPORTED = ("softcap", "sliding_window", "s_aux", "sinks")  # attention-function options it does not apply
-_RECORD: "weakref.WeakKeyDictionary[torch.nn.Module, bool]" = weakref.WeakKeyDictionary()
 
 
 class GroupPacking:
@@ -128,21 +124,12 @@ AttentionInterface.register(NAME, group_packed_attention)
 AttentionMaskInterface.register(NAME, lambda *args, **kwargs: None)  # the attention builds its own mask
 
 
-def use_group_packing(model, on: bool) -> None:
-    """Record for `model` whether its forwards over rows that share a prompt (`group_packed_hidden`) or a template's
-    run (`common_prefix_packed`) take one packed row; decided once per run (`stages.common.choose_group_packing`)."""
-    _RECORD[base_model(model)] = on
-
-
-def group_packing(model) -> bool:
-    """Whether `use_group_packing(model, True)` was recorded and the model can run it now (`packable`)."""
-    return _RECORD.get(base_model(model), False) and packable(model)
-
-
-def packable(model) -> bool:
-    """sdpa attention, every layer plain full attention, no soft cap, and no gradient checkpointing in training
-    (its recomputation would run after the attention switch is gone): `segments.packed_row_tokens`'s conditions."""
-    return packed_row_tokens(model, inference=not base_model(model).training) is not None
+def group_packing(model, plan) -> bool:
+    """Whether `model`'s forwards over rows that share a prompt (`group_packed_hidden`) or a template's run
+    (`common_prefix_packed`) take one packed row now: its plan says so (`plan.group_packing`, which needs
+    `plan.segment_attention`'s conditions) and it is not training with gradient checkpointing (the recomputation
+    would run after the attention switch is gone)."""
+    return plan.group_packing and packed_row_tokens(model, plan, inference=not base_model(model).training) is not None
 
 
 def packed_forward(model, layout: GroupPacking, kind: str = "hidden") -> torch.Tensor:
@@ -204,61 +191,3 @@ def common_prefix_packed(model, input_ids: torch.Tensor, attention_mask: torch.T
     column = torch.arange(input_ids.size(1) - keep, input_ids.size(1), device=input_ids.device)[None]
     token = torch.where(real[:, -keep:], column - starts[:, None], torch.zeros_like(column))
     return flat[layout.position(torch.arange(layout.rows, device=column.device)[:, None], token)]
-
-
-@torch.no_grad()
-def group_packing_gives_prefix_values(model, rtol: float = 1e-4) -> bool:
-    """Whether the packed row gives what the two-forward paths give, checked on random ids: for a causal LM,
-    `group_packed_hidden` against `prefix.shared_prefix_logits`' hidden states (2 prompts, one left-padded, x 2
-    samples, one response cut short by EOS) and `common_prefix_packed` against the plain forward's hidden states;
-    for a scalar model (a critic), `common_prefix_packed`'s scores against the plain forward's (3 rows sharing a
-    run, two left-padded, one ending in padding). False where the model cannot run it (`packable`), or its
-    attention takes options this path does not apply or does not receive the forward's keyword arguments."""
-    from rlhfkit.models.prefix import shared_prefix_logits  # prefix.py calls into this module
-
-    if not packable(model):
-        return False
-    inner = base_model(model)
-    device = next(inner.parameters()).device
-    vocab = getattr(inner.config, "vocab_size", None) or 2
-    scalar = scalar_head(model) is not None
-    ids = (torch.arange(3 * 12, device=device).view(3, 12) * 7 + 3).remainder(vocab)
-    mask = torch.ones_like(ids)
-    for row, pad in enumerate((0, 2, 3)):  # a 6-token run every row begins with, after its left padding
-        ids[row, pad:pad + 6] = (torch.arange(6, device=device) * 5 + 1).remainder(vocab)
-        mask[row, :pad] = 0
-    mask[0, -2:] = 0  # the first row ends early
-    keep = 4
-    was_training, recorded = inner.training, _RECORD.get(inner)
-    model.eval()
-    _RECORD[inner] = False  # the reference values: the usual forwards
-    try:
-        real = mask[:, -keep:].bool()
-        if scalar:
-            got = common_prefix_packed(model, ids, mask, 6, keep, "scores")[real]
-            expected = token_scores(model, ids, mask)[:, -keep:][real]
-        else:
-            got = common_prefix_packed(model, ids, mask, 6, keep, "hidden")[real]
-            expected = final_hidden(model, ids, mask, position_ids(mask))[:, -keep:][real]
-            prompt_ids = (torch.arange(10, device=device).view(2, 5) * 5 + 3).remainder(vocab).repeat_interleave(2, 0)
-            prompt_mask = torch.ones_like(prompt_ids)
-            prompt_mask[2:, :2] = 0  # the second prompt: 3 tokens after left padding
-            response_ids = (torch.arange(16, device=device).view(4, 4) * 11 + 7).remainder(vocab)
-            response_mask = torch.ones_like(response_ids)
-            response_mask[1, 2:] = 0
-            shared = shared_prefix_logits(model, prompt_ids, prompt_mask, response_ids, response_mask, hidden=True)
-            first, inverse = torch.tensor([0, 2], device=device), torch.tensor([0, 0, 1, 1], device=device)
-            packed = group_packed_hidden(model, prompt_ids, prompt_mask, response_ids, response_mask, first, inverse)
-            if shared is None or packed is None:
-                return False
-            valid = response_mask.bool()
-            got, expected = torch.cat([got, packed[valid]]), torch.cat([expected, shared[valid]])
-    except (NotImplementedError, RuntimeError, TypeError):
-        return False
-    finally:
-        model.train(was_training)
-        if recorded is None:
-            _RECORD.pop(inner, None)
-        else:
-            _RECORD[inner] = recorded
-    return bool(torch.allclose(got.float(), expected.float(), rtol=rtol, atol=rtol))

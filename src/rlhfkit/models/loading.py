@@ -18,9 +18,6 @@ from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForSequence
 
 from rlhfkit.config.schema import LoadConfig
 from rlhfkit.errors import ModelError
-from rlhfkit.accel import kernels
-from rlhfkit.accel.lean import use_lean_activations
-from rlhfkit.accel.rotary import use_fused_rotary
 
 # what a folder that cannot be loaded raises: missing or unreadable files, bad configs, damaged weights
 LOAD_ERRORS = (OSError, ValueError, SafetensorError)
@@ -144,10 +141,6 @@ def _prepare(model, opts: LoadConfig, tokenizer=None):
             model.resize_token_embeddings(len(tokenizer))
         if model.config.pad_token_id is None:
             model.config.pad_token_id = tokenizer.pad_token_id
-    if opts.lean_activations:
-        use_lean_activations(model)
-        if kernels.enabled():  # switched on by the engine (engine.fused_kernels)
-            use_fused_rotary(model)
     if opts.gradient_checkpointing:
         if hasattr(model, "activation_checkpointing_enable"):  # transformers 5.24's name (the old one goes in v6)
             model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})

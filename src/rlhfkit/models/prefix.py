@@ -11,13 +11,11 @@ from __future__ import annotations
 
 import contextlib
 import math
-import weakref
 
 import torch
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
-from rlhfkit.models.forward import (cache_kwargs, decoder_outputs, final_hidden, hidden_states, position_ids,
-                                    scalar_head, scalar_outputs, token_scores)
+from rlhfkit.models.forward import cache_kwargs, decoder_outputs, hidden_states, position_ids, scalar_outputs
 from rlhfkit.models.group_pack import common_prefix_packed, contiguous_rows, group_packed_hidden, group_packing
 from rlhfkit.models.lora import base_model, checkpointed
 from rlhfkit.models.segments import full_attention_cache
@@ -69,7 +67,7 @@ class PrefixLayer(DynamicLayer):
 
 
 def shared_prefix_logits(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, response_ids: torch.Tensor,
-                         response_mask: torch.Tensor, always: bool = False,
+                         response_mask: torch.Tensor, plan, always: bool = False,
                          hidden: bool = False) -> torch.Tensor | None:
     """(B, R, V) logits predicting each response token, with every distinct prompt computed once.
 
@@ -77,18 +75,19 @@ def shared_prefix_logits(model, prompt_ids: torch.Tensor, prompt_mask: torch.Ten
     prompts (left-padded, identical rows merged) run one forward that fills the KV cache and gives the logits of
     each response's first token; the cache is then indexed out to every row, and the responses run against it.
     Gradients flow through the shared cache into the prompt's forward, so the result and its gradient equal
-    the full forward's (up to float rounding). None when no two rows share a prompt, or when the model cannot
-    take a cache here (`shares_prefixes`, or a model class without a cache argument or `logits_to_keep`).
+    the full forward's (up to float rounding). None when the model's plan does not say so (`plan.shared_prompt`),
+    when no two rows share a prompt, or when the model cannot take a cache here (`shares_prefixes`, or a model class
+    without a cache argument or `logits_to_keep`).
 
     With `always`, the two forwards run even when no prompt repeats: under ZeRO-3 every forward is a
     collective, so each rank must make the same number of calls whatever its rows (callers pass a setting
     that holds for every rank: the run samples groups).
 
     With `hidden`, (B, R, H): the hidden states the LM head would read at those positions (`decoder_outputs`),
-    the head itself run on one position per forward; where recorded for the model (`group_pack.group_packing`),
-    from one forward of the prompts and responses packed in one row instead (`group_pack.group_packed_hidden`).
+    the head itself run on one position per forward; where the plan says so (`group_pack.group_packing`), from one
+    forward of the prompts and responses packed in one row instead (`group_pack.group_packed_hidden`).
     """
-    if not shares_prefixes(model):
+    if not (plan.shared_prompt and shares_prefixes(model)):
         return None
     unique = unique_rows(prompt_ids, prompt_mask)
     if unique is None and always:
@@ -103,7 +102,7 @@ def shared_prefix_logits(model, prompt_ids: torch.Tensor, prompt_mask: torch.Ten
     if group:  # blocks of G rows per prompt: each block's first row, and the cache repeated by a broadcast
         first = torch.arange(0, prompt_ids.size(0), group, device=prompt_ids.device)
         inverse = torch.arange(first.numel(), device=prompt_ids.device).repeat_interleave(group)
-    if hidden and group_packing(model):  # prompts and responses in one packed row: one forward, not two
+    if hidden and group_packing(model, plan):  # prompts and responses in one packed row: one forward, not two
         packed = group_packed_hidden(model, prompt_ids, prompt_mask, response_ids, response_mask, first, inverse)
         if packed is not None:
             return packed
@@ -138,18 +137,6 @@ def shared_prefix_logits(model, prompt_ids: torch.Tensor, prompt_mask: torch.Ten
 
 
 MIN_COMMON_PREFIX = 8  # tokens: a shorter shared run saves less than the second forward costs
-_COMMON_PREFIX: "weakref.WeakKeyDictionary[torch.nn.Module, bool]" = weakref.WeakKeyDictionary()
-
-
-def use_common_prefix(model, on: bool) -> None:
-    """Record for `model` whether its forwards over rollout rows may compute the tokens every row begins with once
-    (`common_prefix_outputs`); decided once per run (`stages.common.choose_common_prefix`)."""
-    _COMMON_PREFIX[base_model(model)] = on
-
-
-def shares_common_prefix(model) -> bool:
-    """Whether `use_common_prefix(model, True)` was recorded."""
-    return _COMMON_PREFIX.get(base_model(model), False)
 
 
 def common_prefix_layout(input_ids: torch.Tensor, attention_mask: torch.Tensor,
@@ -189,14 +176,31 @@ def common_prefix_span(input_ids: torch.Tensor, attention_mask: torch.Tensor, ke
     return int(starts.min()), int(same.long().cumprod(0).sum())
 
 
-def _common_prefix_outputs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, keep: int,
-                           kind: str) -> torch.Tensor | None:
-    """`common_prefix_outputs` without the per-run record (the check `common_prefix_gives_full_values` uses it)."""
+def common_prefix_outputs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, keep: int, plan,
+                          kind: str = "hidden") -> torch.Tensor | None:
+    """The outputs at the last `keep` columns of a forward over left-padded (B, T) rows, with the tokens that every
+    row begins with computed once: `kind` "hidden" (B, keep, H), the hidden states the LM head reads
+    (`decoder_outputs`); "logits" (B, keep, V); "scores" (B, keep), a scalar model's outputs (`token_scores`).
+
+    Chat templates put the same system prompt and turn markers before every question (SmolLM2's are 27 of the 38
+    tokens of "What is 3 + 4?"), so a rollout's rows often share most of their prompt. The shared run goes
+    through the model once, as one row, filling the KV cache; the cache is broadcast to every row and the rest of
+    each row runs against it, with the positions it has in the full row. Gradients flow through the broadcast
+    into the prefix's forward, so values and gradients equal the full forward's (up to float rounding). Where the
+    plan says so (`group_pack.group_packing`; "hidden" and "scores"), the run and every row's other real tokens are
+    one packed row instead: one forward, no padding (`group_pack.common_prefix_packed`).
+
+    None, and the caller runs its usual forward, where the model's plan does not say so (`plan.common_prefix`: off
+    where a forward is a collective across ranks, ZeRO-3, since ranks would differ in how many forwards they run),
+    when the rows share fewer than `MIN_COMMON_PREFIX` tokens or it would compute no fewer tokens than the rows'
+    real ones, or when the model cannot take a cache here (`shares_prefixes`, `full_attention_cache`)."""
+    if not plan.common_prefix:
+        return None
     layout = common_prefix_layout(input_ids, attention_mask, keep) if shares_prefixes(model) else None
     if layout is None:
         return None
     start, length, full_mask = layout
-    if kind != "logits" and group_packing(model) and contiguous_rows(attention_mask):  # one forward, no cache
+    if kind != "logits" and group_packing(model, plan) and contiguous_rows(attention_mask):  # one forward, no cache
         return common_prefix_packed(model, input_ids, attention_mask, length, keep, kind)
     cache = full_attention_cache(model)
     if cache is None:
@@ -233,59 +237,3 @@ def _common_prefix_outputs(model, input_ids: torch.Tensor, attention_mask: torch
                 raise
             out = model(**kwargs).logits
     return out[:, -keep:]
-
-
-def common_prefix_outputs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, keep: int,
-                          kind: str = "hidden") -> torch.Tensor | None:
-    """The outputs at the last `keep` columns of a forward over left-padded (B, T) rows, with the tokens that every
-    row begins with computed once: `kind` "hidden" (B, keep, H), the hidden states the LM head reads
-    (`decoder_outputs`); "logits" (B, keep, V); "scores" (B, keep), a scalar model's outputs (`token_scores`).
-
-    Chat templates put the same system prompt and turn markers before every question (SmolLM2's are 27 of the 38
-    tokens of "What is 3 + 4?"), so a rollout's rows often share most of their prompt. The shared run goes
-    through the model once, as one row, filling the KV cache; the cache is broadcast to every row and the rest of
-    each row runs against it, with the positions it has in the full row. Gradients flow through the broadcast
-    into the prefix's forward, so values and gradients equal the full forward's (up to float rounding). Where
-    recorded for the model (`group_pack.group_packing`; "hidden" and "scores"), the run and every row's other real
-    tokens are one packed row instead: one forward, no padding (`group_pack.common_prefix_packed`).
-
-    None, and the caller runs its usual forward, when not recorded for `model` (`use_common_prefix`: off where a
-    forward is a collective across ranks, ZeRO-3, since ranks would differ in how many forwards they run), when
-    the rows share fewer than `MIN_COMMON_PREFIX` tokens or it would compute no fewer tokens than the rows' real
-    ones, or when the model cannot take a cache here (`shares_prefixes`, `full_attention_cache`)."""
-    if not shares_common_prefix(model):
-        return None
-    return _common_prefix_outputs(model, input_ids, attention_mask, keep, kind)
-
-
-@torch.no_grad()
-def common_prefix_gives_full_values(model, rtol: float = 1e-4) -> bool:
-    """Whether `common_prefix_outputs` matches `model`'s plain forward, checked once on three rows that share
-    `MIN_COMMON_PREFIX` + 2 tokens, two of them left-padded: a model that reads the cache or positions its own
-    way is refused by the values."""
-    scalar = scalar_head(model) is not None
-    device = next(base_model(model).parameters()).device
-    vocab = getattr(base_model(model).config, "vocab_size", None) or 2
-    shared = MIN_COMMON_PREFIX + 2
-    ids = (torch.arange(3 * 16, device=device).view(3, 16) * 7 + 3).remainder(vocab)
-    mask = torch.ones_like(ids)
-    for row, pad in enumerate((0, 2, 3)):
-        ids[row, pad:pad + shared] = (torch.arange(shared, device=device) * 5 + 1).remainder(vocab)
-        mask[row, :pad] = 0
-    keep = 3
-    was_training = base_model(model).training
-    model.eval()
-    try:
-        kind = "scores" if scalar else "hidden"
-        got = _common_prefix_outputs(model, ids, mask, keep, kind)
-        if got is None:
-            return False
-        if scalar:
-            full = token_scores(model, ids, mask)[:, -keep:]
-        else:
-            full = final_hidden(model, ids, mask, position_ids(mask))[:, -keep:]
-    except (RuntimeError, TypeError, ValueError, NotImplementedError):
-        return False
-    finally:
-        model.train(was_training)
-    return bool(torch.allclose(got.float(), full.float(), rtol=rtol, atol=rtol))

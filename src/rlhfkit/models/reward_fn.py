@@ -22,6 +22,7 @@ from rlhfkit.data.templates import Template, encode_prompt, encode_response
 from rlhfkit.data.tokenize import cut_prompt, opening_length, pad_sequences
 from rlhfkit.accel.cpu_linear import packed_weights
 from rlhfkit.models.forward import sequence_scores
+from rlhfkit.speed.plan import REFERENCE
 from rlhfkit.models.lora import base_model
 from rlhfkit.errors import ModelError, TemplateRefused
 
@@ -229,8 +230,9 @@ class ModelReward:
     """
 
     def __init__(self, model, tokenizer, actor_template: Template, template_mode: str, micro_batch_size: int,
-                 device):
+                 device, plan=REFERENCE):
         self.model, self.tokenizer, self.device = model, tokenizer, device
+        self.plan = plan  # the model's speed plan (default: the plain transformers path)
         self.micro = micro_batch_size
         # render as in the RM's training when `rlhfkit rm` recorded it (rlhfkit_template: chat|plain)
         # and with the end ids its training responses ended with (rlhfkit_end_ids; else the tokenizer's EOS)
@@ -305,10 +307,11 @@ class ModelReward:
         else:
             ids, mask, unjudged = batch.input_ids, batch.attention_mask, []
         scores = []
-        with packed_weights(self.model):  # oneDNN's weight layout once for all micro-batches (CPU)
+        with packed_weights(self.model, self.plan.onednn_linear):  # oneDNN's weight layout once for all micro-batches
             for start in range(0, ids.size(0), self.micro):
                 chunk = slice(start, start + self.micro)
-                scores.append(sequence_scores(self.model, ids[chunk].to(self.device), mask[chunk].to(self.device)))
+                scores.append(sequence_scores(self.model, ids[chunk].to(self.device), mask[chunk].to(self.device),
+                                              self.plan))
         # identical sequences get the very score of their first copy: scored in other rows of a batch they can
         # differ in the last bits, which a group-relative estimator turns into advantages and DAPO's filter reads
         # as different (every row is still scored, so every rank runs the same forwards, a ZeRO-3 collective)

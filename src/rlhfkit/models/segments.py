@@ -13,18 +13,19 @@ of 4 pairs: attention 4.3 -> 2.9 s of a 28 s forward and backward of three of th
 model packs a micro-batch into one row without padding (`packed_row_tokens`). Values equal the masked kernel's
 to float rounding (tested; the packing checks of SFT and RM run through it).
 
-Used by the packed training forwards (`packed_logits`, `packed_sequence_scores`, SFT's `lm_forward`), on a model
-whose attention is `sdpa` and which does not train with gradient checkpointing (the recomputation in backward runs
-after the context has closed and would take the masked path). A layer takes the per-sequence path only when the
-mask transformers built for this forward says it had no padding mask (`_packed_mask` tags it) and nothing else
-applies (a sliding window, a query shorter than the keys); otherwise it runs transformers' own
-`sdpa_attention_forward` with the mask.
+Used by the packed forwards (`forward.packed_logits`, `packed_sequence_scores`, `packed_outputs`, SFT's loss, the
+rollout's packed prefill) where the model's speed plan has `segment_attention` (a CPU, `sdpa` attention, every layer
+plain full attention: `speed.registry`), and not while a model trains with gradient checkpointing (the
+recomputation in backward runs after the context has closed and would take the masked path). The caller passes the
+sequences' spans to the attention as a keyword argument of the forward (`packed_attention` yields it): only a forward
+of packed rows without a padding mask has them, and every layer reads the same list. A layer with anything else
+(a sliding window, a soft cap, a query shorter than the keys) runs transformers' own `sdpa_attention_forward` with
+the block-diagonal mask transformers built from the positions.
 """
 
 from __future__ import annotations
 
 import contextlib
-import weakref
 
 import torch
 from transformers import AttentionInterface
@@ -35,6 +36,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from rlhfkit.models.lora import attention_implementation, base_model, checkpointed
 
 NAME = "rlhfkit_segments"
+SPANS = "rlhfkit_spans"  # the forward's keyword argument that carries the spans to every layer
 
 
 def sequence_spans(position_ids: torch.Tensor) -> list[list[tuple[int, int]]]:
@@ -52,47 +54,26 @@ def sequence_spans(position_ids: torch.Tensor) -> list[list[tuple[int, int]]]:
     return spans
 
 
-class _Spans:
-    """The spans of the position tensor last seen (every layer of one forward passes the same tensor object; held
-    by a weak reference, so a new tensor at a freed one's address is never mistaken for it)."""
-
-    def __init__(self):
-        self.ref, self.version, self.spans = None, None, None
-
-    def of(self, position_ids: torch.Tensor) -> list[list[tuple[int, int]]]:
-        if self.ref is None or self.ref() is not position_ids or self.version != position_ids._version:
-            self.ref, self.version = weakref.ref(position_ids), position_ids._version
-            self.spans = sequence_spans(position_ids)
-        return self.spans
-
-
-_SPANS = _Spans()
-
-
 def segment_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                       attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
                       **kwargs) -> tuple[torch.Tensor, None]:
     """transformers' attention signature: (B, H, T, D) query, (B, H_kv, T, D) key and value; returns (B, T, H, D)."""
     positions = kwargs.get("position_ids")
-    # a packed forward over a KV cache (the rollout's padding-free prefill) says so itself: transformers builds
-    # no packed mask when a cache is passed
-    packed_call = kwargs.pop("rlhfkit_packed", False)
-    plain = (not (packed_call or getattr(attention_mask, "_rlhfkit_packed_only", False)) or positions is None
+    spans = kwargs.pop(SPANS, None)  # given by the caller of a packed forward without a padding mask only
+    plain = (spans is None or positions is None or len(spans) != query.shape[0]
              or positions.dim() != 2 or positions.shape[-1] != query.shape[2] or query.shape[2] != key.shape[2]
              or not getattr(module, "is_causal", True) or kwargs.get("sliding_window") is not None
              or kwargs.get("softcap") is not None)
     if plain:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
-    if positions.shape[0] != query.shape[0]:
-        positions = positions.expand(query.shape[0], -1)
     groups = query.shape[1] // key.shape[1]
     # the projections' (B, T, heads, D) layout, cut along T with unbind and split (not slicing): each piece's
     # gradient lands in one contiguous buffer laid out as the projection's output, as the masked kernel's does
     rows = []
-    for q, k, v, spans in zip(query.transpose(1, 2).unbind(0), key.transpose(1, 2).unbind(0),
-                              value.transpose(1, 2).unbind(0), _SPANS.of(positions)):
-        lengths = [e - s for s, e in spans]
+    for q, k, v, row in zip(query.transpose(1, 2).unbind(0), key.transpose(1, 2).unbind(0),
+                            value.transpose(1, 2).unbind(0), spans):
+        lengths = [e - s for s, e in row]
         for qs, ks, vs in zip(q.split(lengths), k.split(lengths), v.split(lengths)):
             out = torch.nn.functional.scaled_dot_product_attention(
                 qs.transpose(0, 1).unsqueeze(0), repeat_kv(ks.transpose(0, 1).unsqueeze(0), groups),
@@ -101,17 +82,8 @@ def segment_attention(module, query: torch.Tensor, key: torch.Tensor, value: tor
     return torch.cat(rows, dim=1).view(query.shape[0], query.shape[2], query.shape[1], query.shape[3]), None
 
 
-def _packed_mask(*args, **kwargs) -> torch.Tensor | None:
-    """transformers' own sdpa mask, tagged when the forward had no 2D padding mask: only then may the attention
-    read the sequences from the positions alone. (A forward given a 4D mask of its own never calls this: untagged.)"""
-    mask = sdpa_mask(*args, **kwargs)
-    if mask is not None and kwargs.get("attention_mask") is None:
-        mask._rlhfkit_packed_only = True
-    return mask
-
-
 AttentionInterface.register(NAME, segment_attention)
-AttentionMaskInterface.register(NAME, _packed_mask)  # the fallback path reads the mask as usual
+AttentionMaskInterface.register(NAME, sdpa_mask)  # the fallback path reads transformers' own mask
 
 
 def full_attention_cache(model) -> DynamicCache | None:
@@ -126,23 +98,16 @@ def full_attention_cache(model) -> DynamicCache | None:
     return cache
 
 
-
 ROW_TOKENS = 4096  # a packed row's length where attention runs per sequence: one row for most micro-batches
 
 
-def packed_row_tokens(model, inference: bool = False) -> int | None:
+def packed_row_tokens(model, plan, inference: bool = False) -> int | None:
     """How many tokens a packed row may hold for `model` (`data.tokenize.collate_packed`'s `capacity`):
-    `ROW_TOKENS` where its attention runs per sequence (a long row then costs no attention across sequences, and a
-    micro-batch in one row has no padding at all), else None, bins as long as the longest sequence (under a
-    mask, attention costs the square of the row's length). Every layer must be plain full attention (a sliding
-    window or a soft cap sends a layer to the masked path) for a long row to pay off. `inference`: for a forward
-    without autograd (the rollout's prefill), where gradient checkpointing recomputes nothing."""
-    inner = base_model(model)
-    per_sequence = (getattr(inner.config, "_attn_implementation", None) == "sdpa"
-                    and (inference or not checkpointed(inner))
-                    and getattr(inner.config, "attn_logit_softcapping", None) is None
-                    and full_attention_cache(inner) is not None)
-    return ROW_TOKENS if per_sequence else None
+    `ROW_TOKENS` where its attention runs per sequence (`plan.segment_attention`; a long row then costs no attention
+    across sequences, and a micro-batch in one row has no padding at all), else None, bins as long as the longest
+    sequence (under a mask, attention costs the square of the row's length). `inference`: for a forward without
+    autograd (the rollout's prefill), where gradient checkpointing recomputes nothing."""
+    return ROW_TOKENS if plan.segment_attention and (inference or not checkpointed(model)) else None
 
 
 def _usable(model) -> bool:
@@ -152,12 +117,13 @@ def _usable(model) -> bool:
 
 
 @contextlib.contextmanager
-def packed_attention(model, enabled: bool = True):
-    """While open, `model`'s attention runs per packed sequence (see the module doc), where it can; the
-    configured implementation is restored on exit. A no-op for other attention implementations and for a
-    model training with gradient checkpointing."""
-    if not (enabled and _usable(model)):
-        yield
+def packed_attention(model, plan, position_ids: torch.Tensor):
+    """While open, `model`'s attention runs per packed sequence (see the module doc) where its plan says so
+    (`plan.segment_attention`) and it can now (not training with gradient checkpointing); the configured
+    implementation is restored on exit. Yields the keyword arguments the packed forward passes to the model: the
+    sequences' spans of each row of `position_ids` (N, T), or {} (transformers' masked attention)."""
+    if not (plan.segment_attention and _usable(model)):
+        yield {}
         return
     with attention_implementation(model, NAME):
-        yield
+        yield {SPANS: sequence_spans(position_ids)}

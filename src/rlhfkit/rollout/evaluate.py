@@ -13,13 +13,13 @@ from rlhfkit.rollout.experience import ended_with_eos, response_logprobs
 from rlhfkit.rollout.generate import generate_rollout
 
 
-def generate_all(model, engine, tokenizer, rows: list[dict], cfg: GenConfig, greedy: bool = False,
+def generate_all(model, engine, tokenizer, rows: list[dict], cfg: GenConfig, plan, greedy: bool = False,
                  group_size: int = 1) -> RolloutBatch:
     """Generate for every row, `cfg.generation_batch_size` prompts per generate() call (0 = all at once); rows
     holding `group_size` copies of each prompt in a row (one per sample) go group_size x that many at a time,
-    so a prompt's samples stay in one call."""
+    so a prompt's samples stay in one call. `plan`: the model's speed plan."""
     size = cfg.generation_batch_size * group_size or len(rows)
-    parts = [generate_rollout(model, engine, tokenizer, rows[i:i + size], cfg, greedy)
+    parts = [generate_rollout(model, engine, tokenizer, rows[i:i + size], cfg, plan, greedy)
              for i in range(0, len(rows), size)]
     return cat_rollouts(parts, tokenizer.pad_token_id)
 
@@ -34,25 +34,27 @@ def reward_on_device(engine, reward):
 
 
 @torch.no_grad()
-def sequence_kl(actor, reference, batch: RolloutBatch, temperature: float, micro: int) -> torch.Tensor:
-    """(B,) sum over valid tokens of log pi - log pi_ref (k1): nats per sequence, as in the training metric."""
+def sequence_kl(actor, reference, plans, batch: RolloutBatch, temperature: float, micro: int) -> torch.Tensor:
+    """(B,) sum over valid tokens of log pi - log pi_ref (k1): nats per sequence, as in the training metric;
+    `plans`: the speed plans of "actor" and "reference"."""
     out = []
     for start in range(0, batch.size, micro):
         part = batch.select(list(range(start, min(start + micro, batch.size))))
-        logp = response_logprobs(actor, part, temperature)
+        logp = response_logprobs(actor, part, plans["actor"], temperature)
         if reference is None:
             with adapter_disabled(actor):
-                ref = response_logprobs(actor, part, temperature)
+                ref = response_logprobs(actor, part, plans["reference"], temperature)
         else:
-            ref = response_logprobs(reference, part, temperature)
+            ref = response_logprobs(reference, part, plans["reference"], temperature)
         out.append(((logp - ref) * part.response_mask).sum(-1))
     return torch.cat(out)
 
 
 @torch.no_grad()
 def evaluate_policy(actor, reference, reward, tokenizer, rows: list[dict], cfg: GenConfig, engine, micro: int,
-                    seed: int, eos_ids: list[int]) -> tuple[dict, RolloutBatch]:
-    """eval/reward (raw reward of one response per held-out prompt), eval/kl, eval/response_length.
+                    seed: int, eos_ids: list[int], plans) -> tuple[dict, RolloutBatch]:
+    """eval/reward (raw reward of one response per held-out prompt), eval/kl, eval/response_length; `plans`: the
+    speed plans of "actor" and "reference".
 
     Sampling uses a fixed seed in a forked RNG: every evaluation draws with the same noise, so a change in
     eval/reward is the policy's, and the training RNG stream is untouched.
@@ -60,14 +62,14 @@ def evaluate_policy(actor, reference, reward, tokenizer, rows: list[dict], cfg: 
     devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
     with torch.random.fork_rng(devices=devices):
         torch.manual_seed(seed)
-        batch = generate_all(actor, engine, tokenizer, rows, cfg, greedy=cfg.eval_greedy)
+        batch = generate_all(actor, engine, tokenizer, rows, cfg, plans["actor"], greedy=cfg.eval_greedy)
     finished = ended_with_eos(batch, eos_ids)
     with reward_on_device(engine, reward):
         scores = reward(batch, finished).float().cpu()
     judged = torch.isfinite(scores)  # a reward function may leave a response unjudged (None)
     scores = scores[judged] if judged.any() else torch.zeros(1)
     with engine.on_device(reference):
-        kl = sequence_kl(actor, reference, batch.to(engine.device), cfg.temperature, micro)
+        kl = sequence_kl(actor, reference, plans, batch.to(engine.device), cfg.temperature, micro)
     metrics = {"eval/reward": scores.mean().item(), "eval/reward_std": scores.std().item() if len(scores) > 1 else 0.0,
                "eval/kl": kl.mean().item(), "eval/response_length": batch.response_lengths.float().mean().item(),
                "eval/finished": finished.float().mean().item()}

@@ -16,29 +16,30 @@ from rlhfkit.algos import (entropy_from_logits, kl_penalty, linear_token_logprob
                            shape_rewards, token_logprobs)
 from rlhfkit.config.ppo_schema import PPOSection
 from rlhfkit.accel.cpu_linear import packed_weights
-from rlhfkit.models.forward import (causal_logits, final_hidden, head_logprobs_weight, head_matmul, mixed_precision, packed_outputs,
-                                    padding_free, position_ids, read_packed, token_scores)
+from rlhfkit.models.forward import (causal_logits, final_hidden, head_logprobs_weight, head_matmul, mixed_precision,
+                                    packed_outputs, position_ids, read_packed, token_scores)
 from rlhfkit.models.prefix import common_prefix_outputs, shared_prefix_logits
 from rlhfkit.models.lora import adapter_disabled
 from rlhfkit.rollout.batch import RolloutBatch
 
 
-def response_logits(model, batch: RolloutBatch, temperature: float = 1.0) -> torch.Tensor:
-    """(B, R, V) logits predicting each response token, divided by the sampling temperature.
+def response_logits(model, batch: RolloutBatch, plan, temperature: float = 1.0) -> torch.Tensor:
+    """(B, R, V) logits predicting each response token, divided by the sampling temperature, on the paths of
+    `model`'s speed plan.
 
     The behaviour policy that sampled the tokens is softmax(z / T), so pi_old, pi and pi_ref are all taken
     at the same T (as TRL and OpenRLHF do); otherwise the ratio and the KL compare different distributions.
     Only the last R + 1 positions go through the LM head: the prompt's logits are never needed. Rows that
-    share a prompt (a group of samples) compute it once (`shared_prefix_logits`), and so do the tokens that every
-    row begins with (`common_prefix_outputs`).
+    share a prompt (a group of samples) compute it once (`shared_prefix_logits`, `plan.shared_prompt`), and so do
+    the tokens that every row begins with (`common_prefix_outputs`, `plan.common_prefix`).
     """
     logits = None
     if batch.groups_share_prompts:  # every rank's batch is one of groups: all take the same two forwards
         logits = shared_prefix_logits(model, batch.prompt_ids, batch.prompt_mask, batch.response_ids,
-                                      batch.response_mask, always=True)
+                                      batch.response_mask, plan, always=True)
     width = batch.response_ids.size(1)
     if logits is None:  # the tokens every row begins with (a chat template's system prompt) computed once
-        logits = common_prefix_outputs(model, batch.input_ids[:, :-1], batch.attention_mask[:, :-1], width,
+        logits = common_prefix_outputs(model, batch.input_ids[:, :-1], batch.attention_mask[:, :-1], width, plan,
                                        kind="logits")
     if logits is None:  # one forward over prompt + response
         logits = causal_logits(model, batch.input_ids, batch.attention_mask, keep=width + 1)
@@ -47,18 +48,18 @@ def response_logits(model, batch: RolloutBatch, temperature: float = 1.0) -> tor
     return logits / temperature if temperature != 1.0 else logits
 
 
-def response_hidden(model, batch: RolloutBatch) -> torch.Tensor:
+def response_hidden(model, batch: RolloutBatch, plan) -> torch.Tensor:
     """(B, R, H) the hidden states the LM head reads to predict each response token (the positions of
-    `response_logits`), the head run on one position per forward."""
+    `response_logits`), the head run on one position per forward; on the paths of `model`'s speed plan."""
     hidden = None
     if batch.groups_share_prompts:
         hidden = shared_prefix_logits(model, batch.prompt_ids, batch.prompt_mask, batch.response_ids,
-                                      batch.response_mask, always=True, hidden=True)
+                                      batch.response_mask, plan, always=True, hidden=True)
     if hidden is None:  # the tokens every row begins with once, where that computes fewer tokens than packing
         hidden = common_prefix_outputs(model, batch.input_ids[:, :-1], batch.attention_mask[:, :-1],
-                                       batch.response_ids.size(1))
-    if hidden is None and padding_free(model):  # the response's padding after EOS and the prompts' costs nothing
-        flat, where = packed_outputs(model, batch.input_ids, batch.attention_mask)
+                                       batch.response_ids.size(1), plan)
+    if hidden is None and plan.padding_free:  # the response's padding after EOS and the prompts' costs nothing
+        flat, where = packed_outputs(model, batch.input_ids, batch.attention_mask, plan)
         hidden = read_packed(flat, where[:, batch.prompt_width - 1:-1])
     if hidden is None:
         width = batch.response_ids.size(1)
@@ -67,47 +68,47 @@ def response_hidden(model, batch: RolloutBatch) -> torch.Tensor:
     return hidden
 
 
-def response_logprobs_and_entropy(model, batch: RolloutBatch, temperature: float = 1.0,
+def response_logprobs_and_entropy(model, batch: RolloutBatch, plan, temperature: float = 1.0,
                                   entropy: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """(B, R) log-probabilities of the sampled response tokens and (B, R) entropies of the policy there (without
-    a gradient; zeros unless `entropy`).
+    a gradient; zeros unless `entropy`), on the paths of `model`'s speed plan.
 
-    Where `model`'s head allows it (`forward.head_logprobs_weight`), the LM head runs in chunks on the valid
-    response positions only (`algos.linear_token_logprobs`): no (B, R, V) logits, their log-softmax or their
-    gradient are held, and padding after EOS costs no head compute; positions outside `response_mask` hold 0.
-    Else from the model's own logits (`response_logits`)."""
-    weight = head_logprobs_weight(model)
+    Where the plan runs the LM head in chunks (`forward.head_logprobs_weight`), it runs on the valid response
+    positions only (`algos.linear_token_logprobs`): no (B, R, V) logits, their log-softmax or their gradient are
+    held, and padding after EOS costs no head compute; positions outside `response_mask` hold 0. Else from the
+    model's own logits (`response_logits`)."""
+    weight = head_logprobs_weight(model, plan)
     if weight is None:
-        logits = response_logits(model, batch, temperature)
+        logits = response_logits(model, batch, plan, temperature)
         logp = token_logprobs(logits, batch.response_ids)
         with torch.no_grad():
             ent = entropy_from_logits(logits).float() if entropy else torch.zeros_like(logp)
         return logp, ent
     valid = batch.response_mask.bool()
-    hidden = response_hidden(model, batch)[valid]  # (K, H)
-    with mixed_precision(model):  # the head at the forward's precision
+    hidden = response_hidden(model, batch, plan)[valid]  # (K, H)
+    with mixed_precision(plan):  # the head at the forward's precision
         logp, ent = linear_token_logprobs(hidden, weight, batch.response_ids[valid], temperature, entropy=entropy,
                                           linear=head_matmul(model),
-                                          grad_target=grad_in_place.target)
+                                          grad_target=grad_in_place.target if plan.grad_in_place else None)
     full = torch.zeros(valid.shape, dtype=logp.dtype, device=logp.device)
     return full.masked_scatter(valid, logp), full.detach().masked_scatter(valid, ent)
 
 
-def response_logprobs(model, batch: RolloutBatch, temperature: float = 1.0) -> torch.Tensor:
+def response_logprobs(model, batch: RolloutBatch, plan, temperature: float = 1.0) -> torch.Tensor:
     """(B, R) log-probabilities of the sampled response tokens (`response_logprobs_and_entropy`)."""
-    return response_logprobs_and_entropy(model, batch, temperature, entropy=False)[0]
+    return response_logprobs_and_entropy(model, batch, plan, temperature, entropy=False)[0]
 
 
-def response_values(critic, batch: RolloutBatch) -> torch.Tensor:
+def response_values(critic, batch: RolloutBatch, plan) -> torch.Tensor:
     """(B, R) critic values of the state before each response token (same columns as the logits); padding-free
-    where recorded for the critic (`forward.use_padding_free`; then 0 where the state is padding); the tokens every
-    row begins with computed once where recorded (`prefix.common_prefix_outputs`)."""
+    where the critic's plan says so (`plan.padding_free`; then 0 where the state is padding); the tokens every
+    row begins with computed once where it says so (`prefix.common_prefix_outputs`)."""
     values = common_prefix_outputs(critic, batch.input_ids[:, :-1], batch.attention_mask[:, :-1],
-                                   batch.response_ids.size(1), kind="scores")
+                                   batch.response_ids.size(1), plan, kind="scores")
     if values is not None:
         return values
-    if padding_free(critic):
-        flat, where = packed_outputs(critic, batch.input_ids, batch.attention_mask, scores=True)
+    if plan.padding_free:
+        flat, where = packed_outputs(critic, batch.input_ids, batch.attention_mask, plan, scores=True)
         return read_packed(flat, where[:, batch.prompt_width - 1:-1])
     return token_scores(critic, batch.input_ids, batch.attention_mask)[:, batch.prompt_width - 1:-1]
 
@@ -151,18 +152,19 @@ def per_token(batch: RolloutBatch, micro_batch_size: int, fn) -> torch.Tensor:
     return torch.where(batch.response_mask.bool(), out, torch.zeros_like(out))
 
 
-def reference_logprobs(batch: RolloutBatch, reference, actor, temperature: float, micro: int) -> torch.Tensor:
-    """(B, R) log pi_ref; `reference=None` means the actor with its LoRA adapter disabled (no second copy)."""
-    if reference is None:
-        with adapter_disabled(actor), packed_weights(actor):
-            return per_token(batch, micro, lambda part: response_logprobs(actor, part, temperature))
-    with packed_weights(reference):  # oneDNN's weight layout once for all micro-batches (CPU)
-        return per_token(batch, micro, lambda part: response_logprobs(reference, part, temperature))
+def reference_logprobs(batch: RolloutBatch, reference, actor, plan, temperature: float, micro: int) -> torch.Tensor:
+    """(B, R) log pi_ref, on the paths of the reference's speed plan; `reference=None` means the actor with its LoRA
+    adapter disabled (no second copy)."""
+    model = actor if reference is None else reference
+    adapter = adapter_disabled(actor) if reference is None else contextlib.nullcontext()
+    with adapter, packed_weights(model, plan.onednn_linear):  # oneDNN's weight layout once for all micro-batches
+        return per_token(batch, micro, lambda part: response_logprobs(model, part, plan, temperature))
 
 
-def add_model_outputs(batch: RolloutBatch, actor, critic, reference, temperature: float,
+def add_model_outputs(batch: RolloutBatch, actor, critic, reference, plans, temperature: float,
                       micro_batch_size: int, old_from_sampling: bool = False, timer=None) -> RolloutBatch:
-    """Old log-probs (actor), reference log-probs and values: one no-grad forward each, in micro-batches.
+    """Old log-probs (actor), reference log-probs and values: one no-grad forward each, in micro-batches, each
+    model on the paths of its speed plan (`plans[role]`, roles "actor", "critic", "reference").
 
     With `old_from_sampling` the log-probs recorded while sampling (`sample_logprobs`, taken at the same
     temperature) are the old log-probs and the actor runs no forward at all. `reference=None` means the
@@ -174,13 +176,14 @@ def add_model_outputs(batch: RolloutBatch, actor, critic, reference, temperature
         old = torch.where(batch.response_mask.bool(), batch.sample_logprobs, torch.zeros_like(batch.response_mask))
     else:
         with timer("old_logprobs"):
-            old = per_token(batch, micro_batch_size, lambda part: response_logprobs(actor, part, temperature))
+            old = per_token(batch, micro_batch_size,
+                            lambda part: response_logprobs(actor, part, plans["actor"], temperature))
     with timer("reference"):
-        ref = reference_logprobs(batch, reference, actor, temperature, micro_batch_size)
+        ref = reference_logprobs(batch, reference, actor, plans["reference"], temperature, micro_batch_size)
     values = None
     if critic is not None:  # None: the values come with the critic's update (stages/ppo_update.py)
         with timer("values"):
-            values = per_token(batch, micro_batch_size, lambda part: response_values(critic, part))
+            values = per_token(batch, micro_batch_size, lambda part: response_values(critic, part, plans["critic"]))
     return replace(batch, old_logprobs=old, ref_logprobs=ref, values=values)
 
 

@@ -10,13 +10,12 @@ from rlhfkit.data.templates import end_token_ids
 from rlhfkit.data.tokenize import pad_sequences
 from rlhfkit.accel.cpu_linear import packed_weights
 from rlhfkit.accel.decode_gemm import streaming_decode
-from rlhfkit.models.forward import cache_kwargs, pack_padded, padding_free, returned_cache, unpack_states
-from rlhfkit.models.prefix import (common_prefix_layout, contiguous_groups, full_attention_cache, shares_common_prefix,
-                                   unique_rows)
+from rlhfkit.models.forward import cache_kwargs, pack_padded, returned_cache, unpack_states
+from rlhfkit.models.prefix import common_prefix_layout, contiguous_groups, unique_rows
 from rlhfkit.models.lora import base_model
-from rlhfkit.models.segments import packed_attention, packed_row_tokens
+from rlhfkit.models.segments import full_attention_cache, packed_attention, packed_row_tokens
 from rlhfkit.rollout.batch import RolloutBatch
-from rlhfkit.rollout.group_decode import GroupCache, decoding_in_groups, group_cache, group_decode_is_exact
+from rlhfkit.rollout.group_decode import GroupCache, decoding_in_groups, group_cache
 
 
 def eos_token_ids(tokenizer, model) -> list[int]:
@@ -112,7 +111,7 @@ class PreallocatedLayer(DynamicLayer):
         self.value_buffer = value_states.new_empty(batch, heads, self.capacity, value_states.size(-1))
         self.is_initialized = True
 
-    packed_where = None  # set by `_prefill` for a padding-free prefill (`forward.unpack_states`)
+    packed_where = None  # set by `prefill` for a padding-free prefill (`forward.unpack_states`)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         packed = None
@@ -146,41 +145,39 @@ def kv_cache(model, capacity: int):
     return cache
 
 
-def _prefill(model, prompt_ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, capacity: int,
-             groups_allowed: bool = True, packed: bool | None = None):
+def prefill(model, prompt_ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, capacity: int, plan,
+             groups_allowed: bool = True):
     """The prompts' forward that fills the KV cache: `(cache, logits of the last position, groups, mask of the
-    cache's columns)`.
+    cache's columns)`, taking the paths `model`'s speed plan has on.
 
-    Rows with the same prompt (a group of samples of one prompt) are computed once. When the rows come in
-    blocks of G consecutive samples per prompt and the model passes `group_decode_is_exact`, the cache keeps
+    Rows with the same prompt (a group of samples of one prompt) are computed once (`plan.shared_prompt`). When
+    the rows come in blocks of G consecutive samples per prompt and the plan has `group_decode`, the cache keeps
     each prompt once and `groups` (a `GroupCache`) is what the decode steps' attention needs; otherwise the
     cache (`kv_cache`'s, `capacity` positions) is indexed out to every row and `groups` is None. Not
     `groups_allowed` while every forward is a collective across ranks (ZeRO-3 without a gather): all ranks
-    must then make the same calls, whatever their rows. Left-padded prompts go through the model packed
-    (`_packed_prefill`) where `packed`, by default where the model is recorded `forward.padding_free` and passes
-    `packed_prefill_is_exact`.
+    must then make the same calls, whatever their rows. The tokens every prompt begins with are computed once
+    where the plan has `common_prefix` (`_common_prefix_prefill`); left-padded prompts go through the model packed
+    where it has `packed_prefill` (`_packed_prefill`).
     """
     cache = kv_cache(model, capacity)
-    unique = unique_rows(prompt_ids, mask) if cache is not None else None
+    unique = unique_rows(prompt_ids, mask) if cache is not None and plan.shared_prompt else None
     group = 0
     if unique is not None:
         first, inverse = unique
         group = contiguous_groups(inverse)
-        if group and groups_allowed and group_decode_is_exact(model):  # each block's first row, in row order
+        if group and groups_allowed and plan.group_decode:  # each block's first row, in row order
             first = torch.arange(0, prompt_ids.size(0), group, device=prompt_ids.device)
             inverse = torch.arange(first.numel(), device=prompt_ids.device).repeat_interleave(group)
             cache = group_cache(model, capacity - prompt_ids.size(1))
         else:
             group = 0
         prompt_ids, mask, positions = prompt_ids[first], mask[first], positions[first]
-    if unique is None and cache is not None and groups_allowed and shares_common_prefix(model):
+    if unique is None and cache is not None and groups_allowed and plan.common_prefix:
         shared = _common_prefix_prefill(model, prompt_ids, mask, positions, cache)
         if shared is not None:
             return shared
-    if packed is None:
-        packed = cache is not None and padding_free(model) and packed_prefill_is_exact(model)
-    if cache is not None and packed and not mask.all() and bool(mask[:, -1].all()):
-        cache, logits = _packed_prefill(model, prompt_ids, mask, cache)
+    if cache is not None and plan.packed_prefill and not mask.all() and bool(mask[:, -1].all()):
+        cache, logits = _packed_prefill(model, prompt_ids, mask, cache, plan)
     else:
         kwargs = dict(input_ids=prompt_ids, attention_mask=mask, position_ids=positions, use_cache=True,
                       **cache_kwargs(model, cache))
@@ -202,7 +199,7 @@ def _prefill(model, prompt_ids: torch.Tensor, mask: torch.Tensor, positions: tor
 def _common_prefix_prefill(model, prompt_ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, cache):
     """The prefill with the tokens every prompt begins with (a chat template's system prompt) computed once
     (`prefix.common_prefix_layout`): that run as one row fills `cache`, which is copied out to every row, then the
-    rest of each prompt runs against it at its own positions. Returns `_prefill`'s `(cache, logits, None, mask)`,
+    rest of each prompt runs against it at its own positions. Returns `prefill`'s `(cache, logits, None, mask)`,
     the mask now of the cache's columns (the run, then the rest); None when the prompts share too little."""
     layout = common_prefix_layout(prompt_ids, mask, keep=1)
     if layout is None:
@@ -225,22 +222,24 @@ def _common_prefix_prefill(model, prompt_ids: torch.Tensor, mask: torch.Tensor, 
     return returned_cache(out), out.logits[:, -1], None, full_mask
 
 
-def _packed_prefill(model, prompt_ids: torch.Tensor, mask: torch.Tensor, cache):
-    """The prefill without padding (for a model recorded `forward.padding_free`): the left-padded prompts' real
+def _packed_prefill(model, prompt_ids: torch.Tensor, mask: torch.Tensor, cache, plan):
+    """The prefill without padding (`plan.packed_prefill`): the left-padded prompts' real
     tokens packed into rows (`forward.pack_padded`), attention per prompt (`segments.packed_attention`), each
     layer's keys and values stored in the cache left-padded as the padded forward would have (`unpack_states`;
     zeros on padding, which the decode steps' mask hides). Returns `(cache, (B, V) logits of each prompt's last
     token)`. The same values as the padded prefill to float rounding, without computing the padding (16 SmolLM2
     chat prompts of 48-87 tokens: 1030 tokens instead of 1392)."""
-    ids, positions, where = pack_padded(prompt_ids, mask, packed_row_tokens(model, inference=True))
+    ids, positions, where = pack_padded(prompt_ids, mask, packed_row_tokens(model, plan, inference=True))
     for layer in cache.layers:
         layer.packed_where = where
     last = where[:, -1]  # left padding: every prompt ends in the last column
     width = ids.size(1)
     columns, slot = torch.unique(last % width, return_inverse=True)  # the LM head runs on these columns only
-    kwargs = dict(input_ids=ids, attention_mask=None, position_ids=positions, use_cache=True, rlhfkit_packed=True,
-                  **cache_kwargs(model, cache))
-    with packed_attention(model):
+    with packed_attention(model, plan, positions) as spans:
+        if not spans:  # transformers builds no packed mask when a cache is passed: only the per-sequence path will do
+            raise RuntimeError("the packed prefill needs attention per sequence (plan.segment_attention)")
+        kwargs = dict(input_ids=ids, attention_mask=None, position_ids=positions, use_cache=True, **spans,
+                      **cache_kwargs(model, cache))
         try:
             logits = model(**kwargs, logits_to_keep=columns).logits  # (N, len(columns), V)
         except TypeError as exc:  # a model class without logits_to_keep (or without index tensors for it)
@@ -252,55 +251,13 @@ def _packed_prefill(model, prompt_ids: torch.Tensor, mask: torch.Tensor, cache):
     return cache, logits[last // width, slot]
 
 
-@torch.no_grad()
-def packed_prefill_is_exact(model) -> bool:
-    """Whether `_packed_prefill` gives `model`'s own values, checked once per model object on 2 prompts of random
-    ids (one left-padded): the logits after the prefill and after one decode step that reads the cache it left.
-    False where the model's attention does not run per packed sequence over a cache (`segments.packed_row_tokens`
-    None, or an attention that ignores the call's `rlhfkit_packed` flag)."""
-    known = getattr(model, "_rlhfkit_packed_prefill_exact", None)
-    if known is not None:
-        return known
-    exact = False
-    if packed_row_tokens(model, inference=True) is not None and full_attention_cache(model) is not None:
-        vocab = base_model(model).get_input_embeddings().weight.size(0)
-        device = next(model.parameters()).device
-        generator = torch.Generator().manual_seed(0)
-        prompt_ids = torch.randint(vocab, (2, 6), generator=generator).to(device)
-        token = torch.randint(vocab, (2, 1), generator=generator).to(device)
-        mask = torch.ones(2, 6, dtype=torch.long, device=device)
-        mask[1, :2] = 0
-        positions = (mask.cumsum(-1) - 1).clamp(min=0)
-        was_training = model.training
-        model.eval()
-        try:
-            results = []
-            for packed in (False, True):
-                cache, logits, _, _ = _prefill(model, prompt_ids, mask, positions, 8, groups_allowed=False,
-                                               packed=packed)
-                step = model(input_ids=token, attention_mask=torch.cat([mask, mask.new_ones(2, 1)], dim=1),
-                             position_ids=positions[:, -1:] + 1, use_cache=True, **cache_kwargs(model, cache))
-                results.append(torch.stack([logits, step.logits[:, -1]]).float())
-            plain, packed = results
-            scale = plain.abs().max().clamp(min=1e-6)
-            # float32: rounding ~1e-6; bf16 weights or bf16 autocast over float32 weights: ~1e-2
-            half = next(model.parameters()).dtype != torch.float32 or torch.is_autocast_enabled(device.type)
-            tolerance = 5e-2 if half else 1e-4
-            exact = bool(((plain - packed).abs().max() / scale) < tolerance)
-        except (RuntimeError, TypeError, ValueError, NotImplementedError):
-            exact = False
-        finally:
-            model.train(was_training)
-    model._rlhfkit_packed_prefill_exact = exact
-    return exact
-
-
 def sample_tokens(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, cfg: GenConfig, eos_ids: list[int],
-                  pad_id: int, greedy: bool = False, synced=None) -> tuple[torch.Tensor, torch.Tensor]:
+                  pad_id: int, plan, greedy: bool = False, synced=None) -> tuple[torch.Tensor, torch.Tensor]:
     """Autoregressive sampling with the KV cache that also returns each sampled token's log-probability.
 
     Args:
         prompt_ids, prompt_mask: ``(B, P)`` left-padded prompts.
+        plan: the model's speed plan (the prefill's paths, `prefill`; the decode steps' group attention).
         synced: a callable ``all_done(local_done: bool) -> bool`` agreeing across ranks, for ZeRO-3 without a
             gather (every forward is a collective, so a finished rank keeps stepping until all are done).
 
@@ -320,8 +277,8 @@ def sample_tokens(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, cf
     temperature = 1.0 if greedy else cfg.temperature
     mask = prompt_mask.long()
     positions = (mask.cumsum(-1) - 1).clamp(min=0)  # left padding does not shift positions
-    cache, logits, groups, mask = _prefill(model, prompt_ids, mask, positions,
-                                           prompt_ids.size(1) + cfg.max_new_tokens, groups_allowed=synced is None)
+    cache, logits, groups, mask = prefill(model, prompt_ids, mask, positions,
+                                           prompt_ids.size(1) + cfg.max_new_tokens, plan, groups_allowed=synced is None)
     position = positions[:, -1:]
     done = torch.zeros(batch, dtype=torch.bool, device=prompt_ids.device)
     filtered = 0 < cfg.top_k < logits.size(-1) or cfg.top_p < 1.0
@@ -359,15 +316,18 @@ def sample_tokens(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, cf
 
 
 @torch.no_grad()
-def generate_rollout(model, engine, tokenizer, rows: list[dict], cfg: GenConfig, greedy: bool = False) -> RolloutBatch:
-    """Sample one response per prompt row ({prompt_ids, prompt_text, messages}) with the KV cache.
+def generate_rollout(model, engine, tokenizer, rows: list[dict], cfg: GenConfig, plan,
+                     greedy: bool = False) -> RolloutBatch:
+    """Sample one response per prompt row ({prompt_ids, prompt_text, messages}) with the KV cache, on the paths
+    of `model`'s speed plan.
 
     Prompts are left-padded so new tokens are appended at the same column for every row; positions come from
     the attention mask, so padding does not shift them. Under ZeRO-3 `engine.gathered` collects the
     parameters once for the whole call instead of once per token (TRL PR #1483) and hands back the plain
     model, without DeepSpeed's hooks, to decode with. On a CPU the decode steps' linear layers run on oneDNN's
-    packed weights (`cpu_linear.packed_weights`, AMD) or the streaming kernel (`decode_gemm.streaming_decode`,
-    AVX-512). The batch carries the sampled tokens' log-probabilities (`sample_logprobs`, 0 after EOS).
+    packed weights (`cpu_linear.packed_weights`, `plan.onednn_linear`) or the streaming kernel
+    (`decode_gemm.streaming_decode`, `plan.streaming_decode`). The batch carries the sampled tokens'
+    log-probabilities (`sample_logprobs`, 0 after EOS).
     """
     device = engine.device
     pad_id = tokenizer.pad_token_id
@@ -382,9 +342,10 @@ def generate_rollout(model, engine, tokenizer, rows: list[dict], cfg: GenConfig,
     was_training = model.training
     model.eval()  # no gradient-checkpointing path (it turns the KV cache off)
     try:
-        with engine.gathered(model) as generator, packed_weights(generator), streaming_decode(generator):
-            response_ids, logprobs = sample_tokens(generator, prompt_ids, prompt_mask, cfg, eos_ids, pad_id, greedy,
-                                                   synced)
+        with engine.gathered(model) as generator, packed_weights(generator, plan.onednn_linear), \
+                streaming_decode(generator, plan.streaming_decode):
+            response_ids, logprobs = sample_tokens(generator, prompt_ids, prompt_mask, cfg, eos_ids, pad_id, plan,
+                                                   greedy, synced)
     finally:
         model.train(was_training)
     mask = response_mask(response_ids, eos_ids)

@@ -1,7 +1,7 @@
 """Decoding G samples of each prompt without copying the prompt's KV cache to every sample.
 
 GRPO, RLOO and the other group estimators sample G responses per prompt. The rollout computes each distinct
-prompt once (`generate._prefill`), but a plain KV cache then holds G copies of it, and every decoding step
+prompt once (`generate.prefill`), but a plain KV cache then holds G copies of it, and every decoding step
 reads all G: at each token the attention streams B x (prompt + response) keys and values where
 U x prompt + B x response would do (U = B / G prompts). On a CPU that traffic is most of the attention's time
 (5M Llama, 8 prompts x 4 samples, 58-token prompts: the attention is a third of the decode).
@@ -13,10 +13,11 @@ prompt's keys, scores each row against its own response keys, and runs one softm
 side by side. The result equals full attention over the concatenated cache up to float rounding (rollout on
 the 5M Llama, 8 prompts x 4 samples x 32 tokens: 0.45-0.47 instead of 0.52-0.53 s).
 
-It is used where it is exact, which `group_decode_is_exact` checks once per model on a tiny random batch
-against the model's own attention. An architecture with attention options this function does not apply
-(logit soft-capping, sliding windows, attention sinks: it refuses them by name) or that does not pass the
-call's keyword arguments down to its attention function fails the check and decodes the plain way.
+A model's speed plan says whether its rollouts use it (`plan.group_decode`), decided once per model after
+`speed.checks.group_decode_is_exact` compares it on a tiny random batch with the model's own attention. An
+architecture with attention options this function does not apply (logit soft-capping, sliding windows, attention
+sinks: it refuses them by name) or that does not pass the call's keyword arguments down to its attention function
+fails the check and decodes the plain way.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from transformers import AttentionInterface
 from transformers.cache_utils import DynamicLayer
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from rlhfkit.models.forward import cache_kwargs, unpack_states
+from rlhfkit.models.forward import unpack_states
 from rlhfkit.models.segments import full_attention_cache
 from rlhfkit.models.lora import attention_implementation, base_model
 
@@ -47,7 +48,7 @@ class GroupCacheLayer(DynamicLayer):
         self.capacity, self.length = capacity, 0
         self.prompt_keys_t = self.prompt_values = self.key_buffer = self.value_buffer = None
 
-    packed_where = None  # set by `generate._prefill` for a padding-free prefill (`forward.unpack_states`)
+    packed_where = None  # set by `generate.prefill` for a padding-free prefill (`forward.unpack_states`)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if self.prompt_keys_t is None:  # the prefill: the distinct prompts, attended the usual way
@@ -167,69 +168,3 @@ def decoding_in_groups(model):
     """While active, the model's attention is `group_attention` (decode steps with a GroupCache); the
     configured implementation is restored on exit."""
     return attention_implementation(model, NAME)
-
-
-def _decode(model, prompt_ids, mask, tokens, grouped: bool) -> torch.Tensor:
-    """Logits of every step of teacher-forced decoding, by the plain cache or the group path (for the check)."""
-    from rlhfkit.rollout.generate import kv_cache  # the plain path's cache
-
-    rows, steps = tokens.shape
-    group = rows // prompt_ids.size(0)
-    positions = (mask.cumsum(-1) - 1).clamp(min=0)
-    if grouped:
-        cache = group_cache(model, steps)
-        out = model(input_ids=prompt_ids, attention_mask=mask, position_ids=positions, use_cache=True,
-                    **cache_kwargs(model, cache))
-        groups = GroupCache(cache, mask, group)
-    else:
-        cache = kv_cache(model, prompt_ids.size(1) + steps)
-        repeat = torch.arange(prompt_ids.size(0), device=prompt_ids.device).repeat_interleave(group)
-        prompt_ids, mask, positions = prompt_ids[repeat], mask[repeat], positions[repeat]
-        out = model(input_ids=prompt_ids, attention_mask=mask, position_ids=positions, use_cache=True,
-                    **cache_kwargs(model, cache))
-    logits = [out.logits[:, -1].repeat_interleave(group, 0) if grouped else out.logits[:, -1]]
-    position = positions[:, -1:].repeat_interleave(group, 0) if grouped else positions[:, -1:]
-    for step in range(steps - 1):
-        position = position + 1
-        if grouped:
-            with decoding_in_groups(model):
-                out = model(input_ids=tokens[:, step:step + 1], position_ids=position, use_cache=True,
-                            rlhfkit_groups=groups, **cache_kwargs(model, cache))
-        else:
-            mask = torch.cat([mask, mask.new_ones(rows, 1)], dim=1)
-            out = model(input_ids=tokens[:, step:step + 1], attention_mask=mask, position_ids=position,
-                        use_cache=True, **cache_kwargs(model, cache))
-        logits.append(out.logits[:, -1])
-    return torch.stack(logits, 1).float()
-
-
-@torch.no_grad()
-def group_decode_is_exact(model) -> bool:
-    """Whether decoding through `group_attention` gives the model's own logits (within float rounding), checked
-    once per model object on 2 prompts (one left-padded) x 2 samples x 3 tokens of random ids. False for
-    architectures whose attention takes options this path does not apply, or that do not pass the call's
-    keyword arguments down to the attention function."""
-    known = getattr(model, "_rlhfkit_group_decode_exact", None)
-    if known is not None:
-        return known
-    exact = False
-    if group_cache(model, 1) is not None:
-        vocab = base_model(model).get_input_embeddings().weight.size(0)
-        device = next(model.parameters()).device
-        generator = torch.Generator().manual_seed(0)
-        prompt_ids = torch.randint(vocab, (2, 6), generator=generator).to(device)
-        mask = torch.ones(2, 6, dtype=torch.long, device=device)
-        mask[1, :2] = 0
-        tokens = torch.randint(vocab, (4, 3), generator=generator).to(device)
-        try:
-            plain = _decode(model, prompt_ids, mask, tokens, grouped=False)
-            grouped = _decode(model, prompt_ids, mask, tokens, grouped=True)
-            scale = plain.abs().max().clamp(min=1e-6)
-            # float32: rounding ~1e-6; bf16 weights or bf16 autocast over float32 weights: ~1e-2
-            half = next(model.parameters()).dtype != torch.float32 or torch.is_autocast_enabled(device.type)
-            tolerance = 5e-2 if half else 1e-4
-            exact = bool(((plain - grouped).abs().max() / scale) < tolerance)
-        except (RuntimeError, TypeError, ValueError, NotImplementedError):
-            exact = False
-    model._rlhfkit_group_decode_exact = exact
-    return exact

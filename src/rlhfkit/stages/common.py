@@ -15,10 +15,6 @@ import torch
 from tqdm.auto import tqdm
 
 from rlhfkit.errors import RunError
-from rlhfkit.models.forward import (head_gives_logits, lm_head_weight, packing_gives_padded_values, use_head_logprobs,
-                                    use_padding_free)
-from rlhfkit.models.prefix import common_prefix_gives_full_values, use_common_prefix
-from rlhfkit.models.group_pack import group_packing_gives_prefix_values, use_group_packing
 
 
 def with_trained_template(cfg, name: str, tokenizer):
@@ -170,61 +166,3 @@ def batches(n_rows: int, batch_size: int, seed: int, start_step: int = 0):
         order = epoch_order(n_rows, seed, epoch)
         yield step, epoch, order[pos * batch_size:(pos + 1) * batch_size]
         step += 1
-
-
-def choose_head_logprobs(model, setting: bool | None, precision: str, engine) -> bool:
-    """Decide once per run whether `model`'s log-probs of given tokens run its LM head in chunks on the hidden
-    states (`algos.linear_token_logprobs`; the `ppo.chunked_logprobs` / `dpo.chunked_logprobs` setting: null = on
-    where the head is a plain linear layer held whole on this rank and `forward.head_gives_logits` finds the model's
-    own logits, agreed by every rank), and record it for the loops (`forward.use_head_logprobs`)."""
-    on = setting is not False and engine.holds_whole(model) and lm_head_weight(model) is not None
-    if on and setting is None:
-        rtol = 1e-4 if precision == "fp32" else 2e-2
-        on = engine.reduce_sum(float(head_gives_logits(model, rtol))) == engine.world_size
-    use_head_logprobs(model, on)
-    return on
-
-
-def choose_padding_free(model, setting: bool | None, precision: str, engine) -> bool:
-    """Decide once per run whether `model`'s forwards over padded rollout rows run padding-free
-    (`forward.packed_outputs`; the `ppo.packing` setting: null = on where `forward.packing_gives_padded_values`
-    finds the padded forward's values on every rank), and record it for the loops (`forward.use_padding_free`)."""
-    on = _agreed(model, setting, packing_gives_padded_values, precision, engine, whole_only=False)
-    use_padding_free(model, on)
-    return on
-
-
-def choose_group_packing(model, setting: bool | None, precision: str, engine) -> bool:
-    """Decide once per run whether `model`'s forwards over rows that share prompts (groups of samples) or a
-    template's run take one packed row (`group_pack.group_packed_hidden`, `group_pack.common_prefix_packed`; the
-    `ppo.packing` setting: null = on where the model is held whole on every rank and
-    `group_pack.group_packing_gives_prefix_values` finds the two-forward paths' values on every rank), and record it
-    for the loops (`group_pack.use_group_packing`). Never under ZeRO-3: there every forward is a collective, and a
-    rank whose rows fell back to two forwards would hang the others."""
-    on = _agreed(model, setting, group_packing_gives_prefix_values, precision, engine)
-    use_group_packing(model, on)
-    return on
-
-
-def choose_common_prefix(model, setting: bool | None, precision: str, engine) -> bool:
-    """Decide once per run whether `model`'s forwards over rollout rows compute the tokens every row begins with
-    once (`prefix.common_prefix_outputs`; the `ppo.shared_prefix` setting: null = on where the model is held whole
-    on every rank and `prefix.common_prefix_gives_full_values` finds its plain forward's values on every rank),
-    and record it for the loops (`prefix.use_common_prefix`). Never under ZeRO-3: there every forward is a
-    collective, and ranks whose rows share different runs would make different numbers of forwards."""
-    on = _agreed(model, setting, common_prefix_gives_full_values, precision, engine)
-    use_common_prefix(model, on)
-    return on
-
-
-def _agreed(model, setting: bool | None, check, precision: str, engine, whole_only: bool = True) -> bool:
-    """A per-run switch for `model`: False when `setting` is false (or, `whole_only`, when any rank holds it
-    partitioned, ZeRO-3); else true when `setting` is, and for null `check(model, rtol)` on every rank (rtol 1e-4
-    in fp32, 2e-2 in half precision)."""
-    on = setting is not False
-    if on and whole_only:
-        on = engine.reduce_sum(float(engine.holds_whole(model))) == engine.world_size
-    if on and setting is None:
-        rtol = 1e-4 if precision == "fp32" else 2e-2
-        on = engine.reduce_sum(float(check(model, rtol))) == engine.world_size
-    return on

@@ -42,16 +42,16 @@ from rlhfkit.data.tokenize import collate_preferences, collate_prompt_sharing_pa
 from rlhfkit.engine.backends import make_engine
 from rlhfkit.errors import ModelError
 from rlhfkit.models import load_causal_lm, load_tokenizer
-from rlhfkit.accel.cpu_linear import use_fast_cpu_linear_for_training
-from rlhfkit.models.forward import (causal_logits, custom_mask_kind, final_hidden, head_logprobs_weight, head_matmul,
-                                    mixed_precision,
-                                    masked_logits, position_ids)
+from rlhfkit.models.forward import (causal_logits, final_hidden, head_logprobs_weight, head_matmul, masked_logits,
+                                    mixed_precision, position_ids)
 from rlhfkit.models.prefix import shared_prefix_logits
 from rlhfkit.models.loading import causal_lm_config, load_generation_config, record_template
 from rlhfkit.models.lora import adapter_disabled, apply_lora, checkpointed, is_lora
 from rlhfkit.registry.preference import preference_loss
-from rlhfkit.stages.common import (MetricsLogger, choose_head_logprobs, epoch_order, longest_first, plan_steps,
-                                   set_seed, with_trained_template, write_run_report)
+from rlhfkit.speed.plan import ModelPlan
+from rlhfkit.speed.registry import Target, plan_line, plan_model
+from rlhfkit.stages.common import (MetricsLogger, epoch_order, longest_first, plan_steps, set_seed,
+                                   with_trained_template, write_run_report)
 from rlhfkit.stages.guard import resume_state
 from rlhfkit.stages.loop import TrainLoop
 from rlhfkit.stages.reward import pair_means
@@ -63,18 +63,21 @@ REF_KEY = "ref"  # a row's reference log-probs [chosen, rejected], attached when
 # ---------------------------------------------------------------------------------------------- log-probs
 
 
-def logprob_forward(model) -> str:
-    """Which forward `sequence_logprobs` takes for `model`: "packed" where the model takes a custom attention
-    mask, else "full" under gradient checkpointing and "shared-prompt" otherwise. The reference cache's key names
-    it: the forwards agree only up to float rounding, which step 0's exact zero rewards would show."""
-    if custom_mask_kind(model):
+def logprob_forward(model, plan) -> str:
+    """Which forward `sequence_logprobs` takes for `model` under its speed plan: "packed" where the plan packs a
+    pair's sequences under a custom attention mask (`plan.pair_packing`), else "shared-prompt" where it shares the
+    prompt through a KV cache (`plan.shared_prompt`, not under gradient checkpointing) and "full" otherwise. The
+    reference cache's key names it: the forwards agree only up to float rounding, which step 0's exact zero rewards
+    would show."""
+    if plan.pair_packing:
         return "packed"
-    return "full" if checkpointed(model) else "shared-prompt"
+    return "shared-prompt" if plan.shared_prompt and not checkpointed(model) else "full"
 
 
-def sequence_logprobs(model, rows: list[dict], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+def sequence_logprobs(model, rows: list[dict], pad_id: int, device, plan) -> tuple[torch.Tensor, torch.Tensor]:
     """Summed log-probs of the response tokens and their counts, each (2B,): chosen rows then rejected rows.
-    A row's response is its tokens from `prompt_len` on.
+    A row's response is its tokens from `prompt_len` on. The forward is the one `model`'s speed plan takes
+    (`logprob_forward`; the plain transformers forward of the whole sequences without one).
 
     A pair's chosen and rejected sequences share their prompt, which goes through the model once. Where the
     model takes a custom attention mask (sdpa, eager: `logprob_forward` "packed"), each pair is one
@@ -88,21 +91,23 @@ def sequence_logprobs(model, rows: list[dict], pad_id: int, device) -> tuple[tor
     (`checkpointed`), or for a model without a plain full-attention cache, it is ONE (2B, T) right-padded forward
     of the whole sequences. All of them give the full forward's values and gradients up to float rounding.
 
-    Where `model`'s head allows it (`forward.head_logprobs_weight`, the `dpo.chunked_logprobs` setting), each of
-    them takes the hidden states instead of the logits, and the LM head runs in chunks on the response tokens only
-    (`algos.linear_token_logprobs`): no (tokens x vocabulary) logits, log-softmax or logit gradient are held."""
-    weight = head_logprobs_weight(model)
+    Where the plan runs the LM head in chunks (`forward.head_logprobs_weight`, the `dpo.chunked_logprobs` setting),
+    each of them takes the hidden states instead of the logits, and the LM head runs in chunks on the response
+    tokens only (`algos.linear_token_logprobs`): no (tokens x vocabulary) logits, log-softmax or logit gradient are
+    held."""
+    weight = head_logprobs_weight(model, plan)
     chunked = weight is not None
-    if logprob_forward(model) == "packed" and min(r["prompt_len"] for r in rows) >= 1:
+    grad_target = grad_in_place.target if plan.grad_in_place else None
+    if logprob_forward(model, plan) == "packed" and min(r["prompt_len"] for r in rows) >= 1:
         packed = collate_prompt_sharing_pairs(rows, pad_id)
         # (K', V) logits or (K', H) hidden states: never None here, the model takes a custom mask ("packed")
         out = masked_logits(model, packed["input_ids"].to(device), packed["position_ids"].to(device),
                             packed["allowed"].to(device), packed["scored"].to(device), hidden=chunked)
         source, target, owner = (packed[k].to(device) for k in ("source", "target", "owner"))  # (K,) each
         if chunked:
-            with mixed_precision(model):  # the head at the forward's precision
+            with mixed_precision(plan):  # the head at the forward's precision
                 logps = linear_token_logprobs(out[source], weight, target, linear=head_matmul(model),
-                                              grad_target=grad_in_place.target)[0]
+                                              grad_target=grad_target)[0]
         else:
             logps = token_logprobs(out[source][None], target[None])[0]  # (K,) one per response token
         sums = torch.zeros(2 * len(rows), dtype=logps.dtype, device=device).index_add(0, owner, logps)
@@ -116,10 +121,10 @@ def sequence_logprobs(model, rows: list[dict], pad_id: int, device) -> tuple[tor
         tail_ids = pad_sequences(tails, pad_id).to(device)  # (2B, 1 + R), right-padded
         tail_mask = pad_sequences([[1] * len(t) for t in tails], 0).to(device)
         # (2B, 1 + R, V) logits or (2B, 1 + R, H) hidden states, or None
-        out = shared_prefix_logits(model, prompt_ids, prompt_mask, tail_ids, tail_mask, hidden=chunked)
+        out = shared_prefix_logits(model, prompt_ids, prompt_mask, tail_ids, tail_mask, plan, hidden=chunked)
         if out is not None:
             valid = tail_mask[:, 1:].bool()  # (2B, R) response tokens, no pads
-            return response_sums(model, weight, out[:, 1:], tail_ids[:, 1:], valid), valid.sum(-1).float()
+            return response_sums(model, plan, out[:, 1:], tail_ids[:, 1:], valid), valid.sum(-1).float()
     batch = collate_preferences(rows, pad_id)
     ids, mask = batch["input_ids"].to(device), batch["attention_mask"].to(device)  # (2B, T)
     prompt_len = torch.tensor([r["prompt_len"] for r in rows] * 2, device=device)  # (2B,)
@@ -131,18 +136,19 @@ def sequence_logprobs(model, rows: list[dict], pad_id: int, device) -> tuple[tor
     targets = ids[:, first:]  # (2B, T - first): position first - 1 + j predicts token first + j
     positions = torch.arange(first, ids.size(1), device=device)
     valid = (positions[None, :] >= prompt_len[:, None]) & mask[:, first:].bool()  # response tokens, no pads
-    return response_sums(model, weight, out, targets, valid), valid.sum(-1).float()
+    return response_sums(model, plan, out, targets, valid), valid.sum(-1).float()
 
 
-def response_sums(model, weight: Optional[torch.Tensor], out: torch.Tensor, targets: torch.Tensor,
-                  valid: torch.Tensor) -> torch.Tensor:
+def response_sums(model, plan, out: torch.Tensor, targets: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     """(N,) summed log-probs of `targets` (N, R) over the `valid` (N, R) positions, from `out`: (N, R, V) logits,
-    or with the LM head's `weight` (N, R, H) hidden states, the head run in chunks on the valid positions only."""
+    or where the plan runs the LM head in chunks (N, R, H) hidden states, the head run on the valid positions
+    only."""
+    weight = head_logprobs_weight(model, plan)
     if weight is None:
         return masked_sum(token_logprobs(out, targets), valid, dim=-1)
-    with mixed_precision(model):  # the head at the forward's precision
+    with mixed_precision(plan):  # the head at the forward's precision
         logps = linear_token_logprobs(out[valid], weight, targets[valid], linear=head_matmul(model),
-                                      grad_target=grad_in_place.target)[0]  # (K,)
+                                      grad_target=grad_in_place.target if plan.grad_in_place else None)[0]  # (K,)
     return torch.zeros(valid.shape, dtype=logps.dtype, device=logps.device).masked_scatter(valid, logps).sum(-1)
 
 
@@ -167,6 +173,7 @@ class Reference:
     lora: bool = False  # the model is the LoRA policy: disable its adapter for the reference forward
     note: str = ""
     on_device: Optional[Callable] = None  # engine.on_device for a frozen copy (engine.offload_reference_model)
+    plan: Optional[ModelPlan] = None  # the speed plan of the model that computes (or computed) them
 
     @contextlib.contextmanager
     def active(self):
@@ -184,14 +191,15 @@ class Reference:
         if self.model is None:
             return None
         with self.active() as model:
-            logps, _ = sequence_logprobs(model, rows, pad_id, device)
+            logps, _ = sequence_logprobs(model, rows, pad_id, device, self.plan)
         return logps[:len(rows)], logps[len(rows):]
 
 
-def pair_logps(model, rows: list[dict], pad_id: int, device, reference: Reference) -> PairLogps:
-    """Policy log-probs (with grad) and reference log-probs of a micro-batch of pairs."""
+def pair_logps(model, rows: list[dict], pad_id: int, device, plan, reference: Reference) -> PairLogps:
+    """Policy log-probs (with grad, on the paths of its speed plan) and reference log-probs of a micro-batch of
+    pairs."""
     ref = reference.logprobs(rows, pad_id, device)
-    logps, lengths = sequence_logprobs(model, rows, pad_id, device)
+    logps, lengths = sequence_logprobs(model, rows, pad_id, device, plan)
     n = len(rows)
     return PairLogps(logps[:n], logps[n:], lengths[:n], lengths[n:], *(ref or (None, None)))
 
@@ -240,7 +248,7 @@ def compute_reference_logprobs(reference: Reference, rows: list[dict], pad_id: i
     with reference.active() as model:
         for start in range(0, len(order), micro):
             part = order[start:start + micro]
-            logps, _ = sequence_logprobs(model, [rows[i] for i in part], pad_id, device)
+            logps, _ = sequence_logprobs(model, [rows[i] for i in part], pad_id, device, reference.plan)
             chosen, rejected = logps[:len(part)].tolist(), logps[len(part):].tolist()
             for k, i in enumerate(part):
                 out[i] = [chosen[k], rejected[k]]
@@ -276,36 +284,38 @@ def check_reference(cfg: DPOConfig, tokenizer) -> None:
                          f"policy's token ids, so it must share its vocabulary")
 
 
-def reference_model(cfg: DPOConfig, policy, engine, tokenizer, fresh: bool) -> Reference:
-    """The model that computes the reference log-probs, holding no second copy where it can (module doc)."""
+def reference_model(cfg: DPOConfig, policy, plan, engine, tokenizer, fresh: bool) -> Reference:
+    """The model that computes the reference log-probs, holding no second copy where it can (module doc), with its
+    speed plan (`plan`, the policy's, where it is the policy)."""
     same = cfg.reference in (None, cfg.model)
     if same and is_lora(policy.module):
-        return Reference(policy.module, lora=True, note="the policy with its LoRA adapter disabled")
+        return Reference(policy.module, lora=True, note="the policy with its LoRA adapter disabled", plan=plan)
     if same and fresh and cfg.dpo.precompute_reference:
-        return Reference(policy.module, note="the policy before its first step")
+        return Reference(policy.module, note="the policy before its first step", plan=plan)
     name = cfg.reference or cfg.model
     model = load_causal_lm(name, cfg.load, tokenizer)
     if same and cfg.dpo.precompute_reference:  # a resumed run's stand-in for the policy before its first step: at
         model.to(next(policy.module.parameters()).dtype)  # that policy's precision (float32 over a half load.dtype)
     model = engine.prepare_frozen(model, role="reference")
-    use_fast_cpu_linear_for_training(model, engine.device)  # the policy's GEMMs: rewards 0 before any step
-    choose_head_logprobs(model, cfg.dpo.chunked_logprobs, cfg.engine.precision, engine)
-    return Reference(model, note=f"a frozen copy of {name}", on_device=engine.on_device)
+    # its own plan, as the policy's is decided (the same GEMMs and head: rewards 0 before any step)
+    copy_plan = plan_model(Target(model, "reference", "dpo", cfg, engine))
+    return Reference(model, note=f"a frozen copy of {name}", on_device=engine.on_device, plan=copy_plan)
 
 
-def setup_reference(cfg: DPOConfig, data, policy, engine, tokenizer, fresh: bool, say) -> Reference:
+def setup_reference(cfg: DPOConfig, data, policy, plan, engine, tokenizer, fresh: bool, say) -> Reference:
     """Attach the reference log-probs to `data.train` / `data.eval` (precomputed: from the cache or one pass),
-    or return the Reference that computes them per micro-batch. `fresh`: no checkpoint was loaded yet."""
+    or return the Reference that computes them per micro-batch. `plan`: the policy's speed plan; `fresh`: no
+    checkpoint was loaded yet."""
     if not cfg.dpo.uses_reference():
         why = "dpo.reference_free" if cfg.dpo.reference_free else f"{cfg.dpo.loss} is reference-free"
         return Reference(note=f"none ({why})")
     if not cfg.dpo.precompute_reference:
-        reference = reference_model(cfg, policy, engine, tokenizer, fresh)
+        reference = reference_model(cfg, policy, plan, engine, tokenizer, fresh)
         reference.note += ", every micro-batch"
         return reference
     name = cfg.reference or cfg.model
-    forward = logprob_forward(policy.module)
-    if head_logprobs_weight(policy.module) is not None:
+    forward = logprob_forward(policy.module, plan)
+    if head_logprobs_weight(policy.module, plan) is not None:
         forward += ", LM head in chunks"  # the same values to float rounding, which step 0 would show
     path, key = reference_cache_path(cfg, name, tokenizer, data.train, data.eval, forward)
     cached = cache.load(path, key, warn=say) if path is not None else None
@@ -313,7 +323,7 @@ def setup_reference(cfg: DPOConfig, data, policy, engine, tokenizer, fresh: bool
     if engine.reduce_sum(1 if cached is not None else 0) == engine.world_size and cached is not None:
         data.train, data.eval = with_reference(data.train, cached["train"]), with_reference(data.eval, cached["eval"])
         return Reference(note=f"precomputed, read from {path}")
-    reference = reference_model(cfg, policy, engine, tokenizer, fresh)
+    reference = reference_model(cfg, policy, plan, engine, tokenizer, fresh)
     tick = time.perf_counter()
     micro, device, pad_id = cfg.train.micro_batch_size, engine.device, tokenizer.pad_token_id
     first_epoch = first_epoch_order(data.train, cfg.train)  # the first step's micro-batches, and so on
@@ -324,9 +334,10 @@ def setup_reference(cfg: DPOConfig, data, policy, engine, tokenizer, fresh: bool
     if path is not None and engine.is_main:
         if cache.save(path, key, train, evals, {"reference": name, "pairs": len(train) + len(evals)}, warn=say):
             note += f", cached at {path}"
+    used = reference.plan
     del reference
     gc.collect()  # a frozen copy's memory goes back before training
-    return Reference(note=note)
+    return Reference(note=note, plan=used)
 
 
 # ------------------------------------------------------------------------------------------------- steps
@@ -361,25 +372,25 @@ def add_sums(total: dict, part: dict) -> None:
 
 
 @torch.no_grad()
-def evaluate_dpo(model, rows: list, pad_id: int, micro: int, device, engine, loss_fn: LossFn,
+def evaluate_dpo(model, rows: list, pad_id: int, micro: int, device, engine, loss_fn: LossFn, plan,
                  reference: Reference) -> dict:
     """Held-out eval/loss, eval/accuracy, eval/margin, eval/reward/*, eval/logps/*. Every rank evaluates all rows
     (ZeRO-3 needs the same forwards on all ranks); the sums over ranks are divided by the rows over ranks."""
     sums: dict = {}
     with eval_mode(model):
         for i in range(0, len(rows), micro):
-            pairs = pair_logps(model, rows[i:i + micro], pad_id, device, reference)
+            pairs = pair_logps(model, rows[i:i + micro], pad_id, device, plan, reference)
             add_sums(sums, pair_sums(pairs, *loss_fn(pairs), loss_fn.cfg.rpo_alpha > 0))
     return pair_means(sums, engine.reduce_sum(len(rows)), engine, prefix="eval/")
 
 
 def train_step(policy, rows: list, accum: int, micro_size: int, batch_size: int, pad_id: int, engine,
-               loss_fn: LossFn, reference: Reference) -> dict:
+               loss_fn: LossFn, plan, reference: Reference) -> dict:
     """One optimizer step over `rows` (this rank's share of `batch_size` pairs) in `accum` micro-batches."""
     sums: dict = {}
     for m in range(accum):
         micro = rows[m * micro_size:(m + 1) * micro_size]
-        pairs = pair_logps(policy.module, micro, pad_id, engine.device, reference)
+        pairs = pair_logps(policy.module, micro, pad_id, engine.device, plan, reference)
         losses, chosen, rejected = loss_fn(pairs)
         # the micro-batch's summed loss over the pairs of the whole batch: micro 1 x accum 4 == micro 4 x accum 1
         policy.backward(losses.sum(), batch_size)
@@ -421,21 +432,22 @@ def run_dpo(cfg: DPOConfig, resume: bool = False, force: bool = False) -> dict:
     # 2. the optimizer; the reference log-probs (before a checkpoint is loaded: the policy may compute them); a
     #    reference that fails to load (a damaged weights file) leaves no half-written fresh run
     policy = engine.prepare(model, cfg.train, total, role="policy")
-    onednn = use_fast_cpu_linear_for_training(policy.module, engine.device)  # before the reference is computed
-    chunked = choose_head_logprobs(policy.module, cfg.dpo.chunked_logprobs, cfg.engine.precision, engine)
+    # the fast paths the policy takes, decided once (speed/registry.py) before it computes any reference log-prob
+    plan = plan_model(Target(policy.module, "policy", "dpo", cfg, engine))
     with undone_if_bad_input_at_start(out, not resume, engine.is_main):
-        reference = setup_reference(cfg, data, policy, engine, tokenizer, fresh=not resume, say=engine.say)
+        reference = setup_reference(cfg, data, policy, plan, engine, tokenizer, fresh=not resume, say=engine.say)
+    copy = reference.plan is not None and reference.plan is not plan  # a frozen copy, planned on its own
+    plans = {"policy": plan, **({"reference": reference.plan} if copy else {})}
     resumed = resume_state(engine, out, {"model": policy}, total, "dpo") if resume else {}
     start = resumed_from(cfg, out, resumed["step"], engine.is_main) if resume else 0
     pad_id, device, micro_size = tokenizer.pad_token_id, engine.device, cfg.train.micro_batch_size
     loss_fn = LossFn(cfg.dpo)
-    evaluate = (lambda: evaluate_dpo(policy.module, data.eval, pad_id, micro_size, device, engine, loss_fn,
+    evaluate = (lambda: evaluate_dpo(policy.module, data.eval, pad_id, micro_size, device, engine, loss_fn, plan,
                                      reference)) if data.eval else None
 
     with MetricsLogger(out, "dpo", total, cfg.log, engine.is_main, initial=start) as log:
-        head = ("; response log-probs: LM head in chunks" if chunked else "") + \
-            ("; CPU linear layers: oneDNN" if onednn else "")
-        log.write(f"{describe(data.info, cfg)}; reference log-probs: {reference.note}{head}; {total} steps of "
+        log.write(plan_line(plans))
+        log.write(f"{describe(data.info, cfg)}; reference log-probs: {reference.note}; {total} steps of "
                   f"{cfg.train.batch_size} pairs (accumulation {accum})")
         if start == 0 and evaluate:  # the starting point (the policy is the reference: DPO's rewards are 0)
             log.log(0, evaluate())
@@ -446,7 +458,7 @@ def run_dpo(cfg: DPOConfig, resume: bool = False, force: bool = False) -> dict:
             for step, epoch, rows in loop.steps(data.train, start, length=pair_length):
                 tick = time.perf_counter()
                 metrics = train_step(policy, rows, accum, micro_size, cfg.train.batch_size, pad_id, engine, loss_fn,
-                                     reference)
+                                     plan, reference)
                 loop.end_step(step + 1, {**metrics, "epoch": epoch, "time/step": time.perf_counter() - tick})
         final_eval = loop.last_eval
         if not final_eval and evaluate:  # resumed from a run that had already finished its steps

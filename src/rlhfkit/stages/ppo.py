@@ -53,6 +53,7 @@ def run_ppo(cfg: PPOConfig, resume: bool = False, force: bool = False) -> dict:
 
     with undone_if_bad_input_at_start(out, not resume, engine.is_main), \
             MetricsLogger(out, "ppo", iters, cfg.log, engine.is_main, initial=start) as log:
+        log.write(models.speed_line())  # the first line: which fast paths each model takes, and why not the others
         log.write(describe(cfg, data.info, models.notes))
         first_eval = evaluate() if evaluate and start == 0 else {}
         if first_eval:  # the starting point, so the curves show what PPO changed

@@ -17,14 +17,12 @@ from rlhfkit.config.ppo_schema import PPOConfig
 from rlhfkit.data.templates import Template, end_token_ids
 from rlhfkit.errors import ModelError, RunError
 from rlhfkit.models import load_causal_lm, load_scalar_model, load_tokenizer
-from rlhfkit.accel.cpu_linear import use_fast_cpu_linear
 from rlhfkit.models.loading import causal_lm_config, load_generation_config
 from rlhfkit.models.lora import apply_lora
 from rlhfkit.models.reward_fn import (CombinedReward, FunctionReward, ModelReward, is_function_spec,
                                      load_reward_function, same_tokenization)
 from rlhfkit.rollout.generate import ignored_generation_settings
-from rlhfkit.stages.common import (choose_common_prefix, choose_group_packing, choose_head_logprobs,
-                                   choose_padding_free)
+from rlhfkit.speed.registry import Target, plan_line, plan_model
 
 
 @dataclass
@@ -35,6 +33,13 @@ class PPOModels:
     reference: Optional[torch.nn.Module]  # frozen; None = the actor with its LoRA adapter disabled
     reward: CombinedReward  # the weighted reward parts: rollout batch -> (B,) scores (NaN: unjudged)
     notes: list  # which model each role got, for the log
+    plans: dict  # role -> the model's speed plan: "actor", "critic" (with a critic), "reference" (the actor's own
+    #              where the reference is the actor with its adapter disabled), and each reward model's by part name
+
+    def speed_line(self) -> str:
+        """The first log line: every model's speed plan (`speed.registry.plan_line`), each model named once."""
+        aliased = self.reference is None  # the reference forwards are the actor's, on its plan
+        return plan_line({role: plan for role, plan in self.plans.items() if not (aliased and role == "reference")})
 
 
 def _check_vocab(name: str, role: str, actor_tok, opts) -> None:
@@ -73,7 +78,8 @@ def load_one_reward(spec: str, cfg: PPOConfig, actor_tok, engine):
     actor_ends = end_token_ids(actor_tok, load_generation_config(cfg.actor, cfg.load))  # where rollouts stop
     actor_template = Template.for_tokenizer(actor_tok, cfg.data.template, actor_ends, key="data.template")
     reward = ModelReward(model, rm_tok, actor_template, cfg.data.template,
-                         cfg.ppo.forward_batch_size or cfg.train.micro_batch_size, engine.device)
+                         cfg.ppo.forward_batch_size or cfg.train.micro_batch_size, engine.device,
+                         plan=plan_model(Target(model, "reward", "ppo", cfg, engine)))
     if cfg.ppo.normalize_reward and reward.stats is None:
         raise RunError(f"ppo.normalize_reward is true but '{spec}/config.json' has no rlhfkit_reward_mean/"
                        f"rlhfkit_reward_std; set ppo.normalize_reward=false")
@@ -95,65 +101,82 @@ def zero_value_head(model) -> None:
             head.bias.zero_()
 
 
-def load_ppo_models(cfg: PPOConfig, tokenizer, engine, total_updates: int,
-                    prompt_fields: list[dict] | None = None) -> PPOModels:
-    causal_lm_config(cfg.actor, cfg.load)  # a reward-model folder given as the actor: said first, as itself
-    notes = []
+def reward_notes(cfg: PPOConfig, reward: CombinedReward) -> list[str]:
+    """Which reward each part is, for the log."""
     parts = cfg.reward_parts()
-    if cfg.ppo.normalize_reward and is_function_spec(parts[0].spec):
-        raise RunError("ppo.normalize_reward needs a reward-model folder (its stored mean/std); the reward is a "
-                       "Python function")
-    reward, reward_toks = load_reward(cfg, tokenizer, engine, prompt_fields)
-    for part, (_, one, _) in zip(parts, reward.parts):
-        notes.append(f"reward: {part.spec}" + (f" x {part.weight:g} as {part.name}" if len(parts) > 1 else "")
-                     + (" (re-tokenised: its tokenizer differs)" if getattr(one, "retokenize", False) else ""))
-    # the critic may start from a reward model that reads the actor's tokens: the first such part
-    rm_spec = next((part.spec for part, tok in zip(parts, reward_toks)
-                    if tok is not None and same_tokenization(tok, tokenizer)), None)
+    return [f"reward: {part.spec}" + (f" x {part.weight:g} as {part.name}" if len(parts) > 1 else "")
+            + (" (re-tokenised: its tokenizer differs)" if getattr(one, "retokenize", False) else "")
+            for part, (_, one, _) in zip(parts, reward.parts)]
 
-    # critic: the RM when it reads the actor's tokens, else the actor with a fresh value head (seeded)
-    needs_critic = cfg.ppo.estimator().critic
-    if not needs_critic:
-        critic_name = None
+
+def estimator_notes(cfg: PPOConfig) -> list[str]:
+    """What the advantage estimator leaves out or moves, for the log."""
+    estimator, notes = cfg.ppo.estimator(), []
+    if not estimator.critic:
         notes.append(f"no critic ({cfg.ppo.advantage_estimator}: {cfg.ppo.n_samples_per_prompt} samples per prompt)")
-    elif cfg.critic:
-        _check_vocab(cfg.critic, "critic", tokenizer, cfg.load)
-        critic_name = cfg.critic
-    elif rm_spec is not None:
-        critic_name = rm_spec
-    else:
-        critic_name = cfg.actor
     unread = cfg.ppo.without_effect()
     if unread:
         notes.append(f"no effect with {cfg.ppo.advantage_estimator}: {', '.join('ppo.' + s for s in unread)}")
-    if cfg.ppo.estimator().kl_in == "loss":
+    if estimator.kl_in == "loss":
         notes.append(f"KL to the reference: a k3 loss x {cfg.ppo.kl_loss_coef:g}" if cfg.ppo.kl_loss_coef else
                      f"no KL to the reference ({cfg.ppo.advantage_estimator} puts it in the loss and "
                      f"ppo.kl_loss_coef is 0; e.g. ppo.kl_loss_coef=0.05)")
-    critic = None
-    if critic_name is not None:
-        critic = load_scalar_model(critic_name, cfg.load, tokenizer)
-        fresh = critic.fresh_head  # a causal LM's folder (the actor's, or any other `critic=`), not an RM's
-        if fresh and cfg.ppo.value_head_init == "zero":
-            zero_value_head(critic)
-        critic = apply_lora(critic, cfg.lora, task="scalar")
-        notes.append(f"critic: {critic_name}" + (" (fresh value head)" if fresh else ""))
+    return notes
 
+
+def critic_source(cfg: PPOConfig, tokenizer, reward_toks: list) -> Optional[str]:
+    """The folder the critic starts from: `critic` when set; else the first reward model that reads the actor's
+    tokens (its score head becomes the value head); else the actor (a fresh value head). None when the advantage
+    estimator needs no critic."""
+    if not cfg.ppo.estimator().critic:
+        return None
+    if cfg.critic:
+        _check_vocab(cfg.critic, "critic", tokenizer, cfg.load)
+        return cfg.critic
+    return next((part.spec for part, tok in zip(cfg.reward_parts(), reward_toks)
+                 if tok is not None and same_tokenization(tok, tokenizer)), cfg.actor)
+
+
+def load_critic(cfg: PPOConfig, name: str, tokenizer):
+    """(the critic from `name`, with its value head (zeroed where fresh and asked) and LoRA; its log note)."""
+    critic = load_scalar_model(name, cfg.load, tokenizer)
+    fresh = critic.fresh_head  # a causal LM's folder (the actor's, or any other `critic=`), not an RM's
+    if fresh and cfg.ppo.value_head_init == "zero":
+        zero_value_head(critic)
+    return apply_lora(critic, cfg.lora, task="scalar"), f"critic: {name}" + (" (fresh value head)" if fresh else "")
+
+
+def load_reference(cfg: PPOConfig, tokenizer, engine):
+    """(the frozen reference, or None for the LoRA actor with its adapter disabled (no second copy); its note)."""
+    if cfg.lora.rank > 0 and cfg.reference in (None, cfg.actor):
+        return None, "reference: the actor with its LoRA adapter disabled"
+    name = cfg.reference or cfg.actor
+    if cfg.reference:
+        _check_vocab(name, "reference", tokenizer, cfg.load)
+    frozen_opts = dataclasses.replace(cfg.load, gradient_checkpointing=False)
+    return engine.prepare_frozen(load_causal_lm(name, frozen_opts, tokenizer), role="reference"), f"reference: {name}"
+
+
+def load_ppo_models(cfg: PPOConfig, tokenizer, engine, total_updates: int,
+                    prompt_fields: list[dict] | None = None) -> PPOModels:
+    """Reward, critic, actor and reference, in that order, each with its speed plan (`speed.registry`)."""
+    causal_lm_config(cfg.actor, cfg.load)  # a reward-model folder given as the actor: said first, as itself
+    if cfg.ppo.normalize_reward and is_function_spec(cfg.reward_parts()[0].spec):
+        raise RunError("ppo.normalize_reward needs a reward-model folder (its stored mean/std); the reward is a "
+                       "Python function")
+    reward, reward_toks = load_reward(cfg, tokenizer, engine, prompt_fields)
+    notes = reward_notes(cfg, reward) + estimator_notes(cfg)
+    critic_name, critic = critic_source(cfg, tokenizer, reward_toks), None
+    if critic_name is not None:
+        critic, note = load_critic(cfg, critic_name, tokenizer)
+        notes.append(note)
     actor = apply_lora(load_causal_lm(cfg.actor, cfg.load, tokenizer), cfg.lora)
     ignored = ignored_generation_settings(actor, cfg.gen)
     if ignored:
         notes.append(f"the actor's generation_config.json {', '.join(ignored)}: not applied (rollouts sample "
                      f"with gen.* only)")
-    if cfg.lora.rank > 0 and cfg.reference in (None, cfg.actor):
-        reference = None
-        notes.append("reference: the actor with its LoRA adapter disabled")
-    else:
-        name = cfg.reference or cfg.actor
-        if cfg.reference:
-            _check_vocab(name, "reference", tokenizer, cfg.load)
-        frozen_opts = dataclasses.replace(cfg.load, gradient_checkpointing=False)
-        reference = engine.prepare_frozen(load_causal_lm(name, frozen_opts, tokenizer), role="reference")
-        notes.append(f"reference: {name}")
+    reference, note = load_reference(cfg, tokenizer, engine)
+    notes.append(note)
 
     # on a CPU the gradients stay allocated between iterations (see Engine.prepare): the update's peak holds them
     # anyway, and memory a step gets afresh costs page faults there (SmolLM2 PPO: update 12.0 -> 11.6 s)
@@ -162,33 +185,12 @@ def load_ppo_models(cfg: PPOConfig, tokenizer, engine, total_updates: int,
     if critic is not None:
         critic = engine.prepare(critic, cfg.train, total_updates, role="critic", lr=cfg.ppo.critic_lr,
                                 keep_grads=keep)
-    # on CPUs where oneDNN's float32 GEMM beats MKL's (AMD), ~2x faster linears for all four models
-    models = (actor.module, critic.module if critic else None, reference, *reward.models)
-    if sum(use_fast_cpu_linear(m, engine.device) for m in models if m is not None):
-        notes.append("CPU linear layers: oneDNN (faster than MKL here)")
-    chunked = {id(m): choose_head_logprobs(m, cfg.ppo.chunked_logprobs, cfg.engine.precision, engine)
-               for m in (actor.module, reference) if m is not None}
-    if any(chunked.values()):
-        notes.append("response log-probs: LM head in chunks")
-    # padding-free: the actor's rollout prefill, the policies' log-probs where they read hidden states (the head in
-    # chunks), every scalar model
-    models = [("actor", actor.module), ("critic", critic.module if critic else None), ("reference", reference),
-              *(("reward", m) for m in reward.models)]
-    packing = [name for name, m in models if m is not None and choose_padding_free(
-        m, cfg.ppo.packing if chunked.get(id(m), True) or m is actor.module else False, cfg.engine.precision,
-        engine)]
-    if packing:
-        notes.append(f"padding-free forwards: {', '.join(dict.fromkeys(packing))}")
-    # a group's prompt, or the template's run every row begins with, once in one packed row with the rest: the
-    # policies' response hidden states (where the head runs in chunks) and the critic's values
-    packable = (("actor", actor.module, chunked.get(id(actor.module))), ("critic", critic.module if critic else None,
-                True), ("reference", reference, chunked.get(id(reference))))
-    grouped = [name for name, m, reads in packable if m is not None and reads
-               and choose_group_packing(m, cfg.ppo.packing, cfg.engine.precision, engine)]
-    if grouped:
-        notes.append(f"shared prompts and prefixes in one packed forward: {', '.join(grouped)}")
-    shared = [name for name, m in models[:3] if m is not None and choose_common_prefix(
-        m, cfg.ppo.shared_prefix, cfg.engine.precision, engine)]
-    if shared:
-        notes.append(f"tokens every row begins with, computed once: {', '.join(shared)}")
-    return PPOModels(actor, critic, reference, reward, notes)
+    # each model's fast paths, decided once and passed to every forward (speed/registry.py)
+    plans = {"actor": plan_model(Target(actor.module, "actor", "ppo", cfg, engine, keep_grads=keep))}
+    if critic is not None:
+        plans["critic"] = plan_model(Target(critic.module, "critic", "ppo", cfg, engine, keep_grads=keep))
+    plans["reference"] = plans["actor"] if reference is None else plan_model(
+        Target(reference, "reference", "ppo", cfg, engine))
+    plans.update({"reward" if len(reward.parts) == 1 else f"reward {name}": one.plan
+                  for name, one, _ in reward.parts if isinstance(one, ModelReward)})
+    return PPOModels(actor, critic, reference, reward, notes, plans)

@@ -158,7 +158,8 @@ class PPOSteps:
         n = self.cfg.ppo.n_samples_per_prompt
         with timer("generate"):
             rollout = generate_all(self.actor.module, self.engine, self.tokenizer,
-                                   [row for row in rows for _ in range(n)], self.cfg.gen, group_size=n)
+                                   [row for row in rows for _ in range(n)], self.cfg.gen, self.models.plans["actor"],
+                                   group_size=n)
         rollout = replace(rollout, group=torch.arange(len(rows)).repeat_interleave(n), groups_share_prompts=n > 1)
         return sort_by_length(rollout)  # neighbours of similar length: each micro-batch trims its padding
 
@@ -195,7 +196,8 @@ class PPOSteps:
         values_pass = self.estimator.critic and not self.fused
         with engine.on_device(reference):
             batch = add_model_outputs(scored.rollout.to(engine.device), self.actor.module,
-                                      self.critic.module if values_pass else None, reference, cfg.gen.temperature,
+                                      self.critic.module if values_pass else None, reference, self.models.plans,
+                                      cfg.gen.temperature,
                                       cfg.ppo.forward_batch_size or cfg.train.micro_batch_size,
                                       old_from_sampling=not self.recompute_old,
                                       timer=timer)
@@ -235,13 +237,14 @@ class PPOSteps:
         advantage metrics too when the critic's update computed the advantages."""
         cfg, engine, batch, metrics = self.cfg, self.engine, experience.batch, {}
         if experience.pending:  # values, advantages and the critic's step from one critic forward
-            batch, advantage_metrics, critic_metrics = critic_update_with_values(batch, self.critic, cfg, engine,
-                                                                                 timer, self.estimator)
+            batch, advantage_metrics, critic_metrics = critic_update_with_values(
+                batch, self.critic, cfg, engine, self.models.plans["critic"], timer, self.estimator)
             metrics.update({**engine.reduce_mean(advantage_metrics), **critic_metrics})
         update_actor = iteration >= cfg.ppo.critic_warmup_iters  # the actor waits while the critic warms up
         update_critic = self.critic is not None and not experience.pending
-        metrics.update(ppo_update(batch, self.actor, self.critic, cfg, engine, iteration, update_actor, self.ptx,
-                                  self.ema, self.tokenizer.pad_token_id, timer, update_critic=update_critic))
+        metrics.update(ppo_update(batch, self.actor, self.critic, cfg, engine, iteration, self.models.plans,
+                                  update_actor, self.ptx, self.ema, self.tokenizer.pad_token_id, timer,
+                                  update_critic=update_critic))
         return metrics
 
     @staticmethod
@@ -256,7 +259,7 @@ class PPOSteps:
         """Held-out eval/reward (one sampled response per prompt, fixed seed) and eval/kl."""
         metrics, _ = evaluate_policy(self.actor.module, self.models.reference, self.models.reward, self.tokenizer,
                                      rows, self.cfg.gen, self.engine, self.cfg.train.micro_batch_size,
-                                     self.cfg.train.seed, self.eos_ids)
+                                     self.cfg.train.seed, self.eos_ids, self.models.plans)
         return metrics
 
     def write_samples(self, out, log, iteration: int, scored: Scored) -> None:

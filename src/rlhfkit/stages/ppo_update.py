@@ -36,16 +36,16 @@ def loss_count(mask: torch.Tensor, aggregation: str, max_len: int) -> float:
     return rows * max_len if aggregation == "seq-mean-token-sum-norm" else rows
 
 
-def actor_loss(model, part: RolloutBatch, cfg: PPOSection, temperature: float,
-               max_len: int) -> tuple[torch.Tensor, dict]:
+def actor_loss(model, part: RolloutBatch, cfg: PPOSection, temperature: float, max_len: int,
+               plan) -> tuple[torch.Tensor, dict]:
     """Clipped surrogate (Schulman et al. 2017, eq. 7) with the configured clip ranges, ratio level and
     aggregation, plus an optional k3 KL-to-reference loss term and entropy bonus (aggregated the same way)."""
     if cfg.entropy_coef > 0:  # the entropy bonus takes its gradient through the logits
-        logits = response_logits(model, part, temperature)  # (b, R, V)
+        logits = response_logits(model, part, plan, temperature)  # (b, R, V)
         logp = token_logprobs(logits, part.response_ids)  # (b, R)
     else:  # the LM head in chunks where the model allows it; the entropy only as a statistic
         logits = None
-        logp, entropy = response_logprobs_and_entropy(model, part, temperature)
+        logp, entropy = response_logprobs_and_entropy(model, part, plan, temperature)
     mask = part.response_mask
     loss, stats = policy_loss(logp, part.old_logprobs, part.advantages, mask, cfg.clip_eps,
                               clip_eps_high=cfg.clip_eps_high, dual_clip=cfg.dual_clip, ratio_level=cfg.ratio_level,
@@ -66,8 +66,8 @@ def actor_loss(model, part: RolloutBatch, cfg: PPOSection, temperature: float,
     return loss, stats
 
 
-def critic_loss(model, part: RolloutBatch, cfg: PPOSection) -> tuple[torch.Tensor, dict]:
-    values = response_values(model, part)  # (b, R)
+def critic_loss(model, part: RolloutBatch, cfg: PPOSection, plan) -> tuple[torch.Tensor, dict]:
+    values = response_values(model, part, plan)  # (b, R), on the critic's speed plan
     loss, stats = value_loss(values, part.values, part.returns, part.response_mask, cfg.value_clip)
     stats["value_loss"] = loss.item()
     return loss, stats
@@ -88,7 +88,7 @@ def single_step(cfg: PPOConfig) -> bool:
     return cfg.ppo.epochs == 1 and mini_batch_size(cfg) == samples_per_iteration(cfg)
 
 
-def critic_update_with_values(batch: RolloutBatch, critic, cfg: PPOConfig, engine, timer=untimed,
+def critic_update_with_values(batch: RolloutBatch, critic, cfg: PPOConfig, engine, plan, timer=untimed,
                               estimator: Estimator = ESTIMATORS["gae"]):
     """The critic's values, the advantages and the critic's optimizer step, from one forward per micro-batch.
 
@@ -111,7 +111,7 @@ def critic_update_with_values(batch: RolloutBatch, critic, cfg: PPOConfig, engin
         for rows in length_sorted_chunks(batch, cfg.train.micro_batch_size):
             part = batch.select(rows).to(engine.device)
             part_mask = part.response_mask
-            new = response_values(critic.module, part)  # (b, r), with grad
+            new = response_values(critic.module, part, plan)  # (b, r), with grad, on the critic's speed plan
             old = torch.where(part_mask.bool(), new.detach(), torch.zeros_like(new))
             part_advantages, part_returns = estimator.advantages(replace(part, values=old), cfg.ppo)
             loss, part_stats = value_loss(new, old, part_returns, part_mask, cfg.ppo.value_clip)
@@ -175,10 +175,11 @@ def ptx_backward(actor, rows: list[dict], coef: float, micro: int, pad_id: int, 
     return engine.reduce_sum(total) / n_tokens
 
 
-def ppo_update(batch: RolloutBatch, actor, critic, cfg: PPOConfig, engine, iteration: int,
+def ppo_update(batch: RolloutBatch, actor, critic, cfg: PPOConfig, engine, iteration: int, plans: dict,
                update_actor: bool = True, ptx: PtxText | None = None, ema=None, pad_id: int = 0,
                timer=untimed, update_critic: bool = True) -> dict:
-    """PPO epochs x mini-batches over `batch`; one optimizer step of each model per mini-batch.
+    """PPO epochs x mini-batches over `batch`; one optimizer step of each model per mini-batch, each model on the
+    paths of its speed plan (`plans["actor"]`, `plans["critic"]`).
 
     Returns the metrics averaged over the optimizer steps (and ranks); `timer` splits the time between the
     actor_update and critic_update phases. `update_critic=False` when `critic_update_with_values` did it.
@@ -211,14 +212,15 @@ def ppo_update(batch: RolloutBatch, actor, critic, cfg: PPOConfig, engine, itera
                 share = part_tokens / max(local_tokens, 1.0)  # for metrics: token-weighted means
                 if update_actor:
                     with timer("actor_update"):
-                        loss, actor_stats = actor_loss(actor.module, part, cfg.ppo, temperature, max_len)
+                        loss, actor_stats = actor_loss(actor.module, part, cfg.ppo, temperature, max_len,
+                                                       plans["actor"])
                         count = loss_count(part.response_mask, aggregation, max_len)
                         actor.backward(loss * count, n_actor)
                     for k, v in actor_stats.items():  # token means; the loss by the aggregation's own count
                         stats[k] += v * (count / max(local_count, 1.0) if k == "policy_loss" else share)
                 if update_critic:
                     with timer("critic_update"):
-                        loss, critic_stats = critic_loss(critic.module, part, cfg.ppo)
+                        loss, critic_stats = critic_loss(critic.module, part, cfg.ppo, plans["critic"])
                         critic.backward(loss * part_tokens, n_tokens)
                     for k, v in critic_stats.items():
                         stats[k] += v * share

@@ -18,50 +18,22 @@ from rlhfkit.algos import pairwise_loss
 from rlhfkit.config.schema import RMConfig
 from rlhfkit.data.loader import load_stage_data, skipped_rows
 from rlhfkit.data.templates import end_token_ids
-from rlhfkit.data.tokenize import collate_packed_pairs, collate_preferences, micro_batches
+from rlhfkit.data.tokenize import micro_batches
 from rlhfkit.engine.backends import make_engine
 from rlhfkit.models import load_scalar_model, load_tokenizer
-from rlhfkit.accel.cpu_linear import use_fast_cpu_linear_for_training
-from rlhfkit.models.forward import packed_sequence_scores, sequence_scores
-from rlhfkit.models.segments import packed_row_tokens
+from rlhfkit.models.stage_forward import pair_scores
 from rlhfkit.models.loading import TEMPLATE_KEY, load_generation_config
 from rlhfkit.models.lora import apply_lora, base_model
 from rlhfkit.stages.common import MetricsLogger, plan_steps, set_seed, with_trained_template, write_run_report
 from rlhfkit.stages.run_dir import prepare_output_dir, resumed_from
 from rlhfkit.stages.guard import resume_state
 from rlhfkit.stages.loop import TrainLoop
+from rlhfkit.speed.registry import Probe, Target, plan_line, plan_model
 
 # Keys written into final/config.json next to the weights; PPO and `rlhfkit score` read them back.
 MEAN_KEY, STD_KEY = "rlhfkit_reward_mean", "rlhfkit_reward_std"
 MAX_LENGTH_KEY = "rlhfkit_max_length"
 END_IDS_KEY = "rlhfkit_end_ids"  # the ids the training responses ended with (data/templates.py: end_token_ids)
-
-
-def pair_scores(model, rows: list[dict], pad_id: int, device, packed: bool = False) -> tuple[torch.Tensor,
-                                                                                               torch.Tensor]:
-    """Scores of the chosen and rejected sides of `rows`, each (B,), from ONE forward pass over the 2B
-    sequences: padded (2B, T), or `packed` into bins without padding (`collate_packed_pairs`, rows as long as
-    `segments.packed_row_tokens` allows for this model)."""
-    if packed:
-        batch = {k: v.to(device) for k, v in collate_packed_pairs(rows, pad_id, packed_row_tokens(model)).items()}
-        scores = packed_sequence_scores(model, batch["input_ids"], batch["position_ids"], batch["ends"])
-    else:
-        batch = collate_preferences(rows, pad_id)
-        scores = sequence_scores(model, batch["input_ids"].to(device), batch["attention_mask"].to(device))  # (2B,)
-    return scores[:len(rows)], scores[len(rows):]
-
-
-@torch.no_grad()
-def packing_is_exact(model, rows: list, pad_id: int, device, rtol: float = 1e-4) -> bool:
-    """Whether packed sequences score as padded ones on `rows` (see stages/sft.py's check of the same name)."""
-    was_training = model.training
-    model.eval()
-    try:
-        padded = torch.cat(pair_scores(model, rows, pad_id, device))
-        packed = torch.cat(pair_scores(model, rows, pad_id, device, packed=True))
-    finally:
-        model.train(was_training)
-    return bool(torch.allclose(packed, padded, rtol=rtol, atol=1e-4 if rtol <= 1e-4 else 1e-2))
 
 
 SUM_KEYS = ("loss", "accuracy", "chosen", "rejected", "margin")
@@ -82,19 +54,19 @@ def pair_means(sums: dict, n_pairs: int, engine, prefix: str = "") -> dict:
 
 
 @torch.no_grad()
-def evaluate_rm(model, rows: list, pad_id: int, micro: int, device, engine, margin: float | None) -> dict:
+def evaluate_rm(model, rows: list, pad_id: int, micro: int, device, engine, margin: float | None, plan) -> dict:
     """Held-out eval/loss, eval/accuracy, eval/chosen, eval/rejected (mean scores) and eval/margin (r_c - r_r)."""
     model.eval()
     sums = dict.fromkeys(SUM_KEYS, 0.0)
     for i in range(0, len(rows), micro):
-        for key, value in pair_sums(*pair_scores(model, rows[i:i + micro], pad_id, device), margin).items():
+        for key, value in pair_sums(*pair_scores(model, rows[i:i + micro], pad_id, device, plan), margin).items():
             sums[key] += value
     model.train()
     return pair_means(sums, engine.reduce_sum(len(rows)), engine, prefix="eval/")
 
 
 @torch.no_grad()
-def reward_stats(model, rows: list, pad_id: int, micro: int, device, n_samples: int, seed: int) -> dict:
+def reward_stats(model, rows: list, pad_id: int, micro: int, device, n_samples: int, seed: int, plan) -> dict:
     """Mean and std of the reward over up to `n_samples` training responses, chosen and rejected alike.
 
     PPO may normalise rewards with them (as OpenRLHF does with its RM's saved mean/std), so that the KL
@@ -104,7 +76,7 @@ def reward_stats(model, rows: list, pad_id: int, micro: int, device, n_samples: 
     model.eval()
     scores = []
     for i in range(0, len(pairs), micro):
-        scores.extend(torch.cat(pair_scores(model, pairs[i:i + micro], pad_id, device)).tolist())
+        scores.extend(torch.cat(pair_scores(model, pairs[i:i + micro], pad_id, device, plan)).tolist())
     model.train()
     scores = torch.tensor(scores[:n_samples], dtype=torch.float64)
     std = scores.std().item() if len(scores) > 1 else 0.0
@@ -119,15 +91,16 @@ def describe(info: dict) -> str:
             f"sides equal once truncated){'; skipped ' + skipped if skipped else ''}")
 
 
-def train_step(rm, rows: list, accum: int, micro_size: int, batch_size: int, pad_id: int, margin, engine,
-               packed: bool = False, balance: bool = True) -> dict:
+def train_step(rm, rows: list, accum: int, micro_size: int, batch_size: int, pad_id: int, margin, engine, plan,
+               balance: bool = True) -> dict:
     """One optimizer step over `rows` (this rank's share of `batch_size` pairs) in `accum` micro-batches
-    (`balance`: arranged by length, `data.tokenize.micro_batches`)."""
+    (`balance`: arranged by length, `data.tokenize.micro_batches`), packed where the model's plan says so."""
+    packed = plan.packing
     sums = dict.fromkeys(SUM_KEYS, 0.0)
     rows = rows[:accum * micro_size]
     lengths = [(operator.add if packed else max)(len(r["chosen_ids"]), len(r["rejected_ids"])) for r in rows]
     for micro in micro_batches(rows, micro_size, lengths if balance else None, packed):
-        chosen, rejected = pair_scores(rm.module, micro, pad_id, engine.device, packed)
+        chosen, rejected = pair_scores(rm.module, micro, pad_id, engine.device, plan, packed)
         # the micro-batch's summed loss over the pairs of the whole batch: micro 1 x accum 4 == micro 4 x accum 1
         rm.backward(pairwise_loss(chosen, rejected, margin) * len(micro), batch_size)
         for key, value in pair_sums(chosen, rejected, margin).items():
@@ -154,21 +127,21 @@ def run_rm(cfg: RMConfig, resume: bool = False, force: bool = False) -> dict:
 
     # 2. the optimizer (and the state of a resumed run)
     # gradients kept allocated between steps on a CPU only (see stages/sft.py)
-    rm = engine.prepare(model, cfg.train, total, role="reward_model", keep_grads=engine.device.type == "cpu")
-    onednn = use_fast_cpu_linear_for_training(rm.module, engine.device)  # Zen 5: every GEMM faster in oneDNN
+    keep = engine.device.type == "cpu"
+    rm = engine.prepare(model, cfg.train, total, role="reward_model", keep_grads=keep)
     resumed = resume_state(engine, out, {"model": rm}, total, "rm") if resume else {}
     start = resumed_from(cfg, out, resumed["step"], engine.is_main) if resume else 0
     pad_id, device, micro_size = tokenizer.pad_token_id, engine.device, cfg.train.micro_batch_size
     margin = cfg.rm.margin or None
-    packed = cfg.packing or (cfg.packing is None and engine.reduce_sum(float(packing_is_exact(
-        rm.module, data.train[:max(micro_size, 2)], pad_id, device, 1e-4 if cfg.engine.precision == "fp32" else 2e-2)))
-        == engine.world_size)
-    evaluate = (lambda: evaluate_rm(rm.module, data.eval, pad_id, micro_size, device, engine, margin)) \
+    # the fast paths this model takes, decided once (speed/registry.py), and the CPU kernels installed
+    plan = plan_model(Target(rm.module, "reward_model", "rm", cfg, engine, keep_grads=keep,
+                             probe=Probe(data.train[:max(micro_size, 2)], pad_id)))
+    evaluate = (lambda: evaluate_rm(rm.module, data.eval, pad_id, micro_size, device, engine, margin, plan)) \
         if data.eval else None
 
     with MetricsLogger(out, "rm", total, cfg.log, engine.is_main, initial=start) as log:
-        log.write(f"{describe(data.info)}; {total} steps of {cfg.train.batch_size} pairs (accumulation {accum}); "
-                  f"{'packed' if packed else 'padded'} micro-batches{'; CPU linear layers: oneDNN' if onednn else ''}")
+        log.write(plan_line({"reward_model": plan}))
+        log.write(f"{describe(data.info)}; {total} steps of {cfg.train.batch_size} pairs (accumulation {accum})")
         if start == 0 and evaluate:  # the untrained head's accuracy (~0.5): curves show what training changed
             log.log(0, evaluate())
 
@@ -177,7 +150,7 @@ def run_rm(cfg: RMConfig, resume: bool = False, force: bool = False) -> dict:
                        resumed=resumed, show=("loss", "accuracy", "eval/accuracy")) as loop:
             for step, epoch, rows in loop.steps(data.train, start):
                 tick = time.perf_counter()
-                metrics = train_step(rm, rows, accum, micro_size, cfg.train.batch_size, pad_id, margin, engine, packed,
+                metrics = train_step(rm, rows, accum, micro_size, cfg.train.batch_size, pad_id, margin, engine, plan,
                                      cfg.train.balance_micro_batches)
                 loop.end_step(step + 1, {**metrics, "epoch": epoch, "time/step": time.perf_counter() - tick})
 
@@ -189,7 +162,7 @@ def run_rm(cfg: RMConfig, resume: bool = False, force: bool = False) -> dict:
         extra = {TEMPLATE_KEY: data.info["template"], END_IDS_KEY: end_ids, MAX_LENGTH_KEY: cfg.data.max_length}
         if cfg.rm.norm_samples > 0:
             extra.update(reward_stats(rm.module, data.train, pad_id, micro_size, device, cfg.rm.norm_samples,
-                                      cfg.train.seed))
+                                      cfg.train.seed, plan))
             log.write(f"rm: reward over {extra['rlhfkit_reward_samples']} training responses: mean "
                       f"{extra[MEAN_KEY]:.4f}, std {extra[STD_KEY]:.4f}")
     for key, value in extra.items():

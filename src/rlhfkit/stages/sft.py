@@ -8,100 +8,36 @@ import time
 
 import torch
 
-from rlhfkit.algos import linear_lm_loss_sum, lm_loss_sum
 from rlhfkit.config.schema import SFTConfig
 from rlhfkit.data.loader import load_stage_data, skipped_rows
 from rlhfkit.data.templates import end_token_ids
 from rlhfkit.data.tokenize import collate_packed, collate_sft, micro_batches
 from rlhfkit.engine.backends import make_engine
 from rlhfkit.models import load_causal_lm, load_tokenizer
-from rlhfkit.accel.cpu_linear import use_fast_cpu_linear_for_training
-from rlhfkit.models.forward import (causal_logits, final_hidden, lm_head_weight, mixed_precision, packed_logits,
-                                    position_ids)
-from rlhfkit.models.segments import packed_attention, packed_row_tokens
+from rlhfkit.models.segments import packed_row_tokens
+from rlhfkit.models.stage_forward import lm_forward
 from rlhfkit.models.loading import load_generation_config, record_template
 from rlhfkit.models.lora import apply_lora
 from rlhfkit.stages.common import MetricsLogger, plan_steps, set_seed, with_trained_template, write_run_report
 from rlhfkit.stages.run_dir import prepare_output_dir, resumed_from
 from rlhfkit.stages.guard import resume_state
 from rlhfkit.stages.loop import TrainLoop
-
-
-def lm_forward(model, batch: dict, device, fused: bool = False) -> tuple[torch.Tensor, int]:
-    """Summed next-token NLL over labelled tokens and their count, for one (micro-)batch, padded
-    (`collate_sft`) or packed (`collate_packed`).
-
-    `fused`: the LM head runs on the labelled positions only and its cross-entropy in chunks
-    (`algos.linear_lm_loss_sum`), never holding the (tokens x vocabulary) logits; where the head allows it
-    (`lm_head_weight`) and `fused_loss_is_exact` said so for this model."""
-    batch = {k: v.to(device) for k, v in batch.items()}
-    labels = batch["labels"][:, 1:]  # position t predicts token t+1
-    weight = lm_head_weight(model) if fused else None
-    packed = "position_ids" in batch
-    if weight is not None:
-        mask = batch.get("attention_mask")
-        positions = batch["position_ids"] if packed else position_ids(mask)
-        with packed_attention(model, packed):
-            hidden = final_hidden(model, batch["input_ids"], mask, positions)[:, :-1]
-        keep = labels != -100
-        with mixed_precision(model):  # the head at the forward's precision
-            return linear_lm_loss_sum(hidden[keep], weight, labels[keep]), int(keep.sum().item())
-    if packed:
-        logits = packed_logits(model, batch["input_ids"], batch["position_ids"])
-    else:
-        logits = causal_logits(model, batch["input_ids"], batch["attention_mask"])
-    return lm_loss_sum(logits[:, :-1], labels)
-
-
-@torch.no_grad()
-def packing_is_exact(model, rows: list, pad_id: int, device, rtol: float = 1e-4, fused: bool = False) -> bool:
-    """Whether packed rows give the padded batch's loss on `rows`, checked once per run on real rows: a model
-    whose attention does not read packed positions (transformers builds the block-diagonal mask for most
-    architectures, not all) would let rows see each other and fails this check."""
-    if len(rows) < 2:
-        return False
-    was_training = model.training
-    model.eval()
-    try:
-        padded, _ = lm_forward(model, collate_sft(rows, pad_id), device, fused)
-        packed, _ = lm_forward(model, collate_packed(rows, pad_id, packed_row_tokens(model)), device, fused)
-    finally:
-        model.train(was_training)
-    # float32 rounds the two ways apart by ~1e-6 relative (`rtol` for bf16: 2e-2); a leak across rows moves the
-    # loss by far more
-    return bool(torch.isclose(packed.float(), padded.float(), rtol=rtol, atol=1e-4))
-
-
-@torch.no_grad()
-def fused_loss_is_exact(model, rows: list, pad_id: int, device, rtol: float = 1e-4) -> bool:
-    """Whether the chunked LM-head loss (`lm_forward(fused=True)`) gives the model's own logits' loss on `rows`,
-    checked once per run: a model that changes its logits after the head (a soft cap, a scale) fails it."""
-    if lm_head_weight(model) is None or not rows:
-        return False
-    was_training = model.training
-    model.eval()
-    try:
-        batch = collate_sft(rows, pad_id)
-        fused, _ = lm_forward(model, batch, device, fused=True)
-        plain, _ = lm_forward(model, batch, device)
-    finally:
-        model.train(was_training)
-    return bool(torch.isclose(fused.float(), plain.float(), rtol=rtol, atol=1e-4))
+from rlhfkit.speed.registry import Probe, Target, plan_line, plan_model
 
 
 def probe_rows(rows: list, n: int = 2, tokens: int = 256) -> list[dict]:
-    """The rows the one-off checks run on: the last `tokens` tokens (where the labelled response is) of the first
-    `n` rows, so that the checks' full logits stay small whatever the data's length."""
+    """The rows the speed plan's packing check runs on: the last `tokens` tokens (where the labelled response is) of
+    the first `n` rows, so that the check's full logits stay small whatever the data's length."""
     return [{k: v[-tokens:] if isinstance(v, list) else v for k, v in row.items()} for row in rows[:n]]
 
 
 @torch.no_grad()
-def evaluate_lm(model, rows: list, pad_id: int, micro: int, device, fused: bool = False) -> dict:
+def evaluate_lm(model, rows: list, pad_id: int, micro: int, device, plan) -> dict:
     """Token-weighted eval loss. Every rank evaluates all rows: ZeRO-3 needs the same forwards on all ranks."""
     model.eval()
     total, count = 0.0, 0
     for i in range(0, len(rows), micro):
-        nll, n = lm_forward(model, collate_sft(rows[i:i + micro], pad_id), device, fused)
+        nll, n = lm_forward(model, collate_sft(rows[i:i + micro], pad_id), device, plan)
         total, count = total + nll.item(), count + n
     model.train()
     loss = total / max(count, 1)
@@ -113,16 +49,16 @@ def count_labels(rows: list) -> int:
     return sum(sum(1 for t in r["labels"][1:] if t != -100) for r in rows)
 
 
-def train_step(actor, rows: list, accum: int, micro: int, pad_id: int, engine, collate=collate_sft,
-               fused: bool = False, balance: bool = True) -> dict:
+def train_step(actor, rows: list, accum: int, micro: int, pad_id: int, engine, plan, collate=collate_sft,
+               balance: bool = True) -> dict:
     """One optimizer step over `rows` (this rank's share of the batch) in `accum` micro-batches (`balance`:
-    arranged by length, `data.tokenize.micro_batches`)."""
+    arranged by length, `data.tokenize.micro_batches`), on the paths of the model's speed plan."""
     # normalise by the tokens of the whole batch over all ranks, so micro 1 x accum 4 == micro 4 x accum 1
     n_tokens = engine.total(count_labels(rows))
     loss_sum = 0.0
     lengths = [len(r["input_ids"]) for r in rows[:accum * micro]] if balance else None
     for part in micro_batches(rows[:accum * micro], micro, lengths, packed=collate is not collate_sft):
-        nll, _ = lm_forward(actor.module, collate(part, pad_id), engine.device, fused)
+        nll, _ = lm_forward(actor.module, collate(part, pad_id), engine.device, plan)
         actor.backward(nll, n_tokens)
         loss_sum += nll.item()
     lr = actor.lr
@@ -147,38 +83,33 @@ def run_sft(cfg: SFTConfig, resume: bool = False, force: bool = False) -> dict:
     # 2. the optimizer (and the state of a resumed run)
     # on a CPU the gradients stay allocated between steps (memory a step gets afresh costs page faults there); on a
     # GPU they are freed, so the forward's activation peak does not hold them too
-    actor = engine.prepare(model, cfg.train, total, keep_grads=engine.device.type == "cpu")
-    onednn = use_fast_cpu_linear_for_training(actor.module, engine.device)  # Zen 5: ~1.7x faster steps
+    keep = engine.device.type == "cpu"
+    actor = engine.prepare(model, cfg.train, total, keep_grads=keep)
     resumed = resume_state(engine, out, {"model": actor}, total, "sft") if resume else {}
     start = resumed_from(cfg, out, resumed["step"], engine.is_main) if resume else 0
     pad_id, device, micro = tokenizer.pad_token_id, engine.device, cfg.train.micro_batch_size
-    rtol, probe = (1e-4 if cfg.engine.precision == "fp32" else 2e-2), probe_rows(data.train)
-
-    def everywhere(check, **kwargs) -> bool:  # a check that every rank passed
-        passed = check(actor.module, probe, pad_id, device, rtol, **kwargs)
-        return engine.reduce_sum(float(passed)) == engine.world_size
-
-    fused = cfg.chunked_loss is not False and engine.holds_whole(actor.module) and \
-        lm_head_weight(actor.module) is not None and (cfg.chunked_loss or everywhere(fused_loss_is_exact))
-    packing = cfg.packing or (cfg.packing is None and everywhere(packing_is_exact, fused=fused))
-    collate = functools.partial(collate_packed, capacity=packed_row_tokens(actor.module)) if packing else collate_sft
-    evaluate = (lambda: evaluate_lm(actor.module, data.eval, pad_id, micro, device, fused)) if data.eval else None
+    # the fast paths this model takes, decided once (speed/registry.py), and the CPU kernels installed
+    plan = plan_model(Target(actor.module, "policy", "sft", cfg, engine, keep_grads=keep,
+                             probe=Probe(probe_rows(data.train), pad_id)))
+    collate = functools.partial(collate_packed, capacity=packed_row_tokens(actor.module, plan)) if plan.packing \
+        else collate_sft
+    evaluate = (lambda: evaluate_lm(actor.module, data.eval, pad_id, micro, device, plan)) if data.eval else None
 
     # 3. the loop: each step sees batch_size rows over all ranks, in micro-batches
     with MetricsLogger(out, "sft", total, cfg.log, engine.is_main, initial=start) as log:
+        log.write(plan_line({"policy": plan}))
         skipped = skipped_rows(data.info)
         log.write(f"sft: {data.info['train_rows']} train / {data.info['eval_rows']} eval rows, template "
                   f"{data.info['template']}, {data.info['truncated']} truncated, {data.info['dropped']} dropped"
                   f"{'; skipped ' + skipped if skipped else ''}; {total} steps of {cfg.train.batch_size} "
-                  f"(accumulation {accum}); {'packed' if packing else 'padded'} micro-batches"
-                  f"{', LM-head loss in chunks' if fused else ''}{', CPU linear layers: oneDNN' if onednn else ''}")
+                  f"(accumulation {accum})")
         if start == 0 and evaluate:  # the starting point, so curves show what training changed
             log.log(0, evaluate())
         with TrainLoop(engine, out, "sft", total, cfg.train, log, {"model": actor}, evaluate=evaluate,
                        resumed=resumed, show=("loss", "eval/loss", "lr")) as loop:
             for step, epoch, rows in loop.steps(data.train, start):
                 tick = time.perf_counter()
-                metrics = train_step(actor, rows, accum, micro, pad_id, engine, collate, fused,
+                metrics = train_step(actor, rows, accum, micro, pad_id, engine, plan, collate,
                                      cfg.train.balance_micro_batches)
                 loop.end_step(step + 1, {**metrics, "time/step": time.perf_counter() - tick, "epoch": epoch})
 
