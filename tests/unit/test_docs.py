@@ -23,7 +23,7 @@ import pytest
 
 from rlhfkit import cli
 from rlhfkit.config import reference
-from rlhfkit.config.fields import load_config
+from rlhfkit.config.fields import help_rows, load_config
 from rlhfkit.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -291,3 +291,24 @@ def test_every_relative_link_points_at_a_file_and_heading():
             elif anchor and resolved.suffix == ".md" and anchor not in headings(resolved):
                 broken.append(f"{_rel(page)}: {target}: no heading with that anchor in {resolved.name}")
     assert not broken, "\n".join(broken)
+
+
+# dotted names in backticks that look like config keys and are not: a typo a page shows being refused, a method
+NOT_KEYS = {"ppo.ppo.kl_coeff": "pipeline.md shows this typo failing at once", "engine.prepare_frozen": "a method"}
+SECTIONS = {"data", "train", "load", "lora", "engine", "log", "gen", "ppo", "ptx", "ema", "dpo", "rm"}
+
+
+def test_every_config_key_the_docs_name_exists():
+    """`ppo.kl_coef`, `data.max_length=64`, `ppo.ppo.kl_coef` (a pipeline section): a key that was renamed or removed
+    leaves a page that tells users to set something that no longer exists."""
+    keys = {row[0] for _, (cls, _) in reference.SECTIONS.items() for row in help_rows(cls)}
+    stale = []
+    for page in PAGES:
+        for match in re.finditer(r"`([a-z_]+(?:\.[a-z_0-9]+)+)(?:=[^`]*)?`", page.read_text(encoding="utf-8")):
+            key = match.group(1)
+            if key.split(".")[0] not in SECTIONS or re.search(r"\.(py|yaml|json|jsonl|txt|md)$", key):
+                continue
+            known = key in keys or key.split(".", 1)[1] in keys or any(k.startswith(key + ".") for k in keys)
+            if not known and key not in NOT_KEYS:
+                stale.append(f"{_rel(page)}: `{key}`")
+    assert not stale, "config keys the docs name that no verb has (renamed or removed?):\n" + "\n".join(stale)
