@@ -36,16 +36,16 @@ def loss_count(mask: torch.Tensor, aggregation: str, max_len: int) -> float:
     return rows * max_len if aggregation == "seq-mean-token-sum-norm" else rows
 
 
-def actor_loss(model, part: RolloutBatch, cfg: PPOSection, temperature: float, max_len: int,
-               plan) -> tuple[torch.Tensor, dict]:
+def actor_loss(model, part: RolloutBatch, cfg: PPOSection, temperature: float,
+               max_len: int) -> tuple[torch.Tensor, dict]:
     """Clipped surrogate (Schulman et al. 2017, eq. 7) with the configured clip ranges, ratio level and
     aggregation, plus an optional k3 KL-to-reference loss term and entropy bonus (aggregated the same way)."""
     if cfg.entropy_coef > 0:  # the entropy bonus takes its gradient through the logits
-        logits = response_logits(model, part, plan, temperature)  # (b, R, V)
+        logits = response_logits(model, part, temperature)  # (b, R, V)
         logp = token_logprobs(logits, part.response_ids)  # (b, R)
     else:  # the LM head in chunks where the model allows it; the entropy only as a statistic
         logits = None
-        logp, entropy = response_logprobs_and_entropy(model, part, plan, temperature)
+        logp, entropy = response_logprobs_and_entropy(model, part, temperature)
     mask = part.response_mask
     loss, stats = policy_loss(logp, part.old_logprobs, part.advantages, mask, cfg.clip_eps,
                               clip_eps_high=cfg.clip_eps_high, dual_clip=cfg.dual_clip, ratio_level=cfg.ratio_level,
@@ -66,13 +66,6 @@ def actor_loss(model, part: RolloutBatch, cfg: PPOSection, temperature: float, m
     return loss, stats
 
 
-def critic_loss(model, part: RolloutBatch, cfg: PPOSection, plan) -> tuple[torch.Tensor, dict]:
-    values = response_values(model, part, plan)  # (b, R), on the critic's speed plan
-    loss, stats = value_loss(values, part.values, part.returns, part.response_mask, cfg.value_clip)
-    stats["value_loss"] = loss.item()
-    return loss, stats
-
-
 def samples_per_iteration(cfg: PPOConfig) -> int:
     """train.batch_size prompts x ppo.n_samples_per_prompt responses each, over all ranks."""
     return cfg.train.batch_size * cfg.ppo.n_samples_per_prompt
@@ -88,48 +81,70 @@ def single_step(cfg: PPOConfig) -> bool:
     return cfg.ppo.epochs == 1 and mini_batch_size(cfg) == samples_per_iteration(cfg)
 
 
-def critic_update_with_values(batch: RolloutBatch, critic, cfg: PPOConfig, engine, plan, timer=untimed,
-                              estimator: Estimator = ESTIMATORS["gae"]):
-    """The critic's values, the advantages and the critic's optimizer step, from one forward per micro-batch.
+def critic_update(critic, batch: RolloutBatch, cfg: PPOConfig, engine, rows: torch.Tensor | None = None,
+                  timer=untimed, estimator: Estimator | None = None) -> tuple[dict, tuple | None]:
+    """One optimizer step of the critic on `rows` of `batch` (default: all): the clipped value loss over
+    micro-batches of rows of similar length, normalised by the rows' valid tokens over all ranks. When no rank
+    has a valid token in them, no step is taken (a step on zero gradients would still move the weights).
 
-    With one optimizer step per rollout (`single_step`), the critic's update forward would run at the very
-    weights that gave the rollout's values, over the same tokens: the same numbers twice. Here each
-    micro-batch's forward (with grad) gives its rows' values; a row-local estimator (GAE) needs only a row's own
-    rewards and values, so its returns and the value loss's gradient follow at once. `batch` carries the
-    rewards (`experience.add_rewards`); the loss is normalised by the batch's valid tokens, as in `ppo_update`.
+    The loss compares the critic's new values with old values and returns: the rollout's (`batch.values`,
+    `batch.returns`), or, given a row-local `estimator` (GAE), this update's own forward's. With one optimizer
+    step per rollout (`single_step`) the update's forward runs at the very weights that gave the rollout's
+    values, over the same tokens: the same numbers twice. So each micro-batch's forward (with grad) gives its
+    rows' values, the estimator their advantages and returns from the row's own rewards (`experience.add_rewards`),
+    and the loss's gradient follows at once; the forwards run even when no step is taken, for the values.
 
-    Returns (batch with values, advantages and returns; advantage metrics; critic metrics).
+    Returns (critic metrics, None), or with `estimator` (critic metrics, (values, advantages, returns)), each
+    (B, R) over every row of `batch`.
     """
-    assert estimator.critic and estimator.row_local, estimator.name
-    mask = batch.response_mask
-    values, advantages, returns = (torch.zeros_like(mask) for _ in range(3))
-    local_tokens = mask.sum().item()
+    rows = torch.arange(batch.size) if rows is None else rows
+    local_tokens = batch.response_mask[rows].sum().item()
     n_tokens = engine.total(local_tokens)
-    empty = engine.reduce_sum(float(local_tokens)) == 0  # every row left out of the update: no step
-    stats = defaultdict(float)
+    empty = engine.reduce_sum(float(local_tokens)) == 0  # (n_tokens is at least 1)
+    if estimator is not None:
+        assert estimator.critic and estimator.row_local, estimator.name
+        values, advantages, returns = (torch.zeros_like(batch.response_mask) for _ in range(3))
+    stats = defaultdict(float, empty_steps=float(empty))
     with timer("critic_update"):
-        for rows in length_sorted_chunks(batch, cfg.train.micro_batch_size):
-            part = batch.select(rows).to(engine.device)
-            part_mask = part.response_mask
-            new = response_values(critic.module, part, plan)  # (b, r), with grad, on the critic's speed plan
-            old = torch.where(part_mask.bool(), new.detach(), torch.zeros_like(new))
-            part_advantages, part_returns = estimator.advantages(replace(part, values=old), cfg.ppo)
-            loss, part_stats = value_loss(new, old, part_returns, part_mask, cfg.ppo.value_clip)
-            part_tokens = part_mask.sum().item()
+        chunks = [] if empty and estimator is None else length_sorted_chunks(batch, cfg.train.micro_batch_size, rows)
+        for part_rows in chunks:
+            part = batch.select(part_rows).to(engine.device)
+            mask = part.response_mask
+            new = response_values(critic.module, part)  # (b, R), with grad
+            if estimator is None:
+                old, part_returns = part.values, part.returns
+            else:
+                old = torch.where(mask.bool(), new.detach(), torch.zeros_like(new))
+                part_advantages, part_returns = estimator.advantages(replace(part, values=old), cfg.ppo)
+                index, width = part_rows.to(values.device), mask.size(1)
+                values[index, :width], advantages[index, :width], returns[index, :width] = old, part_advantages, \
+                    part_returns
+            loss, part_stats = value_loss(new, old, part_returns, mask, cfg.ppo.value_clip)
+            part_tokens = mask.sum().item()
             if not empty:
                 critic.backward(loss * part_tokens, n_tokens)
             part_stats["value_loss"] = loss.item()
+            share = part_tokens / max(local_tokens, 1.0)  # for metrics: token-weighted means
             for k, v in part_stats.items():
-                stats[k] += v * part_tokens / max(local_tokens, 1.0)
-            index, width = rows.to(mask.device), part_mask.size(1)
-            values[index, :width], advantages[index, :width], returns[index, :width] = old, part_advantages, \
-                part_returns
-        step = {"grad_norm": 0.0} if empty else critic.step()
-    stats.update(critic_grad_norm=step["grad_norm"], skipped_critic_steps=step.get("skipped", 0.0),
-                 empty_steps=float(empty))
+                stats[k] += v * share
+        if not empty:
+            step = critic.step()
+            stats.update(critic_grad_norm=step["grad_norm"], skipped_critic_steps=step.get("skipped", 0.0))
+    return dict(stats), ((values, advantages, returns) if estimator is not None else None)
+
+
+def critic_update_with_values(batch: RolloutBatch, critic, cfg: PPOConfig, engine, timer=untimed,
+                              estimator: Estimator = ESTIMATORS["gae"]):
+    """The critic's values, the advantages and the critic's optimizer step from one critic forward per
+    micro-batch (`critic_update` with the estimator), then the advantages finished over the whole batch
+    (whitened, `finish_advantages`). Used with one optimizer step per rollout and a row-local estimator.
+
+    Returns (batch with values, advantages and returns; advantage metrics; critic metrics).
+    """
+    stats, (values, advantages, returns) = critic_update(critic, batch, cfg, engine, timer=timer, estimator=estimator)
     batch, advantage_metrics = finish_advantages(replace(batch, values=values), advantages, returns, cfg.ppo,
                                                  estimator.whiten, engine)
-    return batch, advantage_metrics, engine.reduce_mean(dict(stats))
+    return batch, advantage_metrics, engine.reduce_mean(stats)
 
 
 def ptx_text(row) -> str:
@@ -175,14 +190,14 @@ def ptx_backward(actor, rows: list[dict], coef: float, micro: int, pad_id: int, 
     return engine.reduce_sum(total) / n_tokens
 
 
-def ppo_update(batch: RolloutBatch, actor, critic, cfg: PPOConfig, engine, iteration: int, plans: dict,
+def ppo_update(batch: RolloutBatch, actor, critic, cfg: PPOConfig, engine, iteration: int,
                update_actor: bool = True, ptx: PtxText | None = None, ema=None, pad_id: int = 0,
                timer=untimed, update_critic: bool = True) -> dict:
-    """PPO epochs x mini-batches over `batch`; one optimizer step of each model per mini-batch, each model on the
-    paths of its speed plan (`plans["actor"]`, `plans["critic"]`).
+    """PPO epochs x mini-batches over `batch`; one optimizer step of each model per mini-batch.
 
     Returns the metrics averaged over the optimizer steps (and ranks); `timer` splits the time between the
-    actor_update and critic_update phases. `update_critic=False` when `critic_update_with_values` did it.
+    actor_update and critic_update phases. The critic's step is `critic_update` on the same rows;
+    `update_critic=False` when `critic_update_with_values` took it already.
     """
     micro = cfg.train.micro_batch_size
     mini = mini_batch_size(cfg) // engine.world_size  # this rank's rows of one
@@ -196,7 +211,7 @@ def ppo_update(batch: RolloutBatch, actor, critic, cfg: PPOConfig, engine, itera
             rows = order[start:start + mini]
             local_tokens = batch.response_mask[rows].sum().item()
             n_tokens = engine.total(local_tokens)
-            # the actor's loss averages over the aggregation's count (tokens by default), the critic's over tokens
+            # the actor's loss averages over the aggregation's count (tokens by default)
             local_count = loss_count(batch.response_mask[rows], aggregation, max_len)
             n_actor = n_tokens if aggregation == "token-mean" else engine.total(local_count)
             # a mini-batch whose rows were all left out of the update (filtered groups, masked truncations) over
@@ -206,24 +221,15 @@ def ppo_update(batch: RolloutBatch, actor, critic, cfg: PPOConfig, engine, itera
             stats = defaultdict(float, empty_steps=float(empty))
             # micro-batches of rows of similar length carry little padding; the mini-batch's gradient is the
             # same sum for any grouping of its rows
-            for part_rows in ([] if empty else length_sorted_chunks(batch, micro, rows)):
+            for part_rows in ([] if empty or not update_actor else length_sorted_chunks(batch, micro, rows)):
                 part = batch.select(part_rows).to(engine.device)
-                part_tokens = part.response_mask.sum().item()
-                share = part_tokens / max(local_tokens, 1.0)  # for metrics: token-weighted means
-                if update_actor:
-                    with timer("actor_update"):
-                        loss, actor_stats = actor_loss(actor.module, part, cfg.ppo, temperature, max_len,
-                                                       plans["actor"])
-                        count = loss_count(part.response_mask, aggregation, max_len)
-                        actor.backward(loss * count, n_actor)
-                    for k, v in actor_stats.items():  # token means; the loss by the aggregation's own count
-                        stats[k] += v * (count / max(local_count, 1.0) if k == "policy_loss" else share)
-                if update_critic:
-                    with timer("critic_update"):
-                        loss, critic_stats = critic_loss(critic.module, part, cfg.ppo, plans["critic"])
-                        critic.backward(loss * part_tokens, n_tokens)
-                    for k, v in critic_stats.items():
-                        stats[k] += v * share
+                share = part.response_mask.sum().item() / max(local_tokens, 1.0)  # for metrics: token-weighted means
+                with timer("actor_update"):
+                    loss, actor_stats = actor_loss(actor.module, part, cfg.ppo, temperature, max_len)
+                    count = loss_count(part.response_mask, aggregation, max_len)
+                    actor.backward(loss * count, n_actor)
+                for k, v in actor_stats.items():  # token means; the loss by the aggregation's own count
+                    stats[k] += v * (count / max(local_count, 1.0) if k == "policy_loss" else share)
             if update_actor and (not empty or ptx is not None):
                 with timer("actor_update"):
                     if ptx is not None:
@@ -235,11 +241,9 @@ def ppo_update(batch: RolloutBatch, actor, critic, cfg: PPOConfig, engine, itera
                 stats["skipped_actor_steps"] = actor_step.get("skipped", 0.0)
                 if ema is not None and not actor_step.get("skipped"):
                     ema.update(actor.module)
-            if update_critic and not empty:
-                with timer("critic_update"):
-                    critic_step = critic.step()
-                stats["critic_grad_norm"] = critic_step["grad_norm"]
-                stats["skipped_critic_steps"] = critic_step.get("skipped", 0.0)
+            if update_critic:
+                critic_stats, _ = critic_update(critic, batch, cfg, engine, rows, timer)
+                stats.update(critic_stats)
             for k, v in stats.items():
                 sums[k] += v
             steps += 1
