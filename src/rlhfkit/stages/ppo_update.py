@@ -36,16 +36,16 @@ def loss_count(mask: torch.Tensor, aggregation: str, max_len: int) -> float:
     return rows * max_len if aggregation == "seq-mean-token-sum-norm" else rows
 
 
-def actor_loss(model, part: RolloutBatch, cfg: PPOSection, temperature: float,
-               max_len: int) -> tuple[torch.Tensor, dict]:
+def actor_loss(model, part: RolloutBatch, cfg: PPOSection, temperature: float, max_len: int,
+               plan) -> tuple[torch.Tensor, dict]:
     """Clipped surrogate (Schulman et al. 2017, eq. 7) with the configured clip ranges, ratio level and
     aggregation, plus an optional k3 KL-to-reference loss term and entropy bonus (aggregated the same way)."""
     if cfg.entropy_coef > 0:  # the entropy bonus takes its gradient through the logits
-        logits = response_logits(model, part, temperature)  # (b, R, V)
+        logits = response_logits(model, part, plan, temperature)  # (b, R, V)
         logp = token_logprobs(logits, part.response_ids)  # (b, R)
     else:  # the LM head in chunks where the model allows it; the entropy only as a statistic
         logits = None
-        logp, entropy = response_logprobs_and_entropy(model, part, temperature)
+        logp, entropy = response_logprobs_and_entropy(model, part, plan, temperature)
     mask = part.response_mask
     loss, stats = policy_loss(logp, part.old_logprobs, part.advantages, mask, cfg.clip_eps,
                               clip_eps_high=cfg.clip_eps_high, dual_clip=cfg.dual_clip, ratio_level=cfg.ratio_level,
@@ -81,7 +81,7 @@ def single_step(cfg: PPOConfig) -> bool:
     return cfg.ppo.epochs == 1 and mini_batch_size(cfg) == samples_per_iteration(cfg)
 
 
-def critic_update(critic, batch: RolloutBatch, cfg: PPOConfig, engine, rows: torch.Tensor | None = None,
+def critic_update(critic, batch: RolloutBatch, cfg: PPOConfig, engine, plan, rows: torch.Tensor | None = None,
                   timer=untimed, estimator: Estimator | None = None) -> tuple[dict, tuple | None]:
     """One optimizer step of the critic on `rows` of `batch` (default: all): the clipped value loss over
     micro-batches of rows of similar length, normalised by the rows' valid tokens over all ranks. When no rank
@@ -110,7 +110,7 @@ def critic_update(critic, batch: RolloutBatch, cfg: PPOConfig, engine, rows: tor
         for part_rows in chunks:
             part = batch.select(part_rows).to(engine.device)
             mask = part.response_mask
-            new = response_values(critic.module, part)  # (b, R), with grad
+            new = response_values(critic.module, part, plan)  # (b, R), with grad, on the critic's speed plan
             if estimator is None:
                 old, part_returns = part.values, part.returns
             else:
@@ -133,7 +133,7 @@ def critic_update(critic, batch: RolloutBatch, cfg: PPOConfig, engine, rows: tor
     return dict(stats), ((values, advantages, returns) if estimator is not None else None)
 
 
-def critic_update_with_values(batch: RolloutBatch, critic, cfg: PPOConfig, engine, timer=untimed,
+def critic_update_with_values(batch: RolloutBatch, critic, cfg: PPOConfig, engine, plan, timer=untimed,
                               estimator: Estimator = ESTIMATORS["gae"]):
     """The critic's values, the advantages and the critic's optimizer step from one critic forward per
     micro-batch (`critic_update` with the estimator), then the advantages finished over the whole batch
@@ -141,7 +141,8 @@ def critic_update_with_values(batch: RolloutBatch, critic, cfg: PPOConfig, engin
 
     Returns (batch with values, advantages and returns; advantage metrics; critic metrics).
     """
-    stats, (values, advantages, returns) = critic_update(critic, batch, cfg, engine, timer=timer, estimator=estimator)
+    stats, (values, advantages, returns) = critic_update(critic, batch, cfg, engine, plan, timer=timer,
+                                                         estimator=estimator)
     batch, advantage_metrics = finish_advantages(replace(batch, values=values), advantages, returns, cfg.ppo,
                                                  estimator.whiten, engine)
     return batch, advantage_metrics, engine.reduce_mean(stats)
@@ -190,10 +191,11 @@ def ptx_backward(actor, rows: list[dict], coef: float, micro: int, pad_id: int, 
     return engine.reduce_sum(total) / n_tokens
 
 
-def ppo_update(batch: RolloutBatch, actor, critic, cfg: PPOConfig, engine, iteration: int,
+def ppo_update(batch: RolloutBatch, actor, critic, cfg: PPOConfig, engine, iteration: int, plans: dict,
                update_actor: bool = True, ptx: PtxText | None = None, ema=None, pad_id: int = 0,
                timer=untimed, update_critic: bool = True) -> dict:
-    """PPO epochs x mini-batches over `batch`; one optimizer step of each model per mini-batch.
+    """PPO epochs x mini-batches over `batch`; one optimizer step of each model per mini-batch, each model on the
+    paths of its speed plan (`plans["actor"]`, `plans["critic"]`).
 
     Returns the metrics averaged over the optimizer steps (and ranks); `timer` splits the time between the
     actor_update and critic_update phases. The critic's step is `critic_update` on the same rows;
@@ -225,7 +227,7 @@ def ppo_update(batch: RolloutBatch, actor, critic, cfg: PPOConfig, engine, itera
                 part = batch.select(part_rows).to(engine.device)
                 share = part.response_mask.sum().item() / max(local_tokens, 1.0)  # for metrics: token-weighted means
                 with timer("actor_update"):
-                    loss, actor_stats = actor_loss(actor.module, part, cfg.ppo, temperature, max_len)
+                    loss, actor_stats = actor_loss(actor.module, part, cfg.ppo, temperature, max_len, plans["actor"])
                     count = loss_count(part.response_mask, aggregation, max_len)
                     actor.backward(loss * count, n_actor)
                 for k, v in actor_stats.items():  # token means; the loss by the aggregation's own count
@@ -242,7 +244,7 @@ def ppo_update(batch: RolloutBatch, actor, critic, cfg: PPOConfig, engine, itera
                 if ema is not None and not actor_step.get("skipped"):
                     ema.update(actor.module)
             if update_critic:
-                critic_stats, _ = critic_update(critic, batch, cfg, engine, rows, timer)
+                critic_stats, _ = critic_update(critic, batch, cfg, engine, plans["critic"], rows, timer)
                 stats.update(critic_stats)
             for k, v in stats.items():
                 sums[k] += v
