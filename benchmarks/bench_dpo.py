@@ -300,6 +300,7 @@ def rlhfkit_check(args) -> None:
     from rlhfkit.config.fields import load_config
     from rlhfkit.engine.backends import make_engine
     from rlhfkit.models import load_causal_lm, load_tokenizer
+    from rlhfkit.speed.registry import Target, plan_model
     from rlhfkit.stages.dpo import LossFn, Reference, compute_reference_logprobs, train_step, with_reference
 
     spec = json.loads(Path(args.spec).read_text())
@@ -315,8 +316,10 @@ def rlhfkit_check(args) -> None:
         engine = make_engine(cfg.engine, cfg.train)
         tok = load_tokenizer(str(policy_folder), cfg.load)
         policy = engine.prepare(load_causal_lm(str(policy_folder), cfg.load, tok), cfg.train, 1)
+        plan = plan_model(Target(policy.module, "policy", "dpo", cfg, engine))  # as run_dpo decides it
         if cfg.dpo.uses_reference():
-            reference = Reference(engine.prepare_frozen(load_causal_lm(str(reference_folder), cfg.load, tok)))
+            frozen = engine.prepare_frozen(load_causal_lm(str(reference_folder), cfg.load, tok))
+            reference = Reference(frozen, plan=plan_model(Target(frozen, "reference", "dpo", cfg, engine)))
             rows = with_reference(rows, compute_reference_logprobs(reference, rows, tok.pad_token_id, MICRO,
                                                                    engine.device))
         accumulated = {}
@@ -328,7 +331,7 @@ def rlhfkit_check(args) -> None:
 
         policy.step = step_after_measuring
         metrics = train_step(policy, rows, len(rows) // MICRO, MICRO, len(rows), tok.pad_token_id, engine,
-                             LossFn(cfg.dpo), Reference())
+                             LossFn(cfg.dpo), plan, Reference())
         scale = 1.0 / length ** 2 if name == "ipo" else 1.0
         out[name] = {"loss": metrics["loss"] * scale, "grad_norm": accumulated["norm"] * scale,
                      "engine_grad_norm": metrics["grad_norm"] * scale, "margin": metrics["margin"], "length": length}

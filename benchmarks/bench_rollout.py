@@ -5,9 +5,9 @@
 
 Both sample (temperature 1, no top-k/top-p) exactly R new tokens per prompt (EOS forbidden before R), from the
 same left-padded prompts and the same model folder, in the same process, alternating call by call; tokens/s =
-batch x R / seconds, median. rlhfkit's rollout runs as in `rlhfkit ppo` (its CPU linear layers included, see
-accel/cpu_linear.py); "loop alone" runs it on the plain model that generate() gets, to isolate the sampling
-loop. The rollout also returns the sampled tokens' log-probs, masks and decoded texts.
+batch x R / seconds, median. rlhfkit's rollout runs as in `rlhfkit ppo` (the actor's speed plan, its CPU kernels
+included: speed/registry.py); "loop alone" runs it on the plain model that generate() gets without any speed path
+(`speed.plan.REFERENCE`), to isolate the sampling loop. The rollout also returns the sampled tokens' log-probs, masks and decoded texts.
 """
 
 from __future__ import annotations
@@ -28,13 +28,14 @@ def measure(size: str, batch: int, response: int, iters: int, world: Path) -> di
     from rlhfkit.config.ppo_schema import GenConfig
     from rlhfkit.engine.local import LocalEngine
     from rlhfkit.models import load_causal_lm, load_tokenizer
-    from rlhfkit.accel.cpu_linear import use_fast_cpu_linear
     from rlhfkit.rollout.generate import eos_token_ids, generate_rollout
+    from rlhfkit.speed.plan import REFERENCE
+    from rlhfkit.speed.registry import Target, plan_model
 
     tok = load_tokenizer(str(world / size / "policy"), padding_side="left")
     model = load_causal_lm(str(world / size / "policy"), tokenizer=tok).eval()
     actor = load_causal_lm(str(world / size / "policy"), tokenizer=tok).eval()
-    use_fast_cpu_linear(actor, torch.device("cpu"))  # as load_ppo_models does
+    plan = plan_model(Target(actor, "actor", "ppo", None, LocalEngine()))  # as load_ppo_models decides it
     prompt_ids = json.loads(harness.tokenized_prompts(world, 64).read_text())[:batch]
     rows = [{"prompt_ids": ids, "prompt_text": "", "messages": None} for ids in prompt_ids]
     cfg = GenConfig(max_new_tokens=response, min_new_tokens=response)
@@ -50,10 +51,10 @@ def measure(size: str, batch: int, response: int, iters: int, world: Path) -> di
                            top_p=1.0, temperature=1.0)
 
     def rollout():
-        generate_rollout(actor, engine, tok, rows, cfg)
+        generate_rollout(actor, engine, tok, rows, cfg, plan)
 
     def loop_alone():
-        generate_rollout(model, engine, tok, rows, cfg)
+        generate_rollout(model, engine, tok, rows, cfg, REFERENCE)
 
     calls = [("rlhfkit", rollout), ("generate", plain), ("loop", loop_alone)]
     times = {name: [] for name, _ in calls}

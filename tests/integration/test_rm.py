@@ -16,6 +16,7 @@ from rlhfkit.data.templates import Template, encode_prompt, encode_response
 from rlhfkit.data.tokenize import pad_sequences
 from rlhfkit.models import load_scalar_model
 from rlhfkit.models.forward import sequence_scores
+from rlhfkit.speed.plan import REFERENCE
 
 from conftest import HH, NAMES, STORIES, needs_shared, read_metrics, run_cli, write_jsonl
 
@@ -80,7 +81,7 @@ def plain_and_rlhfkit_scores(final, seqs: list[list[int]]):
     with torch.no_grad():
         hf = plain(input_ids=ids, attention_mask=mask).logits.squeeze(-1)
         single = torch.cat([plain(input_ids=torch.tensor([s])).logits.squeeze(-1) for s in seqs])
-        mine = sequence_scores(ours, ids, mask)
+        mine = sequence_scores(ours, ids, mask, REFERENCE)
     return hf, single, mine
 
 

@@ -162,6 +162,7 @@ def test_rm_scores_are_padding_invariant(rm_run, tokenizer):
 
     from rlhfkit.data.tokenize import pad_sequences
     from rlhfkit.models.forward import sequence_scores
+    from rlhfkit.speed.plan import REFERENCE
 
     model = AutoModelForSequenceClassification.from_pretrained(rm_run[0] / "final").eval()
     texts = ["<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\nHello! How can I help?<|im_end|>",
@@ -169,12 +170,12 @@ def test_rm_scores_are_padding_invariant(rm_run, tokenizer):
              "An apple: crisp, sweet, red or green, it grows on trees in cool climates.<|im_end|>"]
     seqs = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
     with torch.no_grad():
-        alone = torch.cat([sequence_scores(model, torch.tensor([s]), torch.ones(1, len(s), dtype=torch.long))
+        alone = torch.cat([sequence_scores(model, torch.tensor([s]), torch.ones(1, len(s), dtype=torch.long), REFERENCE)
                            for s in seqs])
         for side in ("right", "left"):
             ids = pad_sequences(seqs, tokenizer.pad_token_id, side)
             mask = pad_sequences([[1] * len(s) for s in seqs], 0, side)
-            torch.testing.assert_close(sequence_scores(model, ids, mask), alone, atol=2e-4, rtol=1e-4)
+            torch.testing.assert_close(sequence_scores(model, ids, mask, REFERENCE), alone, atol=2e-4, rtol=1e-4)
 
 
 # ---------------------------------------------------------------- DPO on Anthropic HH
@@ -308,10 +309,50 @@ def test_the_chat_templates_shared_tokens_go_through_the_model_once_with_the_sam
     torch.testing.assert_close(grad, plain_grad, atol=1e-4 * float(plain_grad.abs().max()), rtol=1e-3)
 
 
+def test_a_ppo_actors_speed_plan_gives_the_reference_paths_log_probs(smollm2, task_files):
+    """The speed plan a PPO actor gets on the real model (here: oneDNN linears on AMD, the lean modules and the
+    rotary embedding in C, the LM head in chunks, padding-free and packed forwards, the common prefix once, group
+    decode) against plain transformers forwards of a second copy (`engine.speed=reference`): the same greedy tokens
+    of a group rollout, and the same sampling and response log-probs, to float rounding."""
+    import dataclasses
+
+    from rlhfkit.config.ppo_schema import GenConfig, PPOConfig
+    from rlhfkit.data.templates import Template, encode_prompt
+    from rlhfkit.engine.local import LocalEngine
+    from rlhfkit.models import load_causal_lm, load_tokenizer
+    from rlhfkit.rollout import generate_rollout
+    from rlhfkit.rollout.experience import response_logprobs
+    from rlhfkit.speed.registry import Target, plan_model
+
+    tok = load_tokenizer(str(smollm2), padding_side="left")
+    models = {speed: load_causal_lm(str(smollm2), tokenizer=tok).eval() for speed in ("auto", "reference")}
+    cfg = PPOConfig()
+    plans = {speed: plan_model(Target(model, "actor", "ppo", dataclasses.replace(
+        cfg, engine=dataclasses.replace(cfg.engine, speed=speed)), LocalEngine())) for speed, model in models.items()}
+    assert plans["reference"].on() == [] and {"head_chunks", "padding_free", "common_prefix"} <= set(plans["auto"].on())
+    template = Template.for_tokenizer(tok)
+    questions = [json.loads(line)["prompt"] for line in (task_files / "prompts.jsonl").read_text().splitlines()][:4]
+    rows = []
+    for question in questions:  # groups of 2 samples of each prompt
+        text = template.prompt([{"role": "user", "content": question}])
+        rows += [{"prompt_ids": encode_prompt(tok, text), "prompt_text": text}] * 2
+    batches = {speed: generate_rollout(models[speed], LocalEngine(), tok, rows, GenConfig(max_new_tokens=8),
+                                       plans[speed], greedy=True) for speed in models}
+    assert torch.equal(batches["auto"].response_ids, batches["reference"].response_ids)
+    batch = batches["reference"]
+    with torch.no_grad():
+        logps = {speed: response_logprobs(models[speed], batch, plans[speed]) for speed in models}
+    valid = batch.response_mask.bool()
+    # measured 1.9e-5 and 2.3e-5 (oneDNN's and the C kernels' rounding against MKL's and PyTorch's)
+    torch.testing.assert_close(logps["auto"][valid], logps["reference"][valid], atol=2e-4, rtol=1e-4)
+    torch.testing.assert_close(batches["auto"].sample_logprobs, batch.sample_logprobs, atol=2e-4, rtol=1e-4)
+
+
 def sequence_score(model, ids: list[int]) -> float:
     from rlhfkit.models.forward import sequence_scores
+    from rlhfkit.speed.plan import REFERENCE
 
-    return sequence_scores(model, torch.tensor([ids]), torch.ones(1, len(ids), dtype=torch.long)).item()
+    return sequence_scores(model, torch.tensor([ids]), torch.ones(1, len(ids), dtype=torch.long), REFERENCE).item()
 
 
 def wait_for_checkpoint_then_kill(args, out: Path, step: int, timeout: int = 600) -> None:
