@@ -96,9 +96,10 @@ def _full_hidden(model, prompt_ids, prompt_mask, response_ids, response_mask):
 
 @pytest.mark.parametrize("rows", ["blocks", "interleaved", "distinct"])
 def test_packed_hidden_states_and_gradients_equal_the_plain_forward(rows, monkeypatch):
-    """With group packing in its plan, a GQA Llama's `shared_prefix_logits(hidden=True)` takes the packed row (one forward: the
-    two-forward path would call the model twice) and gives the plain forward's hidden states at every valid
-    position, and the same parameter gradients, for groups in blocks, interleaved, and rows that share nothing."""
+    """With group packing in its plan, a GQA Llama's `shared_prefix_logits(hidden=True)` takes the packed row (one
+    forward: the two-forward path would call the model twice) and gives the plain forward's hidden states at every
+    valid position, and the same parameter gradients, for groups in blocks, interleaved, and rows that share
+    nothing."""
     model = _llama().train()
     batch = _batch(interleaved=rows == "interleaved", distinct=rows == "distinct")
     valid = batch[3].bool()

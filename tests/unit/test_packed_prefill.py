@@ -1,5 +1,5 @@
-"""The rollout's padding-free prefill (rollout.generate._packed_prefill, the speed plan's `packed_prefill`): left-padded prompts go through the model
-packed, and the KV cache they leave is the padded prefill's."""
+"""The rollout's padding-free prefill (rollout.generate._packed_prefill, the speed plan's `packed_prefill`):
+left-padded prompts go through the model packed, and the KV cache they leave is the padded prefill's."""
 
 from __future__ import annotations
 

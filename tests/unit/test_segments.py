@@ -6,7 +6,6 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM, LlamaForSequenceClassification
 
 from rlhfkit.data.tokenize import collate_packed, collate_packed_pairs
-from rlhfkit.models import segments
 from rlhfkit.models.forward import cache_kwargs, packed_logits, packed_sequence_scores, returned_cache
 from rlhfkit.models.segments import NAME, SPANS, packed_attention, sequence_spans
 from rlhfkit.speed.plan import REFERENCE, ModelPlan

@@ -13,7 +13,7 @@ import contextlib
 import math
 
 import torch
-from transformers.cache_utils import DynamicCache, DynamicLayer
+from transformers.cache_utils import DynamicLayer
 
 from rlhfkit.models.forward import cache_kwargs, decoder_outputs, hidden_states, position_ids, scalar_outputs
 from rlhfkit.models.group_pack import common_prefix_packed, contiguous_rows, group_packed_hidden, group_packing

@@ -49,8 +49,8 @@ class Probe:
 @dataclass
 class Target:
     """One model a plan is decided for: `role` names what it does in `stage` ("policy", "reward_model", "actor",
-    "critic", "reference", "reward"), `name` how the log line calls it (default: the role). `cfg` is the stage's
-    config (None: every setting null), `keep_grads` whether the engine keeps its gradients between steps."""
+    "critic", "reference", "reward"); `cfg` is the stage's config (None: every setting null), `keep_grads` whether
+    the engine keeps its gradients between steps, `probe` the rows a data check reads, `device` where it runs."""
 
     model: torch.nn.Module
     role: str
@@ -59,12 +59,10 @@ class Target:
     engine: object
     keep_grads: bool = False
     probe: Optional[Probe] = None
-    name: str = ""
     device: Optional[torch.device] = None  # default: the engine's
     whole: bool = field(init=False)  # every rank holds every parameter (not ZeRO-3): agreed over ranks
 
     def __post_init__(self):
-        self.name = self.name or self.role
         self.device = torch.device(self.device) if self.device is not None else self.engine.device
         held = float(self.engine.holds_whole(self.model))
         self.whole = self.engine.reduce_sum(held) == self.engine.world_size
@@ -208,12 +206,15 @@ def _check(fn) -> Callable[[Target, ModelPlan, float], bool]:
     return lambda target, trial, rtol: fn(target.model, trial, rtol)
 
 
-def _probe_check(fn) -> Callable[[Target, ModelPlan, float], bool]:
-    """A check on the run's first rows (`Target.probe`)."""
-    def check(target: Target, trial: ModelPlan, rtol: float) -> bool:
-        probe = target.probe
-        return probe is not None and fn(target.model, trial, probe.rows, probe.pad_id, target.device, rtol)
-    return check
+def _packing_check(target: Target, trial: ModelPlan, rtol: float) -> bool:
+    """The stage's packing check on the run's first rows (`Target.probe`)."""
+    check = checks.sft_packing_is_exact if target.stage == "sft" else checks.rm_packing_is_exact
+    probe = target.probe
+    return probe is not None and check(target.model, trial, probe.rows, probe.pad_id, target.device, rtol)
+
+
+def _probed(target: Target, on: dict) -> str | None:
+    return None if target.probe else "no rows to check it on"
 
 
 PATHS = (
@@ -246,9 +247,7 @@ PATHS = (
               exact="checks.head_gives_logits: logits = head(hidden) on 8 tokens, rtol = atol = 1e-4 (2e-2 bf16)"),
     SpeedPath("packing", "packed micro-batches", {"sft": ("policy",), "rm": ("reward_model",)},
               settings={"sft": "packing", "rm": "packing"},
-              prefers=_all(_padded_on_gpu, lambda t, on: None if t.probe else "no rows to check it on"),
-              check=lambda t, trial, rtol: _probe_check(
-                  checks.sft_packing_is_exact if t.stage == "sft" else checks.rm_packing_is_exact)(t, trial, rtol),
+              prefers=_all(_padded_on_gpu, _probed), check=_packing_check,
               exact="checks.sft_packing_is_exact / rm_packing_is_exact on the first rows: loss or scores, rtol "
                     "1e-4 (2e-2 bf16)"),
     SpeedPath("padding_free", "padding-free", {"ppo": ("actor", "critic", "reference", "reward")},
@@ -275,7 +274,8 @@ PATHS = (
               exact="checks.group_packing_gives_prefix_values against the two-forward paths, rtol = atol = 1e-4 "
                     "(2e-2 bf16)"),
     SpeedPath("common_prefix", "common prefix once", {"ppo": ("actor", "critic", "reference")},
-              settings={"ppo": "ppo.shared_prefix"}, applies=_whole, check=_check(checks.common_prefix_gives_full_values),
+              settings={"ppo": "ppo.shared_prefix"}, applies=_whole,
+              check=_check(checks.common_prefix_gives_full_values),
               exact="checks.common_prefix_gives_full_values: three rows sharing 10 tokens, rtol = atol = 1e-4 "
                     "(2e-2 bf16)"),
     SpeedPath("group_decode", "group decode", {"ppo": ("actor",)}, applies=_group_attention,
