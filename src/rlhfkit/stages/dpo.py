@@ -36,26 +36,24 @@ from rlhfkit.accel import grad_in_place
 from rlhfkit.algos import PairLogps, linear_token_logprobs, masked_sum, token_logprobs
 from rlhfkit.config.dpo_schema import DPOConfig, DPOSection
 from rlhfkit.data import cache
-from rlhfkit.data.loader import load_stage_data, skipped_rows
-from rlhfkit.data.templates import end_token_ids
+from rlhfkit.data.loader import skipped_rows
 from rlhfkit.data.tokenize import collate_preferences, collate_prompt_sharing_pairs, pad_sequences
-from rlhfkit.engine.backends import make_engine
 from rlhfkit.errors import ModelError
 from rlhfkit.models import load_causal_lm, load_tokenizer
 from rlhfkit.models.forward import (causal_logits, final_hidden, head_logprobs_weight, head_matmul, masked_logits,
                                     mixed_precision, position_ids)
 from rlhfkit.models.prefix import shared_prefix_logits
-from rlhfkit.models.loading import causal_lm_config, load_generation_config, record_template
+from rlhfkit.models.loading import causal_lm_config, record_template
 from rlhfkit.models.lora import adapter_disabled, apply_lora, checkpointed, is_lora
 from rlhfkit.registry.preference import preference_loss
 from rlhfkit.speed.plan import ModelPlan
 from rlhfkit.speed.registry import Target, plan_line, plan_model
-from rlhfkit.stages.common import (MetricsLogger, epoch_order, longest_first, plan_steps, set_seed,
-                                   with_trained_template, write_run_report)
+from rlhfkit.stages.common import MetricsLogger, epoch_order, longest_first, plan_steps, write_run_report
 from rlhfkit.stages.guard import resume_state
 from rlhfkit.stages.loop import TrainLoop
 from rlhfkit.stages.reward import pair_means
 from rlhfkit.stages.run_dir import prepare_output_dir, resumed_from, undone_if_bad_input_at_start
+from rlhfkit.stages.start import start_stage
 
 REF_KEY = "ref"  # a row's reference log-probs [chosen, rejected], attached when precomputed
 
@@ -415,15 +413,10 @@ def describe(info: dict, cfg: DPOConfig) -> str:
 
 
 def run_dpo(cfg: DPOConfig, resume: bool = False, force: bool = False) -> dict:
-    engine = make_engine(cfg.engine, cfg.train)
-    set_seed(cfg.train.seed)
-
-    # 1. tokenizer and pairs first (the RM step's data layer and its cache): bad input fails before anything is
-    #    written
-    tokenizer = load_tokenizer(cfg.model, cfg.load)
-    cfg = with_trained_template(cfg, cfg.model, tokenizer)
-    end_ids = end_token_ids(tokenizer, load_generation_config(cfg.model, cfg.load))
-    data = load_stage_data("rm", cfg.data, tokenizer, cfg.train.seed, end_ids=end_ids, main=engine.is_main)
+    # 1. engine, tokenizer and pairs first (the RM step's data layer and its cache): bad input fails before anything
+    #    is written
+    setup = start_stage(cfg, cfg.model, "rm")
+    cfg, engine, tokenizer, data = setup.cfg, setup.engine, setup.tokenizer, setup.data
     model = apply_lora(load_causal_lm(cfg.model, cfg.load, tokenizer), cfg.lora)
     check_reference(cfg, tokenizer)
     _, accum, total = plan_steps(len(data.train), cfg.train, engine.world_size)

@@ -10,17 +10,16 @@ from __future__ import annotations
 import time
 
 from rlhfkit.config.ppo_schema import PPOConfig
-from rlhfkit.data.loader import load_stage_data, skipped_rows
-from rlhfkit.engine.backends import make_engine
-from rlhfkit.models import load_tokenizer
+from rlhfkit.data.loader import skipped_rows
 from rlhfkit.models.loading import record_template
-from rlhfkit.stages.common import MetricsLogger, set_seed, with_trained_template, write_run_report
+from rlhfkit.stages.common import MetricsLogger, write_run_report
 from rlhfkit.stages.run_dir import prepare_output_dir, resumed_from, undone_if_bad_input_at_start
 from rlhfkit.stages.loop import TrainLoop
 from rlhfkit.stages.ppo_setup import load_ppo_models
 from rlhfkit.stages.ppo_steps import PPOSteps, check_ranks, updates_per_iteration
 from rlhfkit.stages.ppo_timing import PhaseTimer
 from rlhfkit.stages.ppo_update import PtxText, samples_per_iteration
+from rlhfkit.stages.start import start_stage
 
 SHOW = ("reward/mean", "kl", "eval/reward")
 
@@ -33,15 +32,11 @@ def describe(cfg: PPOConfig, info: dict, notes: list[str]) -> str:
 
 
 def run_ppo(cfg: PPOConfig, resume: bool = False, force: bool = False) -> dict:
-    engine = make_engine(cfg.engine, cfg.train)
-    check_ranks(cfg, engine.world_size)
-    set_seed(cfg.train.seed)
+    # 0. engine, tokenizer and prompts first (bad input fails before the models load), then the four models
+    setup = start_stage(cfg, cfg.actor, "prompts", padding_side="left",
+                        check_ranks=lambda world_size: check_ranks(cfg, world_size))
+    cfg, engine, tokenizer, data = setup.cfg, setup.engine, setup.tokenizer, setup.data
     seed, iters = cfg.train.seed, cfg.train.max_steps
-
-    # 0. tokenizer and data first (bad input fails before the models load), then the four models
-    tokenizer = load_tokenizer(cfg.actor, cfg.load, padding_side="left")
-    cfg = with_trained_template(cfg, cfg.actor, tokenizer)
-    data = load_stage_data("prompts", cfg.data.as_prompt_data(), tokenizer, seed, main=engine.is_main)
     ptx = PtxText(cfg.data.ptx, tokenizer, cfg.ptx.max_length, seed) if cfg.ptx.coef > 0 else None
     models = load_ppo_models(cfg, tokenizer, engine, iters * updates_per_iteration(cfg),
                              prompt_fields=[row.get("fields") or {} for row in data.train])

@@ -16,18 +16,17 @@ import torch
 
 from rlhfkit.algos import pairwise_loss
 from rlhfkit.config.schema import RMConfig
-from rlhfkit.data.loader import load_stage_data, skipped_rows
-from rlhfkit.data.templates import end_token_ids
+from rlhfkit.data.loader import skipped_rows
 from rlhfkit.data.tokenize import micro_batches
-from rlhfkit.engine.backends import make_engine
-from rlhfkit.models import load_scalar_model, load_tokenizer
+from rlhfkit.models import load_scalar_model
 from rlhfkit.models.stage_forward import pair_scores
-from rlhfkit.models.loading import TEMPLATE_KEY, load_generation_config
+from rlhfkit.models.loading import TEMPLATE_KEY
 from rlhfkit.models.lora import apply_lora, base_model
-from rlhfkit.stages.common import MetricsLogger, plan_steps, set_seed, with_trained_template, write_run_report
+from rlhfkit.stages.common import MetricsLogger, plan_steps, set_seed, write_run_report
 from rlhfkit.stages.run_dir import prepare_output_dir, resumed_from
 from rlhfkit.stages.guard import resume_state
 from rlhfkit.stages.loop import TrainLoop
+from rlhfkit.stages.start import start_stage
 from rlhfkit.speed.registry import Probe, Target, plan_line, plan_model
 
 # Keys written into final/config.json next to the weights; PPO and `rlhfkit score` read them back.
@@ -110,15 +109,9 @@ def train_step(rm, rows: list, accum: int, micro_size: int, batch_size: int, pad
 
 
 def run_rm(cfg: RMConfig, resume: bool = False, force: bool = False) -> dict:
-    engine = make_engine(cfg.engine, cfg.train)
-    set_seed(cfg.train.seed)
-
-    # 1. tokenizer and data first: bad input fails here, before any folder is written
-    tokenizer = load_tokenizer(cfg.model, cfg.load)
-    cfg = with_trained_template(cfg, cfg.model, tokenizer)
-    # responses end where the actor's rollouts will stop: EOS or the folder's generation_config end-of-turn ids
-    end_ids = end_token_ids(tokenizer, load_generation_config(cfg.model, cfg.load))
-    data = load_stage_data("rm", cfg.data, tokenizer, cfg.train.seed, end_ids=end_ids, main=engine.is_main)
+    # 1. engine, tokenizer and pairs first: bad input fails here, before any folder is written
+    setup = start_stage(cfg, cfg.model, "rm")
+    cfg, engine, tokenizer, data = setup.cfg, setup.engine, setup.tokenizer, setup.data
     set_seed(cfg.train.seed)  # the fresh score head is drawn from the torch RNG: same seed, same head
     model = load_scalar_model(cfg.model, cfg.load, tokenizer)
     model = apply_lora(model, cfg.lora, task="scalar")
@@ -159,7 +152,7 @@ def run_rm(cfg: RMConfig, resume: bool = False, force: bool = False) -> dict:
         if not final_eval and evaluate:  # resumed from a run that had already finished its steps
             final_eval = evaluate()
         config = base_model(rm.module).config
-        extra = {TEMPLATE_KEY: data.info["template"], END_IDS_KEY: end_ids, MAX_LENGTH_KEY: cfg.data.max_length}
+        extra = {TEMPLATE_KEY: data.info["template"], END_IDS_KEY: setup.end_ids, MAX_LENGTH_KEY: cfg.data.max_length}
         if cfg.rm.norm_samples > 0:
             extra.update(reward_stats(rm.module, data.train, pad_id, micro_size, device, cfg.rm.norm_samples,
                                       cfg.train.seed, plan))

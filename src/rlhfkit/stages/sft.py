@@ -9,19 +9,18 @@ import time
 import torch
 
 from rlhfkit.config.schema import SFTConfig
-from rlhfkit.data.loader import load_stage_data, skipped_rows
-from rlhfkit.data.templates import end_token_ids
+from rlhfkit.data.loader import skipped_rows
 from rlhfkit.data.tokenize import collate_packed, collate_sft, micro_batches
-from rlhfkit.engine.backends import make_engine
-from rlhfkit.models import load_causal_lm, load_tokenizer
+from rlhfkit.models import load_causal_lm
 from rlhfkit.models.segments import packed_row_tokens
 from rlhfkit.models.stage_forward import lm_forward
-from rlhfkit.models.loading import load_generation_config, record_template
+from rlhfkit.models.loading import record_template
 from rlhfkit.models.lora import apply_lora
-from rlhfkit.stages.common import MetricsLogger, plan_steps, set_seed, with_trained_template, write_run_report
+from rlhfkit.stages.common import MetricsLogger, plan_steps, write_run_report
 from rlhfkit.stages.run_dir import prepare_output_dir, resumed_from
 from rlhfkit.stages.guard import resume_state
 from rlhfkit.stages.loop import TrainLoop
+from rlhfkit.stages.start import start_stage
 from rlhfkit.speed.registry import Probe, Target, plan_line, plan_model
 
 
@@ -66,15 +65,9 @@ def train_step(actor, rows: list, accum: int, micro: int, pad_id: int, engine, p
 
 
 def run_sft(cfg: SFTConfig, resume: bool = False, force: bool = False) -> dict:
-    engine = make_engine(cfg.engine, cfg.train)
-    set_seed(cfg.train.seed)
-
-    # 1. tokenizer and data first: bad input fails here, before any folder is written
-    tokenizer = load_tokenizer(cfg.model, cfg.load)
-    cfg = with_trained_template(cfg, cfg.model, tokenizer)
-    # responses end where PPO rollouts will stop: EOS or the folder's generation_config end-of-turn ids
-    end_ids = end_token_ids(tokenizer, load_generation_config(cfg.model, cfg.load))
-    data = load_stage_data("sft", cfg.data, tokenizer, cfg.train.seed, end_ids=end_ids, main=engine.is_main)
+    # 1. engine, tokenizer and data first: bad input fails here, before any folder is written
+    setup = start_stage(cfg, cfg.model, "sft")
+    cfg, engine, tokenizer, data = setup.cfg, setup.engine, setup.tokenizer, setup.data
     model = load_causal_lm(cfg.model, cfg.load, tokenizer)
     model = apply_lora(model, cfg.lora)
     _, accum, total = plan_steps(len(data.train), cfg.train, engine.world_size)
