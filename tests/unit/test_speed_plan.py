@@ -194,3 +194,11 @@ def test_no_fast_path_remembers_anything_outside_the_plan():
     for path in SRC.rglob("*.py"):
         assert not re.search(r"^\s*\w+\.apply_rotary_pos_emb\s*=", path.read_text(), re.M) or \
             path.name == "rotary.py", path
+
+
+def test_gradient_checkpointing_keeps_sfts_packed_rows_under_transformers_mask():
+    decided = target("sft", "policy")
+    decided.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    plan = plan_model(decided)
+    assert not plan.segment_attention and dict(plan.off)["segment_attention"] == "gradient checkpointing"
+    assert plan.packing  # still packed, under the block-diagonal mask

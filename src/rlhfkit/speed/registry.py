@@ -29,7 +29,7 @@ from rlhfkit.accel.decode_gemm import available as decode_kernel_available
 from rlhfkit.accel.grad_in_place import MIN_ELEMENTS, takes as grad_in_place_takes
 from rlhfkit.accel.lean import MLP_CLASSES, RMSNORM_CLASSES
 from rlhfkit.models.forward import custom_mask_kind, lm_head_weight
-from rlhfkit.models.lora import base_model
+from rlhfkit.models.lora import base_model, checkpointed
 from rlhfkit.models.segments import full_attention_cache
 from rlhfkit.rollout.group_decode import group_cache
 from rlhfkit.speed import checks
@@ -140,6 +140,13 @@ def _full_attention(target: Target, on: dict) -> str | None:
     return None if full_attention_cache(target.model) is not None else "not every layer is full attention"
 
 
+def _recomputed(target: Target, on: dict) -> str | None:
+    """SFT and RM forward packed rows only to train: under gradient checkpointing the recomputation in backward runs
+    after the attention switch is gone, so those forwards keep transformers' mask (PPO's no-grad forwards may not)."""
+    training_only = target.stage in ("sft", "rm")
+    return "gradient checkpointing" if training_only and checkpointed(target.model) else None
+
+
 def _sdpa(target: Target, on: dict) -> str | None:
     return None if _attention(target) == "sdpa" else f"attention {_attention(target)}"
 
@@ -238,7 +245,7 @@ PATHS = (
               exact="the same sum in another order (tests/unit/test_grad_in_place.py)"),
     SpeedPath("segment_attention", "per-sequence attention", {"sft": ("policy",), "rm": ("reward_model",),
                                                                "ppo": ("actor", "critic", "reference", "reward")},
-              applies=_all(_cpu, _sdpa, _full_attention),
+              applies=_all(_cpu, _sdpa, _full_attention, _recomputed),
               exact="within the packing checks below (the same tokens attended, unmasked)"),
     SpeedPath("head_chunks", "LM head in chunks", {"sft": ("policy",), "dpo": ("policy", "reference"),
                                                    "ppo": POLICIES},
