@@ -20,7 +20,7 @@ class SourceOptions:
                                         "is set")
     eval_max_rows: int = option(512, "at most this many evaluation rows (keeps eval fast; 0: no evaluation); "
                                      "from a mix, a seeded sample across its sources")
-    format: str = option("auto", "row format: auto (detected) or a format name (see the README's data table)")
+    format: str = option("auto", "row format: auto (detected) or a format name (docs/data.md)")
     fields: dict = option({}, "rename fields, canonical->yours, e.g. {prompt: question, response: answer}")
     template: str = option("auto", "auto: the tokenizer's chat template if it has one, else plain (plain too when "
                                    "the model folder was trained plain by rlhfkit); or chat|plain",
@@ -28,7 +28,7 @@ class SourceOptions:
     split: str = option("train", "split to read from a save_to_disk DatasetDict or a hub dataset")
     max_rows: int = option(-1, "use at most this many training rows (-1 or 0: all): a source's first rows, or "
                                 "from a mix a seeded sample across its sources")
-    preset: Optional[str] = option(None, "seed-dataset preset for a local path, e.g. Dahoas/rm-static (README: "
+    preset: Optional[str] = option(None, "seed-dataset preset for a local path, e.g. Dahoas/rm-static (docs/data.md: "
                                          "Seed datasets): sets format and eval split; implied when the source is "
                                          "a preset's name")
     local_dir: Optional[str] = option(None, "folder of local dataset copies: hub name owner/name is read from "

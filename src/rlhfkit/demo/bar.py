@@ -2,7 +2,7 @@
 
 1. The reward model generalises: accuracy >= 0.8 on pairs of SFT samples for held-out prompts, labelled by the gold
    reward without noise (some pairs differ only in what SFT's samples rarely show, a repeat or another topic, which
-   a reward model trained on them cannot learn; see README).
+   a reward model trained on them cannot learn; see docs/demo.md).
 2. PPO improved the gold reward, not just the proxy: PPO's held-out gold mean is above SFT's by at least 3
    standard errors of the difference (sqrt(se_ppo^2 + se_sft^2), so sampling noise cannot explain it) AND by at
    least a third of the way from the SFT mean to the best achievable gold reward (so the gain is material).

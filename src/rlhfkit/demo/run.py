@@ -42,7 +42,7 @@ SIZES = {
 LABEL_NOISE = 0.1  # each preference label flipped with this probability (sampling.py: 18% labeller disagreement)
 KL_BUDGET = 4.0  # nats per response: how far PPO may move from the SFT policy and still count as a pass
 RM_ACCURACY_TARGET = 0.8
-WALL_TIME_TARGET = 600.0  # seconds on 2 CPU cores: the README's demo table holds the demo to it
+WALL_TIME_TARGET = 600.0  # seconds on 2 CPU cores: docs/demo.md's table holds the demo to it
 MAX_NEW_TOKENS = 24
 # The demo's matrices are 128 wide: past a few threads, a thread's share of a decode step's GEMM takes less time
 # than waking the thread. Measured only up to 2 cores, where 2 threads beat 1 in every step (demo_threads).

@@ -110,7 +110,7 @@ class DeepSpeedTrainable:
                 f"skipped a step on {skipped_on} of {self.world_size} ranks only"
             raise RunError(f"DeepSpeed {version('deepspeed')} {what} (ZeRO-{self.engine.zero_optimization_stage()}"
                            f"), so the weights can no longer be trusted. Resume from the last checkpoint, with the "
-                           f"DeepSpeed version rlhfkit is tested with (README: Tested versions) and its gradient "
+                           f"DeepSpeed version rlhfkit is tested with (docs/contributing.md: Tested versions) and its gradient "
                            f"overflow check left on (no bf16.check_grad_overflow=false in engine.deepspeed_config)")
         if skipped_on:
             return {"grad_norm": float("nan"), "fp16_overflow" if self.engine.fp16_enabled() else "skipped": 1.0}
