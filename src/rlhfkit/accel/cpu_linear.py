@@ -1,9 +1,9 @@
 """Faster float32 linear layers on CPUs where oneDNN beats PyTorch's default GEMM.
 
 PyTorch sends a float32 `nn.Linear` on CPU to MKL's sgemm. On AMD CPUs MKL takes a generic code path: on the
-AMD EPYC of the benchmarks it reaches ~105 GFLOP/s per core where oneDNN (also inside PyTorch, the library
-behind its bf16 and inductor CPU kernels) reaches ~235 with the same float32 arithmetic. Linear layers are
-~70% of a PPO iteration on CPU, forward and backward.
+AMD EPYC of the benchmarks oneDNN (also inside PyTorch, the library behind its bf16 and inductor CPU kernels) runs
+the same float32 arithmetic far faster per core. Linear layers are most of a PPO iteration on CPU, forward and
+backward (the measurements: docs/performance.md).
 
 `use_fast_cpu_linear(model)` (through `accel.install`, where the model's speed plan has `onednn_linear`) switches the
 model's linear layers to a subclass whose forward and input-gradient GEMMs call oneDNN (the weight gradient's too
@@ -54,9 +54,8 @@ class _OneDNNLinearFunction(torch.autograd.Function):
             grad_x = _onednn(grad, weight.t(), None)  # (..., in) = grad @ W
         if ctx.needs_input_grad[1]:
             # (out, in) = grad^T @ x. Both operands are transposed views here, which MKL reads as they are
-            # (torch.mm, as F.linear's backward does): faster on Zen 4 (SmolLM2's seven weight gradients of a layer
-            # over 1,000 tokens, 2 threads: 39.8 against oneDNN's 47.6 ms); on Zen 5 oneDNN's is ~1.8x MKL's
-            # (`onednn_weight_grads`)
+            # (torch.mm, as F.linear's backward does): faster on Zen 4 (measured on SmolLM2's weight gradients);
+            # on Zen 5 oneDNN's is faster than MKL's (`onednn_weight_grads`; the numbers: docs/performance.md)
             x2d = x.reshape(-1, x.size(-1))
             if onednn_weight_grads():
                 grad_weight = _onednn(flat_grad.t(), x2d.t(), None)
@@ -132,8 +131,8 @@ def cpu_vendor() -> str:
 
 @functools.lru_cache(maxsize=None)
 def onednn_is_faster() -> bool:
-    """True on AMD CPUs, where MKL's float32 GEMM takes its generic path (measured there: ~105 vs ~235 GFLOP/s
-    per core for oneDNN), when this PyTorch build has oneDNN's linear. Decided by the CPU's vendor, not by
+    """True on AMD CPUs, where MKL's float32 GEMM takes its generic path (measured there: oneDNN's is far faster
+    per core; docs/performance.md), when this PyTorch build has oneDNN's linear. Decided by the CPU's vendor, not by
     timing, so the same machine always computes the same way; on Intel CPUs MKL is already fast."""
     if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")):
         return False
@@ -161,9 +160,9 @@ def cpu_family() -> int | None:
 @functools.lru_cache(maxsize=None)
 def onednn_weight_grads() -> bool:
     """Whether the weight gradients' GEMMs go to oneDNN too, and training steps (SFT, RM, DPO) use oneDNN linear
-    layers: on AMD CPUs of family 26 (Zen 5, full-width AVX-512) and later. Measured on a Zen 5 core (1 thread,
-    20M shapes over 830 tokens): oneDNN's weight-gradient GEMMs 173-204 against MKL's 99-104 GFLOP/s, and an SFT
-    step 4.69 -> 2.72 s with every GEMM in oneDNN. On Zen 4 (family 25) MKL's weight gradients were faster and
+    layers: on AMD CPUs of family 26 (Zen 5, full-width AVX-512) and later. Measured on a Zen 5 core: oneDNN's
+    weight-gradient GEMMs well ahead of MKL's, and an SFT step much faster with every GEMM in oneDNN (the numbers:
+    docs/performance.md). On Zen 4 (family 25) MKL's weight gradients were faster and
     SFT / RM steps no faster with oneDNN's forward (RESULTS.md, sixth session), so they keep MKL there. Decided
     by the CPU, not by timing, so the same machine always computes the same way."""
     return (onednn_is_faster() and (cpu_family() or 0) >= 26
@@ -253,16 +252,16 @@ def _fusable_groups(model: torch.nn.Module, layers: list[FastCPULinear]) -> list
 def packed_weights(model: torch.nn.Module, enabled: bool = True):
     """While active, `model`'s oneDNN linear layers multiply by a copy of their weight reordered once into
     oneDNN's blocked layout, instead of reordering the plain weight inside every call. For the many small
-    matmuls of decoding (a few rows per token step) that is ~30% less time per linear layer (5M Llama, 16 rows:
-    2.4 vs 3.5 ms per step for all its linears) with bit-identical results; it costs one copy of the weights
+    matmuls of decoding (a few rows per token step) that is markedly less time per linear layer (measured:
+    docs/performance.md) with bit-identical results; it costs one copy of the weights
     for the duration. The weights must not change meanwhile (no-grad generation); grad-mode calls ignore the
     copy. A no-op for models without such layers (GPUs, Intel CPUs) and for ZeRO-3 weights not gathered in
     full (with `engine.gather_for_generation` they are, and decoding runs on oneDNN too).
 
     Sibling projections of one input (`FUSABLE`: q/k/v, gate/up) share one copy of their weights concatenated and
-    run as one GEMM (`_FusedProjections`): 4 instead of 7 GEMMs per Llama layer and decode step (5M Llama,
-    8 prompts x 4 samples x 32 tokens: 0.88 instead of 0.92 s per rollout, with the no-grad RMSNorm and SwiGLU
-    of `accel/lean.py`). `enabled`: the model's speed plan's `onednn_linear` (off: a no-op)."""
+    run as one GEMM (`_FusedProjections`): 4 instead of 7 GEMMs per Llama layer and decode step (a small gain per
+    rollout, measured with the no-grad RMSNorm and SwiGLU of `accel/lean.py`: docs/performance.md). `enabled`:
+    the model's speed plan's `onednn_linear` (off: a no-op)."""
     layers = [m for m in model.modules() if isinstance(m, FastCPULinear) and m.weight.device.type == "cpu"
               and m.weight.dtype == torch.float32 and is_whole(m.weight)] if enabled else []
     groups: list[_FusedProjections] = []

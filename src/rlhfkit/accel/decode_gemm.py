@@ -1,12 +1,12 @@
 """Decoding's linear layers on CPU as one stream over each weight: a skinny float32 GEMM in C.
 
 A decode step multiplies a few rows (one per sequence being sampled) by every weight matrix of the model, so it is
-bound by reading the weights from memory. MKL's sgemm reads them at 8-9 GB/s for 8-16 rows on the benchmarks' 2-core
-VM (SmolLM2-135M: 59-70 ms per step for its 538 MB of weights), well under what the memory gives (a plain sum
-reads 22.6 GB/s on 2 threads). Here each output is the dot product of a weight row with an input row: a few weight
-rows at a time, each loaded once into AVX-512 registers and multiplied with up to 8 input rows held in L1, while
-the next weight rows are prefetched. The weights are read once, in order: 15-16 GB/s for 8 rows (33-36 ms per
-SmolLM2 step), 11-12 GB/s for 16 (45-49 ms). Threads (OpenMP, torch's thread count) take blocks of 24 output rows.
+bound by reading the weights from memory. For 8-16 rows MKL's sgemm reads them on the benchmarks' 2-core VM well
+under the rate the memory gives (what a plain sum over memory reaches there). Here each output is the dot product
+of a weight row with an input row: a few weight rows at a time, each loaded once into AVX-512 registers and
+multiplied with up to 8 input rows held in L1, while the next weight rows are prefetched. The weights are read
+once, in order, much nearer the memory's rate (most for 8 rows; the measurements: docs/performance.md). Threads
+(OpenMP, torch's thread count) take blocks of 24 output rows.
 
 Values: every output is one 16-lane sum of fused multiply-adds over the input width in order, its lanes then added
 in a fixed tree, so a row's outputs are the same bits for any number of rows, any thread count and any position of
@@ -18,7 +18,7 @@ sampling loop, switches the model's plain float32 `nn.Linear` layers with at lea
 benchmark and real models' widths; the tests' tiny models stay on MKL, as with the fused element-wise kernels) to
 `DecodeLinear` while it is open. A call without autograd of at most `MAX_ROWS` rows takes the kernel; anything
 else (the prefill, grad mode, other dtypes, ZeRO-3 partitions, autocast) is `F.linear`. Above `MAX_ROWS` rows MKL's
-blocked GEMM is as fast or faster (measured: the 5M model's layers at 64 rows 5.1 against 5.6 ms per step). Built
+blocked GEMM is as fast or faster (measured on the 5M model's layers: docs/performance.md). Built
 like `accel/kernels.py` (the same cache folder; `engine.fused_kernels` switches both in the speed plan), with
 -fopenmp: GCC's libgomp, the OpenMP runtime PyTorch's CPU wheel has already loaded under the same name, so both
 share one thread pool.

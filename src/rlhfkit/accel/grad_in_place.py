@@ -5,8 +5,8 @@ build a whole (vocabulary x hidden) gradient, zeros plus a few rows (the embeddi
 autograd then adds into `.grad` and frees. (The SFT loss's head, `algos.linear_lm_loss_sum`, forms its gradient in
 the forward, before the scale its backward brings is known: it keeps autograd's accumulation.) On SmolLM2
 (49,152 x 576) that is a 113 MB temporary per backward, up to eight per PPO iteration (actor and critic, every
-micro-batch), and memory that large comes fresh from the system each time: zero-filling one took 170-180 ms on the
-benchmark host against 7 ms for the same fill into memory written shortly before.
+micro-batch), and memory that large comes fresh from the system each time: zero-filling one costs many times what
+the same fill into memory written shortly before does (measured: docs/performance.md).
 
 Where the engine keeps a model's gradients between steps and nothing else watches their accumulation (the local
 engine with `keep_grads` on a CPU; DeepSpeed's hooks on accumulation rule it out there), the model's speed plan has

@@ -3,11 +3,11 @@ embedding (`accel/rotary.py`).
 
 PyTorch's eager element-wise operators each read and write whole tensors: the SwiGLU's backward is seven passes
 over (tokens x MLP) tensors, the RMSNorm's about as many over (tokens x hidden). They are memory-bound, and in an
-SFT step of the benchmark's 20M model they are a sixth of the time. Here each is one loop that reads its inputs
-once and writes its outputs once (a 833 x 1024 SwiGLU backward on 1 thread: 3.2 -> 0.7 ms; forward 0.9 -> 0.5).
+SFT step of the benchmark's 20M model they are a sizeable share of the time. Here each is one loop that reads its
+inputs once and writes its outputs once (what that saves: docs/performance.md).
 
-The C source below is compiled once per machine by the system's C compiler (`$CC`, else `cc`, `gcc` or `clang`;
-~0.2 s) into a shared library cached under `$RLHFKIT_CACHE_DIR/kernels` (else `~/.cache/rlhfkit/kernels`), named by
+The C source below is compiled once per machine by the system's C compiler (`$CC`, else `cc`, `gcc` or `clang`)
+into a shared library cached under `$RLHFKIT_CACHE_DIR/kernels` (else `~/.cache/rlhfkit/kernels`), named by
 a hash of the source, the flags and the CPU, and called through ctypes on the tensors' memory. Where no compiler
 runs, the build fails or the library does not load, rlhfkit says so once and the lean modules keep PyTorch's
 operators. Only float32 CPU tensors whose rows are at least `MIN_WIDTH` wide take these kernels (the hidden or MLP
@@ -21,8 +21,8 @@ gradient sums over tokens in double, so those differ from PyTorch's by float rou
 computed by one routine both in the forward and where `lean` recomputes it for backward: the same bits.
 
 With several torch threads, a tensor of at least 2 x `MIN_SPLIT` elements is split over up to that many threads
-(ctypes releases the GIL); smaller ones run on the calling thread, which is faster there (memory-bound loops; a
-handoff costs ~0.1 ms; a 5M-element SwiGLU backward on 2 threads: 2.6 against 5.7 ms on one, eager 13.9).
+(ctypes releases the GIL); smaller ones run on the calling thread, which is faster there (memory-bound loops:
+below that size handing part of one to another thread costs more than it saves; timings in docs/performance.md).
 Whether a model's modules call them is its speed plan's (`plan.fused_kernels`, `engine.fused_kernels`): the lean
 modules and the rotation that `accel.install` puts in are made to use them or not; nothing here is switched per
 process.
@@ -45,7 +45,7 @@ from pathlib import Path
 import torch
 
 MIN_WIDTH = 256  # rows narrower than this (tiny models) stay on PyTorch's operators
-MIN_SPLIT = 1 << 20  # elements per thread: below this a kernel runs on the calling thread alone (a handoff costs ~0.1 ms)
+MIN_SPLIT = 1 << 20  # elements per thread: below this a kernel runs on the calling thread alone (a handoff costs more)
 
 SOURCE = r"""
 #include <math.h>

@@ -3,7 +3,8 @@
 transformers' attention rotates queries and keys with `apply_rotary_pos_emb`: `x * cos + rotate_half(x) * sin`,
 where `rotate_half` slices, negates and concatenates. Per tensor that is five element-wise kernels and three fresh
 tensors forward, and in backward two products, a negation, two slice backwards (each a zero-filled tensor and a
-copy) and a sum: ~4% of an SFT step of the benchmark's 20M model. With x = [x1 | x2] split at half the head size,
+copy) and a sum: a noticeable share of an SFT step of the benchmark's 20M model (docs/performance.md). With
+x = [x1 | x2] split at half the head size,
 
     forward   y1 = x1 * cos1 - x2 * sin1,   y2 = x2 * cos2 + x1 * sin2
     backward  g1 = d1 * cos1 + d2 * sin2,   g2 = d2 * cos2 - d1 * sin1   (the rotation's transpose)
