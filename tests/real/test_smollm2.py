@@ -214,6 +214,32 @@ def test_dpo_on_hh_starts_at_zero_reward_and_separates_its_pairs(smollm2, tmp_pa
                            load_file(run / "final" / "model.safetensors")[name])
 
 
+@pytest.mark.parametrize("verb", ["sft", "rm", "dpo"])
+def test_each_training_stage_on_its_speed_plan_gives_the_reference_paths_losses(smollm2, tmp_path, verb):
+    """SFT, RM and DPO on SmolLM2 twice, with the stage's speed plan (`engine.speed=auto`: packed micro-batches,
+    per-sequence attention, the LM head in chunks, oneDNN linears and lean modules where the CPU takes them, ...)
+    and on plain transformers forwards (`engine.speed=reference`): the same losses step by step, to float
+    rounding, and the plan line names what each run took."""
+    data = ALPACA if verb == "sft" else HH
+    common = [f"model={smollm2}", f"data.train={data}", "data.max_rows=24", "data.max_length=96",
+              "data.eval_fraction=0.2", "data.eval_max_rows=4", "train.max_steps=2", "train.batch_size=4",
+              "train.micro_batch_size=2", "train.lr=1e-5", "train.eval_every=2", "train.save_every=0", *SMALL]
+    losses, plans = {}, {}
+    for speed in ("auto", "reference"):
+        proc = run_cli(verb, *common, f"output_dir={tmp_path / speed}", f"engine.speed={speed}", timeout=900,
+                       env=TWO_THREADS)
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        plans[speed] = speed_plan(proc.stderr)
+        rows = read_metrics(tmp_path / speed / "metrics.jsonl")
+        losses[speed] = [(r["step"], key, r[key]) for r in rows for key in ("loss", "eval/loss") if key in r]
+    assert plans["reference"][0] == {} and set(plans["reference"][1].values()) == {"engine.speed=reference"}
+    fast_paths = {"sft": "packed micro-batches", "rm": "packed micro-batches", "dpo": "LM head in chunks"}[verb]
+    assert fast_paths in plans["auto"][0], plans["auto"]
+    fast, plain = losses["auto"], losses["reference"]
+    assert [k[:2] for k in fast] == [k[:2] for k in plain] and len(plain) >= 3, (fast, plain)
+    assert [v for *_, v in fast] == pytest.approx([v for *_, v in plain], rel=2e-4, abs=2e-4), (fast, plain)
+
+
 # ---------------------------------------------------------------- step 3: PPO
 
 
