@@ -1,4 +1,4 @@
-"""RMSNorm and SwiGLU that keep fewer activations for backward: the same values, ~20% less activation memory.
+"""RMSNorm and SwiGLU that keep fewer activations for backward: the same values, less activation memory.
 
 A Llama-style decoder layer's autograd graph keeps, per token, besides what the linear layers need:
 - in each RMSNorm, its input, the normalised input and the output (the next linear keeps the output);
@@ -198,7 +198,7 @@ class _SiluMulFunction(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             # SiLU'(g) = s * (1 + g * (1 - s)) = s + silu - silu * s, s = sigmoid(g): formed in place in `sig`'s
             # buffer (seven passes over the (tokens, MLP) tensors and three of them fresh, where the plain
-            # expression takes nine passes and nine fresh tensors: 2.3 vs 1.4 ms per 20M layer and micro-batch)
+            # expression takes nine passes and nine fresh tensors; measured: docs/performance.md)
             grad_gate = sig.addcmul_(silu, sig, value=-1).add_(silu).mul_(up).mul_(grad)
         return grad_gate, grad_up, None
 
