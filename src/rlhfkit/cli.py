@@ -8,7 +8,7 @@ import json
 import os
 import sys
 
-from rlhfkit.config.fields import help_text, load_config
+from rlhfkit.config.fields import help_text, load_config, rejoin_words
 from rlhfkit.errors import USER_ERRORS, RunStopped
 
 # verb -> (config class path, runner path, one-line description); imported lazily so --help stays fast
@@ -94,6 +94,9 @@ def main(argv: list[str] | None = None) -> int:
     # the `deepspeed` launcher appends --local_rank=N; the rank comes from the environment anyway
     argv = [a for i, a in enumerate(argv) if not a.startswith("--local_rank")
             and not (i > 0 and argv[i - 1] == "--local_rank")]
+    # `data.fields={prompt: question}` typed unquoted arrives as two words; argparse would take `question}` for a
+    # stray argument, so the words go back together first
+    argv = rejoin_words(argv)
     parser = build_parser()
     # overrides may come before or after flags (`--force k=v` or `k=v --force`): argparse stops collecting a
     # positional list at the first flag, so gather the stragglers here

@@ -8,6 +8,9 @@ resolved `config.yaml`. Values are never silently rewritten: a wrong value is an
 from __future__ import annotations
 
 import dataclasses
+import difflib
+import itertools
+import re
 import types
 import typing
 from pathlib import Path
@@ -47,15 +50,16 @@ def _type_name(tp: Any) -> str:
     return getattr(tp, "__name__", str(tp))
 
 
-def _coerce(value: Any, tp: Any, key: str) -> Any:
-    """Check `value` against the annotation `tp`; ints are accepted where floats are expected."""
+def _coerce(value: Any, tp: Any, key: str, root: tuple | None = None) -> Any:
+    """Check `value` against the annotation `tp`; ints are accepted where floats are expected. `root` is the
+    outermost (config class, prefix), for naming a key of another section in an unknown-key error."""
     origin = typing.get_origin(tp)
     if tp is Any:
         return value
     if origin in (Union, types.UnionType):
         for arg in typing.get_args(tp):
             try:
-                return _coerce(value, arg, key)
+                return _coerce(value, arg, key, root)
             except ConfigError:
                 continue
         raise ConfigError(f"config key '{key}': expected {_type_name(tp)}, got {value!r}")
@@ -70,15 +74,17 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
     if dataclasses.is_dataclass(tp):
         if not isinstance(value, dict):
             raise ConfigError(f"config key '{key}': expected a mapping, got {value!r}")
-        return from_dict(tp, value, prefix=key + ".")
+        return from_dict(tp, value, prefix=key + ".", root=root)
     if origin is list or tp is list:
         if not isinstance(value, list):
             raise ConfigError(f"config key '{key}': expected a list, got {value!r}")
         args = typing.get_args(tp)
-        return [_coerce(v, args[0], f"{key}[{i}]") for i, v in enumerate(value)] if args else value
+        return [_coerce(v, args[0], f"{key}[{i}]", root) for i, v in enumerate(value)] if args else value
     if origin is dict or tp is dict:
         if not isinstance(value, dict):
-            raise ConfigError(f"config key '{key}': expected a mapping, got {value!r}")
+            name, colon, rest = str(value).partition(":")
+            hint = f"; write it in braces and {QUOTE}: '{key}={{{name.strip()}: {rest.strip()}}}'" if colon else ""
+            raise ConfigError(f"config key '{key}': expected a mapping, got {value!r}{hint}")
         return value
     if tp is bool:
         if isinstance(value, bool):
@@ -97,20 +103,20 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
     raise ConfigError(f"config key '{key}': expected {_type_name(tp)}, got {value!r}")
 
 
-def from_dict(cls, data: dict, prefix: str = ""):
+def from_dict(cls, data: dict, prefix: str = "", root: tuple | None = None):
     """Build dataclass `cls` from a nested dict; unknown keys and wrong types raise ConfigError."""
     if data is None:
         data = {}
+    root = root or (cls, prefix)
     hints = typing.get_type_hints(cls)
     names = {f.name for f in dataclasses.fields(cls)}
     for key in data:
         if key not in names:
-            known = ", ".join(sorted(names))
-            raise ConfigError(f"unknown config key '{prefix}{key}' (known keys here: {known})")
+            raise ConfigError(_unknown_key(str(key), prefix, names, root))
     kwargs = {}
     for f in dataclasses.fields(cls):
         if f.name in data:
-            value = _coerce(data[f.name], hints[f.name], prefix + f.name)
+            value = _coerce(data[f.name], hints[f.name], prefix + f.name, root)
             choices = f.metadata.get("choices")
             if choices is not None and value not in choices:
                 raise ConfigError(f"config key '{prefix}{f.name}': expected one of {tuple(choices)}, got {value!r}")
@@ -122,26 +128,138 @@ def from_dict(cls, data: dict, prefix: str = ""):
     return obj
 
 
+def _unknown_key(key: str, prefix: str, names: set[str], root: tuple) -> str:
+    """One line for a key that no field of its section has, naming the likeliest meant key: the same name in another
+    section (`train.rank`: `lora.rank`), else a near spelling here (`train.max_step`), else a near name elsewhere;
+    the section's keys only when nothing is near."""
+    root_cls, root_prefix = root
+    leaves = {}  # last part -> dotted keys, over the whole config
+    for dotted, *_ in help_rows(root_cls):
+        leaves.setdefault(dotted.rsplit(".", 1)[-1], []).append(root_prefix + dotted)
+    meant = leaves.get(key) or [prefix + name for name in difflib.get_close_matches(key, sorted(names), n=1)]
+    if not meant:
+        near = difflib.get_close_matches(key, list(leaves), n=1, cutoff=0.8)
+        meant = leaves[near[0]] if near else []
+    if meant:
+        return f"unknown config key '{prefix}{key}': did you mean {' or '.join(repr(m) for m in meant[:2])}?"
+    return f"unknown config key '{prefix}{key}' (known keys here: {', '.join(sorted(names))})"
+
+
 def to_dict(cfg) -> dict:
     return dataclasses.asdict(cfg)
 
 
+QUOTE = "quote the whole override so the shell keeps it one word"
+_CLOSING = {"{": "}", "[": "]"}
+_NEW_OVERRIDE = re.compile(r"[A-Za-z_][\w.]*=")
+
+
+def _open_brackets(value: str) -> str:
+    """The brackets a `{...}` or `[...]` value leaves open, innermost last ('' when closed, when a bracket closes
+    the wrong one (YAML's error says where), or when the value is not such a value)."""
+    if not value.lstrip().startswith(("{", "[")):
+        return ""
+    stack = []
+    for char in value:
+        if char in _CLOSING:
+            stack.append(char)
+        elif char in "}]":
+            if not stack or _CLOSING[stack.pop()] != char:
+                return ""
+    return "".join(stack)
+
+
+def rejoin_words(words: list[str]) -> list[str]:
+    """Put back the overrides the shell split at their spaces: typed unquoted, `data.fields={prompt: question,
+    response: answer}` arrives as four words. A word whose value opens a bracket takes the words after it until
+    its brackets close, stopping at a flag or the next key=value (the error then says how to quote)."""
+    out: list[str] = []
+    for word in words:
+        if out and _open_brackets(out[-1].partition("=")[2]) and not word.startswith("--") \
+                and not _NEW_OVERRIDE.match(word):
+            out[-1] += " " + word
+        else:
+            out.append(word)
+    return out
+
+
+def _check_brace_expansion(items: list[str]) -> None:
+    """bash expands `data.fields={prompt:question,response:answer}` (braces and a comma in one word) into
+    `data.fields=prompt:question data.fields=response:answer`: the same key twice in a row, each value a name:value."""
+    for key, group in itertools.groupby(items, key=lambda item: item.partition("=")[0]):
+        group = list(group)
+        values = [item.partition("=")[2] for item in group]
+        if len(group) > 1 and all(":" in v and " " not in v and not v.startswith(("{", "[")) for v in values):
+            pairs = ", ".join(f"{name}: {value}" for name, value in (v.split(":", 1) for v in values))
+            raise ConfigError(f"override '{key}' arrived as {len(group)} words ({' '.join(group)}): the shell expanded "
+                              f"its braces; {QUOTE}: '{key}={{{pairs}}}'")
+
+
+def _quote_hint(key: str, raw: str) -> str:
+    start = raw.lstrip()[:1]
+    if start == "{":
+        example = "{prompt: question, response: answer}" if key.endswith("fields") else "{name: value, other: value}"
+    elif start == "[":
+        example = "[first, second]"
+    else:
+        return f"{QUOTE}, and a text value in double quotes inside it: '{key}=\"{raw.strip()}\"'"
+    return f"{QUOTE}, e.g. '{key}={example}'"
+
+
+def _unspaced_colons(node):
+    """YAML reads `{prompt:question}` as {'prompt:question': None}; people mean {prompt: question}."""
+    if isinstance(node, list):
+        return [_unspaced_colons(v) for v in node]
+    if not isinstance(node, dict):
+        return node
+    out = {}
+    for key, value in node.items():
+        if value is None and isinstance(key, str) and ":" in key:
+            key, text = key.split(":", 1)
+            try:
+                value = yaml.safe_load(text)
+            except yaml.YAMLError:
+                value = text
+        out[key] = _unspaced_colons(value)
+    return out
+
+
+def _parse_override(item: str) -> tuple[str, Any]:
+    """`key=value` -> (key, value read as YAML); a mistake is a ConfigError saying what to type."""
+    key, eq, raw = item.partition("=")
+    key = key.strip()
+    if not eq:
+        hint = f"; a config file is passed as --config {item}" if item.endswith((".yaml", ".yml")) else \
+            " (one word, no spaces around '=')"
+        raise ConfigError(f"override '{item}' is not of the form dotted.key=value{hint}")
+    if not key:
+        raise ConfigError(f"override '{item}' has no key before '='")
+    if "" in key.split("."):
+        raise ConfigError(f"override '{item}': the key '{key}' has an empty part")
+    still_open = _open_brackets(raw)
+    if still_open:
+        closed = raw.strip() + "".join(_CLOSING[c] for c in reversed(still_open))
+        raise ConfigError(f"override '{item}' leaves a '{still_open[-1]}' open; {QUOTE}: '{key}={closed}'")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        problem = f"{exc.problem}, column {mark.column + 1}" if mark else str(exc).splitlines()[0]
+        raise ConfigError(f"override '{item}': not valid YAML ({problem}); {_quote_hint(key, raw)}") from None
+    # YAML 1.1 reads 1e-5 as a string (it wants 1.0e-5); accept the form people type.
+    return key, _fix_yaml_floats(_unspaced_colons(value))
+
+
 def parse_overrides(items: list[str]) -> dict:
-    """`["train.lr=1e-5", "lora.rank=8"]` -> nested dict; values are parsed as YAML scalars."""
+    """`["train.lr=1e-5", "lora.rank=8"]` -> nested dict; values are read as YAML (`1e-5`, `{prompt: question}`,
+    `[a.jsonl, b.jsonl]`), a value the shell split at its spaces put back together first (`rejoin_words`)."""
+    items = rejoin_words(items)
+    _check_brace_expansion(items)
     out: dict = {}
     for item in items:
-        if "=" not in item:
-            raise ConfigError(f"override '{item}' is not of the form dotted.key=value")
-        key, raw = item.split("=", 1)
-        value = yaml.safe_load(raw) if raw.strip() else ""
-        # YAML reads 1e-5 as a string (it wants 1.0e-5); accept the form people type.
-        if isinstance(value, str):
-            try:
-                value = float(value) if any(c in value for c in ".eE") and value.strip() else value
-            except ValueError:
-                pass
+        key, value = _parse_override(item)
         node = out
-        parts = key.strip().split(".")
+        parts = key.split(".")
         for part in parts[:-1]:
             node = node.setdefault(part, {})
             if not isinstance(node, dict):
