@@ -451,9 +451,9 @@ CANONICAL_FIELDS = tuple(
     "score_0 score_1 human_ref_A human_ref_B labels".split()
 )
 _FIELDS_EXAMPLE = {
-    "sft": "{'prompt': 'question', 'response': 'answer'}",
-    "prompt": "{'prompt': 'question'}",
-    "preference": "{'prompt': 'question', 'chosen': 'better', 'rejected': 'worse'}",
+    "sft": "{prompt: question, response: answer}",
+    "prompt": "{prompt: question}",
+    "preference": "{prompt: question, chosen: better, rejected: worse}",
 }
 # Columns people often use for a response; the detection error suggests mapping them.
 _RESPONSE_ALIASES = ("completion", "output", "answer", "target")
@@ -467,8 +467,9 @@ def detect_format(row: dict, task: str) -> str:
         if _FORMATS[name].matches(row):
             return name
     alias = next((key for key in _RESPONSE_ALIASES if key in row), None)
-    example = f"{{'response': {alias!r}}}" if task == "sft" and "prompt" in row and alias else _FIELDS_EXAMPLE[task]
-    hint = f"map columns with data.fields, e.g. data.fields={example}"
+    example = f"{{response: {alias}}}" if task == "sft" and "prompt" in row and alias else _FIELDS_EXAMPLE[task]
+    # quoted whole, so that it pastes into a shell as one word
+    hint = f"map columns with data.fields, e.g. 'data.fields={example}'"
     if "text" in row and task != "prompt":
         hint = "plain {text} rows are pretraining text, not prompt/response data; " + hint
     keys = ", ".join(map(str, row)) or "none"
