@@ -209,3 +209,49 @@ def test_main_on_folder_without_metrics_returns_2(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "metrics.jsonl" in err and len(err.strip().splitlines()) == 1
     assert main([str(tmp_path / "missing")]) == 2
+
+
+def _data_lines(fig):
+    """(axes title, line) of every drawn metric line (legend-labelled), over all axes including twins."""
+    return [(ax.get_title(), line) for ax in fig.axes for line in ax.get_lines()
+            if not line.get_label().startswith("_")]
+
+
+def test_a_two_step_run_draws_markers_not_a_joined_line(tmp_path):
+    """Two logged steps are two measurements: a line joining them suggests a trend between them that nothing
+    measured, so a short curve is drawn as points only (and its band as error bars)."""
+    from rlhfkit.report.metrics import StageRun
+    from rlhfkit.report.plots import stage_figure
+
+    rows = _ppo_rows(3)[1:]  # steps 1 and 2, as `train.max_steps=2` logs them
+    fig = stage_figure(StageRun("ppo", "ppo", tmp_path / "metrics.jsonl", rows))
+    lines = _data_lines(fig)
+    assert {title for title, _ in lines} >= {"Reward (mean ± std)", "KL to reference", "Policy loss"}
+    for title, line in lines:
+        assert len(line.get_xdata()) == 2, title
+        assert line.get_marker() not in (None, "", "None", " "), (title, line.get_label())
+        assert line.get_linestyle() in ("None", "", " "), (title, line.get_label(), line.get_linestyle())
+    reward_ax = next(ax for ax in fig.axes if ax.get_title() == "Reward (mean ± std)")
+    assert reward_ax.containers, "the ± std band of 2 points is drawn as error bars"
+
+
+def test_a_single_point_is_a_visible_marker(tmp_path):
+    from rlhfkit.report.metrics import StageRun
+    from rlhfkit.report.plots import stage_figure
+
+    rows = [{"step": 1, "stage": "sft", "loss": 2.5, "lr": 1e-5}]
+    fig = stage_figure(StageRun("sft", "sft", tmp_path / "metrics.jsonl", rows))
+    lines = _data_lines(fig)
+    assert len(lines) == 2
+    for title, line in lines:
+        assert list(line.get_xdata()) == [1] and line.get_marker() not in (None, "", "None", " "), title
+        assert line.get_markersize() >= 5, title  # a point one can see, not a 3-pixel dot on an empty plot
+
+
+def test_a_long_run_keeps_its_line(tmp_path):
+    from rlhfkit.report.metrics import StageRun
+    from rlhfkit.report.plots import stage_figure
+
+    fig = stage_figure(StageRun("sft", "sft", tmp_path / "metrics.jsonl", _sft_rows(40)))
+    loss = next(line for title, line in _data_lines(fig) if title == "Loss" and line.get_label().startswith("loss"))
+    assert loss.get_linestyle() == "-"

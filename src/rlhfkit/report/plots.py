@@ -13,11 +13,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from matplotlib.figure import Figure
+from matplotlib.ticker import MaxNLocator
 
 from rlhfkit.report.metrics import StageRun, is_number, moving_average, numeric_keys, series
 
 COLORS = ["#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b"]
+MARKERS = ["o", "s", "D", "^", "v", "P"]  # a short curve's points: equal values of two metrics stay both visible
 MAX_GENERIC_PANELS = 12
+FEW_POINTS = 10  # a curve with fewer points is drawn as points: a line between so few suggests a trend unmeasured
 DPI = 110
 
 
@@ -77,42 +80,57 @@ def _smoothing_window(n: int) -> int:
     return window if window >= 3 else 1
 
 
-def _draw_curve(ax, steps, values, label: str, color: str, smooth: bool) -> None:
-    """Raw points, faint, under a moving average.
+def _draw_curve(ax, steps, values, label: str, color: str, smooth: bool, marker: str = "o", **style) -> None:
+    """Points, a line through them, or faint raw values under a moving average, by how many there are.
 
-    Per-step RL metrics (reward, KL, losses) are noisy: the average shows the trend, while the faint raw
-    curve stays visible so spikes and divergence are not hidden by the smoothing.
+    Fewer than FEW_POINTS (a smoke run's 2 steps, a single eval): markers alone, a line would draw a trend between
+    measurements that nothing measured. Up to 30 (sparse eval points): a line with small markers. More: per-step
+    RL metrics (reward, KL, losses) are noisy, so the moving average shows the trend while the faint raw curve
+    keeps spikes and divergence visible.
     """
+    if len(values) < FEW_POINTS:
+        ax.plot(steps, values, color=color, marker=marker, markersize=6, linestyle="none", alpha=0.85, label=label)
+        return
     window = _smoothing_window(len(values)) if smooth else 1
     if window == 1:
-        marker = "o" if len(values) <= 30 else None  # dots mark sparse (eval) points
-        ax.plot(steps, values, color=color, marker=marker, markersize=3, linewidth=1.5, label=label)
+        dots = marker if len(values) <= 30 else None  # dots mark sparse (eval) points
+        ax.plot(steps, values, color=color, marker=dots, markersize=3, linewidth=1.5, label=label, **style)
         return
-    ax.plot(steps, values, color=color, alpha=0.3, linewidth=0.8)
-    ax.plot(steps, moving_average(values, window), color=color, linewidth=1.8, label=f"{label} (avg {window})")
+    ax.plot(steps, values, color=color, alpha=0.3, linewidth=0.8, **style)
+    ax.plot(steps, moving_average(values, window), color=color, linewidth=1.8, label=f"{label} (avg {window})",
+            **style)
+
+
+def _draw_band(ax, steps, mean, std) -> None:
+    """mean ± std: a shaded band, or error bars on the points of a short curve (a band over 2 points is a
+    trapezoid, over 1 nothing)."""
+    if len(steps) < FEW_POINTS:
+        ax.errorbar(steps, mean, yerr=std, color=COLORS[0], linestyle="none", capsize=4, alpha=0.6, label="± std")
+    else:
+        ax.fill_between(steps, mean - std, mean + std, color=COLORS[0], alpha=0.12, linewidth=0, label="± std")
 
 
 def _draw_panel(ax, rows: list[dict], panel: Panel) -> None:
     handles_axes = [ax]
     for i, key in enumerate(k for k in panel.keys if len(series(rows, k)[0])):
         steps, values = series(rows, key)
-        _draw_curve(ax, steps, values, key, COLORS[i % len(COLORS)], panel.smooth)
+        _draw_curve(ax, steps, values, key, COLORS[i % len(COLORS)], panel.smooth, MARKERS[i % len(MARKERS)])
     if panel.band:
         mean_key, std_key = panel.band
         both = [r for r in rows if is_number(r.get(mean_key)) and is_number(r.get(std_key))]
         (steps, mean), (_, std) = series(both, mean_key), series(both, std_key)  # same steps: rows have both
         if len(steps):
-            ax.fill_between(steps, mean - std, mean + std, color=COLORS[0], alpha=0.12, linewidth=0, label="± std")
+            _draw_band(ax, steps, mean, std)
     twin_keys = [k for k in panel.twin_keys if len(series(rows, k)[0])]
     if twin_keys:
         twin = ax.twinx()
         for i, key in enumerate(twin_keys):
-            steps, values = series(rows, key)
-            twin.plot(steps, values, color=COLORS[-1 - i], linestyle="--", linewidth=1.4, label=key)
+            _draw_curve(twin, *series(rows, key), key, COLORS[-1 - i], False, MARKERS[-1 - i], linestyle="--")
         twin.set_ylabel(", ".join(twin_keys))
         handles_axes.append(twin)
     ax.set_title(panel.title, fontsize=10)
     ax.set_xlabel("step")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole: no tick at step 1.5
     ax.grid(alpha=0.3)
     handles, labels = [], []
     for a in handles_axes:
@@ -122,9 +140,9 @@ def _draw_panel(ax, rows: list[dict], panel: Panel) -> None:
         ax.legend(handles, labels, fontsize=7, loc="best")
 
 
-def plot_stage(run: StageRun, out_path: Path) -> bool:
+def plot_stage(run: StageRun, out_path: Path, title: str | None = None) -> bool:
     """Write the stage's curve grid to `out_path`; False (and no file) when it has nothing to plot."""
-    fig = stage_figure(run)
+    fig = stage_figure(run, title)
     if fig is None:
         return False
     out_path.parent.mkdir(parents=True, exist_ok=True)
@@ -132,8 +150,8 @@ def plot_stage(run: StageRun, out_path: Path) -> bool:
     return True
 
 
-def stage_figure(run: StageRun) -> Figure | None:
-    """The stage's curve grid (None when it has nothing to plot)."""
+def stage_figure(run: StageRun, title: str | None = None) -> Figure | None:
+    """The stage's curve grid (None when it has nothing to plot), under `title` (default "PPO — label")."""
     panels = PANELS.get(run.stage) or _generic_panels(run.rows)
     present = set(numeric_keys(run.rows))
     panels = [p for p in panels if present & set(p.keys + p.twin_keys)]
@@ -150,7 +168,7 @@ def stage_figure(run: StageRun) -> Figure | None:
             _draw_panel(ax, run.rows, Panel(panel.title, panel.twin_keys, smooth=False))
     for ax in axes[len(panels):]:
         ax.set_visible(False)
-    fig.suptitle(f"{run.stage.upper()} — {run.label}", fontsize=12, fontweight="bold")
+    fig.suptitle(title or f"{run.stage.upper()} — {run.label}", fontsize=12, fontweight="bold")
     return fig
 
 
