@@ -10,6 +10,7 @@ from pathlib import Path
 
 from rlhfkit.report.metrics import StageRun, find_stage_runs, is_number, last_value, numeric_keys, read_jsonl
 from rlhfkit.report.plots import plot_arena, plot_gold, plot_overoptimisation, plot_stage
+from rlhfkit.report.run_info import WhatRan, what_ran
 
 PLOTS_DIR = "plots"
 MAX_SAMPLES = 100  # more rows make the page long without telling more
@@ -22,6 +23,7 @@ h2 { margin-top: 1.8em; border-bottom: 1px solid #eee; }
 table { border-collapse: collapse; margin: .8em 0; font-size: .92em; }
 th, td { border: 1px solid #ddd; padding: .35em .7em; text-align: left; vertical-align: top; }
 th { background: #f4f4f4; }
+table.ran th { background: none; font-weight: 600; white-space: nowrap; }
 td.num { text-align: right; font-variant-numeric: tabular-nums; }
 tr.pass td { background: #e8f6ea; } tr.fail td { background: #fbe6e6; }
 td.status { font-weight: bold; } tr.pass td.status { color: #1b7a2f; } tr.fail td.status { color: #b3261e; }
@@ -162,16 +164,30 @@ def _arena_section(path: Path, plots: Path) -> str:
     )
 
 
-def _stage_section(run: StageRun, run_dir: Path, plots: Path) -> str:
+def _what_ran_table(ran: WhatRan) -> str:
+    rows = "\n".join(f"<tr><th>{escape(what)}</th><td>{escape(text)}</td></tr>" for what, text in ran.rows)
+    return f'<table class="ran">\n{rows}\n</table>'
+
+
+def _stage_title(run: StageRun, ran: WhatRan | None) -> str:
+    """"GRPO — rlhfkit ppo" (with the folder's name when it is not the stage's); without a config.yaml to say
+    more, "PPO — ppo"."""
+    if ran is None:
+        return f"{run.stage.upper()} — {run.label}"
+    return f"{ran.algorithm} — {ran.verb}" + (f" ({run.label})" if run.label != run.stage else "")
+
+
+def _stage_section(run: StageRun, ran: WhatRan | None, run_dir: Path, plots: Path) -> str:
     source = run.path.relative_to(run_dir).as_posix()
     steps = [r["step"] for r in run.rows if is_number(r.get("step"))]
     span = f", steps {_fmt(min(steps))}–{_fmt(max(steps))}" if steps else ""
-    parts = [
-        f"<h2>{escape(run.stage.upper())} — {escape(run.label)}</h2>",
-        f'<p class="meta">{escape(source)}: {len(run.rows)} logged rows{span}</p>',
-    ]
+    title = _stage_title(run, ran)
+    parts = [f"<h2>{escape(title)}</h2>"]
+    if ran is not None:
+        parts.append(_what_ran_table(ran))
+    parts.append(f'<p class="meta">{escape(source)}: {len(run.rows)} logged rows{span}</p>')
     png = plots / f"curves_{run.label}.png"
-    if plot_stage(run, png):
+    if plot_stage(run, png, title):
         parts.append(f'<img src="{PLOTS_DIR}/{png.name}" alt="{escape(run.stage)} training curves">')
     else:
         parts.append("<p>No numeric metrics logged yet.</p>")
@@ -225,13 +241,19 @@ def _training_samples(samples: list[dict]) -> str:
     )
 
 
+def _stage_name(run: StageRun, ran: WhatRan | None) -> str:
+    """A stage in the page's list: "GRPO (ppo)", or its folder's label when nothing says more."""
+    return f"{ran.algorithm} ({run.label})" if ran is not None else run.label
+
+
 def write_report(run_dir: str | Path, title: str | None = None) -> Path:
     """Write `run_dir/report.html` and its PNGs under `run_dir/plots/`; return the HTML path.
 
     `run_dir` is a single-stage run (holds `metrics.jsonl`) or a pipeline/demo folder whose direct
-    subfolders hold stage runs. `summary.json`, `gold.json`, `overoptimisation.json`, `arena.json` and
-    `samples.jsonl` in `run_dir` are rendered when present. Raises FileNotFoundError when no metrics.jsonl is
-    found, ValueError on a malformed file.
+    subfolders hold stage runs. Each stage's section opens with what ran (`run_info.what_ran`: its algorithm,
+    models, data, key settings and duration, from its config.yaml). `summary.json`, `gold.json`,
+    `overoptimisation.json`, `arena.json` and `samples.jsonl` in `run_dir` are rendered when present. Raises
+    FileNotFoundError when no metrics.jsonl is found, ValueError on a malformed file.
     """
     run_dir = Path(run_dir)
     runs = find_stage_runs(run_dir)
@@ -247,7 +269,8 @@ def write_report(run_dir: str | Path, title: str | None = None) -> Path:
         sections.append(_overoptimisation_section(run_dir / "overoptimisation.json", plots))
     if (run_dir / "arena.json").is_file():
         sections.append(_arena_section(run_dir / "arena.json", plots))
-    sections += [_stage_section(run, run_dir, plots) for run in runs]
+    ran = [what_ran(run.stage, run.path.parent, run.rows) for run in runs]
+    sections += [_stage_section(run, what, run_dir, plots) for run, what in zip(runs, ran)]
     if (run_dir / "samples.jsonl").is_file():
         sections.append(_samples_section(run_dir / "samples.jsonl"))
 
@@ -255,7 +278,7 @@ def write_report(run_dir: str | Path, title: str | None = None) -> Path:
     page = (
         f'<!DOCTYPE html>\n<html lang="en">\n<head>\n<meta charset="utf-8">\n<title>{escape(title)}</title>\n'
         f"<style>{CSS}</style>\n</head>\n<body>\n<h1>{escape(title)}</h1>\n"
-        f'<p class="meta">Stages: {escape(", ".join(r.label for r in runs))}</p>\n'
+        f'<p class="meta">Stages: {escape(", ".join(_stage_name(r, w) for r, w in zip(runs, ran)))}</p>\n'
         + "\n\n".join(sections) + "\n</body>\n</html>\n"
     )
     out = run_dir / "report.html"

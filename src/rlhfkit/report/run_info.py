@@ -1,0 +1,278 @@
+"""What ran in a stage's folder, for the report's "what ran" table: the verb and its algorithm (PPO's advantage
+estimator, DPO's loss), the models, the data, the key settings and the duration.
+
+Everything is read from what the stage wrote: `config.yaml` (the resolved config, every key filled in), the rows of
+`metrics.jsonl` (each step's own seconds) and the times of its files. A folder without config.yaml (a run from
+before it was written, a demo's base model) has no table. Settings are shown as `key=value`, as a command line
+takes them, so a row can be pasted to run it again.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+
+import yaml
+
+from rlhfkit.registry.estimators import ESTIMATORS
+from rlhfkit.registry.preference import PREFERENCE_LOSSES
+from rlhfkit.report.metrics import series
+
+CONFIG_FILE = "config.yaml"
+SEP = " · "
+
+
+@dataclass(frozen=True)
+class WhatRan:
+    """`algorithm`: what the page calls the run ("GRPO", "IPO", "SFT"); `verb`: the command (`rlhfkit ppo`);
+    `rows`: (what, text) in table order."""
+
+    algorithm: str
+    verb: str
+    rows: list[tuple[str, str]]
+
+
+def read_config(folder: Path) -> dict | None:
+    """The folder's config.yaml as a dict (None when there is none); ValueError when it is not YAML."""
+    path = folder / CONFIG_FILE
+    if not path.is_file():
+        return None
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except yaml.YAMLError as err:
+        raise ValueError(f"{path}: not valid YAML ({str(err).splitlines()[0]})") from None
+    return data if isinstance(data, dict) else None
+
+
+def what_ran(stage: str, folder: Path, rows: list[dict]) -> WhatRan | None:
+    """The table of the stage run in `folder` (its metrics `rows`); None without config.yaml or for a stage
+    rlhfkit has no verb for."""
+    describe = VERBS.get(stage)
+    cfg = read_config(folder) if describe else None
+    if cfg is None:
+        return None
+    algorithm, table = describe(cfg)
+    took = duration(folder, rows, "iterations" if stage == "ppo" else "steps")
+    return WhatRan(algorithm, f"rlhfkit {stage}", table + ([("duration", took)] if took else []))
+
+
+def _get(cfg: dict, key: str):
+    """`cfg["a"]["b"]` for "a.b"; None where a level is missing (a config.yaml of an older version)."""
+    for part in key.split("."):
+        cfg = cfg.get(part) if isinstance(cfg, dict) else None
+    return cfg
+
+
+def _value(value) -> str:
+    """A value as a dotted override takes it (YAML's spelling of booleans and null)."""
+    if isinstance(value, bool) or value is None:
+        return json.dumps(value)
+    if isinstance(value, float):
+        return f"{value:g}"
+    if isinstance(value, (list, dict)):
+        return json.dumps(value)
+    return str(value)
+
+
+def _settings(cfg: dict, *keys: str) -> str:
+    """"k=v · k=v" for the keys present in the config."""
+    return SEP.join(f"{key}={_value(_get(cfg, key))}" for key in keys if _get(cfg, key) is not None)
+
+
+def _source(value) -> str:
+    """A data source: a path or hub name, or a mix [{path, weight}, ...]."""
+    if isinstance(value, list):
+        return ", ".join(f"{item.get('path')} × {_value(item.get('weight', 1))}" if isinstance(item, dict)
+                         else str(item) for item in value)
+    return _value(value)
+
+
+def _eval_source(cfg: dict, key: str) -> str:
+    """Where the eval rows came from: `key`'s source, else (the config's default) a held-out share."""
+    if _get(cfg, key):
+        return _source(_get(cfg, key))
+    if not _get(cfg, "data.eval_max_rows"):
+        return "none (data.eval_max_rows=0)"
+    return f"the source's eval split, or {_settings(cfg, 'data.eval_fraction')} of it"
+
+
+def _steps(cfg: dict) -> str:
+    steps = _get(cfg, "train.max_steps") or 0
+    return _settings(cfg, "train.max_steps" if steps > 0 else "train.epochs")
+
+
+def _lora(cfg: dict) -> tuple[str, str]:
+    if not _get(cfg, "lora.rank"):
+        return "LoRA", "off (lora.rank=0: full fine-tuning)"
+    return "LoRA", _settings(cfg, "lora.rank", "lora.alpha")
+
+
+def _engine(cfg: dict) -> tuple[str, str]:
+    zero = ("engine.zero_stage",) if _get(cfg, "engine.backend") == "deepspeed" else ()
+    return "engine", _settings(cfg, "engine.backend", *zero, "engine.precision")
+
+
+def _default(name, default: str) -> str:
+    return _value(name) if name else f"{default} (default)"
+
+
+def _sft(cfg: dict) -> tuple[str, list]:
+    return "SFT", [
+        ("model", _value(cfg.get("model"))),
+        ("data", f"train: {_source(_get(cfg, 'data.train'))}{SEP}eval: {_eval_source(cfg, 'data.eval')}"),
+        ("training", _settings(cfg, "train.lr", "train.batch_size", "train.micro_batch_size") + SEP + _steps(cfg)),
+        _lora(cfg), _engine(cfg),
+    ]
+
+
+def _rm(cfg: dict) -> tuple[str, list]:
+    _, rows = _sft(cfg)
+    if _get(cfg, "rm.margin"):
+        rows[2] = ("training", rows[2][1] + SEP + _settings(cfg, "rm.margin"))
+    return "RM", rows
+
+
+def _dpo(cfg: dict) -> tuple[str, list]:
+    name = _get(cfg, "dpo.loss")
+    loss = PREFERENCE_LOSSES.get(name)
+    reads = [f"dpo.{key}" for key in (loss.settings if loss else ())]
+    extra = [key for key in ("dpo.rpo_alpha",) if _get(cfg, key)]  # RPO's NLL term, any loss; off at 0
+    described = f"dpo.loss={name} — {loss.doc}" if loss else f"dpo.loss={name}"
+    if not (loss and loss.reference):
+        reference = f"none ({name} needs no reference)" if loss else "?"
+    elif _get(cfg, "dpo.reference_free"):
+        reference = "none (dpo.reference_free=true)"
+    else:
+        reference = _default(cfg.get("reference"), _with_lora(cfg, "the model"))
+    _, rows = _sft(cfg)
+    return (loss.doc.split(":")[0] if loss else str(name)), [
+        ("loss", SEP.join(filter(None, [described, _settings(cfg, *reads, *extra)]))),
+        rows[0], ("reference", reference), *rows[1:],
+    ]
+
+
+def _with_lora(cfg: dict, model: str) -> str:
+    return f"{model} with its LoRA adapter disabled" if _get(cfg, "lora.rank") else model
+
+
+def _is_function(spec: str) -> bool:
+    """`module:function` or `file.py:function` rather than a model folder (the rule of
+    `models.reward_fn.is_function_spec`, without the torch that module imports)."""
+    target, _, name = spec.rpartition(":")
+    return bool(target) and name.isidentifier() and not Path(spec).is_dir()
+
+
+def _reward(spec) -> str:
+    if isinstance(spec, list):  # a weighted sum: [{reward, weight, name}, ...]
+        return SEP.join(f"{_reward(p.get('reward'))} × {_value(p.get('weight', 1))}" if isinstance(p, dict)
+                        else _reward(p) for p in spec)
+    if not isinstance(spec, str):
+        return _value(spec)
+    return f"{spec} (a Python function)" if _is_function(spec) else f"{spec} (a reward model)"
+
+
+def _critic(cfg: dict, name: str, estimator) -> str:
+    if estimator is not None and not estimator.critic:
+        return f"none ({name} needs no critic)"
+    if cfg.get("critic"):
+        return _value(cfg["critic"])
+    specs = cfg.get("reward") if isinstance(cfg.get("reward"), list) else [cfg.get("reward")]
+    specs = [s.get("reward") if isinstance(s, dict) else s for s in specs]
+    if all(isinstance(s, str) and _is_function(s) for s in specs):
+        return "the actor with a fresh value head (default)"
+    return "the reward model if it reads the actor's tokens, else the actor with a fresh value head (default)"
+
+
+def _kl(cfg: dict, estimator) -> str:
+    in_loss = "ppo.kl_loss_coef=" + _value(_get(cfg, "ppo.kl_loss_coef")) + " (a k3 term in the loss)"
+    if estimator is not None and estimator.kl_in == "loss":
+        return in_loss
+    adaptive = ("ppo.adaptive_kl", "ppo.kl_target") if _get(cfg, "ppo.adaptive_kl") else ()
+    in_reward = _settings(cfg, "ppo.kl_coef", "ppo.kl_estimator", *adaptive) + " (in the reward)"
+    return in_reward + (SEP + in_loss if _get(cfg, "ppo.kl_loss_coef") else "")
+
+
+def _ppo(cfg: dict) -> tuple[str, list]:
+    name = _get(cfg, "ppo.advantage_estimator")
+    estimator = ESTIMATORS.get(name)
+    # an estimator with a critic is PPO proper; a critic-free one is the method its entry names first
+    algorithm = "PPO" if estimator is None or estimator.critic else estimator.doc.split()[0]
+    prompts = f"prompts: {_source(_get(cfg, 'data.prompts'))}{SEP}eval: {_eval_source(cfg, 'data.eval_prompts')}"
+    if _get(cfg, "ptx.coef"):
+        prompts += f"{SEP}ptx: {_source(_get(cfg, 'data.ptx'))} ({_settings(cfg, 'ptx.coef')})"
+    update = [key for key, off in (("ppo.mini_batch_size", 0), ("ppo.epochs", 1)) if _get(cfg, key) not in (off, None)]
+    sampling = [key for key, off in (("gen.top_p", 1), ("gen.top_k", 0)) if _get(cfg, key) not in (off, None)]
+    return algorithm, [
+        ("estimator", f"ppo.advantage_estimator={name}" + (f" — {estimator.doc}" if estimator else "")),
+        ("actor", _value(cfg.get("actor"))),
+        ("reward", _reward(cfg.get("reward"))),
+        ("critic", _critic(cfg, name, estimator)),
+        ("reference", _default(cfg.get("reference"), _with_lora(cfg, "the actor"))),
+        ("data", prompts),
+        ("training", _settings(cfg, "train.lr", "train.batch_size", "ppo.n_samples_per_prompt",
+                               "train.micro_batch_size", *update, "train.max_steps")),
+        ("generation", _settings(cfg, "gen.max_new_tokens", "gen.temperature", *sampling)),
+        ("KL", _kl(cfg, estimator)),
+        _lora(cfg), _engine(cfg),
+    ]
+
+
+VERBS = {"sft": _sft, "rm": _rm, "dpo": _dpo, "ppo": _ppo}  # a stage's metrics "stage" -> its table
+
+
+def _seconds(s: float) -> str:
+    if s < 60:
+        return f"{s:.1f} s"
+    if s < 3600:
+        minutes, seconds = divmod(round(s), 60)
+        return f"{minutes} min {seconds} s"
+    hours, minutes = divmod(round(s / 60), 60)
+    return f"{hours} h {minutes} min"
+
+
+def _span(start: float, end: float) -> str:
+    """"2026-01-02 03:04:05 → 03:04:47 CET" in local time (the end's date only when it is another day)."""
+    a, b = datetime.fromtimestamp(start).astimezone(), datetime.fromtimestamp(end).astimezone()
+    return f"{a:%Y-%m-%d %H:%M:%S} → {b:{'%H:%M:%S' if a.date() == b.date() else '%Y-%m-%d %H:%M:%S'}} {b:%Z}"
+
+
+def _written_by_run(folder: Path) -> list[Path]:
+    """The files a stage writes as it trains and at its end (not the report, nor the pipeline's log.txt, which
+    later commands append to)."""
+    files = [folder / name for name in ("metrics.jsonl", "samples.jsonl")]
+    files += [p for final in folder.glob("final*") if final.is_dir() for p in final.iterdir()]
+    return [p for p in files if p.is_file()]
+
+
+def duration(folder: Path, rows: list[dict], unit: str) -> str | None:
+    """How long the run took, from what it wrote.
+
+    - the pipeline's result.json: the whole step's seconds, model loading included;
+    - the clock: config.yaml is written once the models loaded, then metrics.jsonl, samples.jsonl and final/ as it
+      trains and ends, so their times span the training (a resumed run's config.yaml: from the resume);
+    - the steps' own seconds (`time/step`, PPO's `time/iteration`) summed: they survive a copy of the folder.
+    A copy that did not keep the files' times shows a clock shorter than the steps took: the clock is left out.
+    """
+    parts = []
+    result = folder / "result.json"
+    if result.is_file():
+        try:
+            seconds = json.loads(result.read_text(encoding="utf-8")).get("seconds")
+        except (json.JSONDecodeError, AttributeError):
+            seconds = None
+        if isinstance(seconds, (int, float)):
+            parts.append(f"{_seconds(seconds)} in all (loading included)")
+    steps, step_seconds = series(rows, "time/iteration" if unit == "iterations" else "time/step")
+    in_steps = float(step_seconds.sum())
+    written = _written_by_run(folder)
+    if (folder / CONFIG_FILE).is_file() and written:
+        start = (folder / CONFIG_FILE).stat().st_mtime
+        end = max(p.stat().st_mtime for p in written)
+        if end - start >= 0.9 * in_steps and end > start:
+            how = "" if (folder / "final").is_dir() else " (no final/: stopped early, or still running)"
+            parts.append(f"{_seconds(end - start)}: {_span(start, end)}{how}")
+    if len(steps):
+        parts.append(f"{_seconds(in_steps)} in the {len(steps)} {unit}")
+    return SEP.join(parts) or None
