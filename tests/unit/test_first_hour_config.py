@@ -178,3 +178,37 @@ def test_the_help_examples_parse_as_printed(verb):
     required = {"ppo": {"actor": "a", "reward": "r", "data": {"prompts": "p"}}, "pipeline": {}}
     load_config(config_cls, args.config, [*args.overrides, *extra],
                 base=required.get(verb, {"model": "m", "data": {"train": "t"}}))
+
+
+def test_every_key_value_a_message_in_src_suggests_is_a_config_key_and_parses():
+    """A `key=value` in rlhfkit's source (error hints, help, examples) names a key some verb has (a pipeline step's
+    `ppo.train.max_steps` included) and reads as one override."""
+    from pathlib import Path
+
+    from rlhfkit.config.fields import help_rows
+
+    keys = {row[0] for _, (cls, _, _) in cli.TRAIN_VERBS.items() for row in help_rows(cli._load(cls))}
+    pattern = re.compile(r"(?<![\w.{/])([a-z_]+(?:\.[a-z_]+)+)=([^\s,;)`'\"{\\]+)")
+    src = Path(cli.__file__).parent
+    found = []
+    for path in sorted(src.rglob("*.py")):
+        for match in pattern.finditer(path.read_text(encoding="utf-8")):
+            key = match.group(1)
+            if key == "dotted.key" or match.group(2) == "...":  # placeholders
+                continue
+            step_key = key.split(".", 1)[1]  # a pipeline step's own section: ppo.train.max_steps
+            assert key in keys or step_key in keys, f"{path.relative_to(src)}: {match.group(0)} names no config key"
+            parse_overrides([match.group(0)])
+            found.append(key)
+    assert "data.on_long_prompt" in found and len(found) > 20
+
+
+def test_a_verb_without_overrides_points_at_a_help_command_that_runs(capsys):
+    with pytest.raises(SystemExit) as refused:
+        cli.main(shlex.split("chat runs/x/final train.lr=1"))
+    err = capsys.readouterr().err
+    assert refused.value.code == 2 and "rlhfkit chat takes no key=value overrides" in err
+    suggested = re.search(r"see (rlhfkit [^)]*)\)", err).group(1)
+    with pytest.raises(SystemExit) as helped:
+        cli.main(shlex.split(suggested)[1:])
+    assert helped.value.code == 0
