@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import sys
+import warnings
 
 import torch
 
@@ -43,7 +44,7 @@ def apply_lora(model, cfg: LoraConfig, task: str = "causal_lm"):
     if cfg.rank <= 0:
         return model
     from peft import LoraConfig as PeftLoraConfig
-    from peft import TaskType, get_peft_model
+    from peft import TaskType
 
     targets = cfg.target_modules or TARGETS.get(model.config.model_type, "all-linear")
     _refuse_tied_targets(model, cfg.target_modules or [])
@@ -53,7 +54,7 @@ def apply_lora(model, cfg: LoraConfig, task: str = "causal_lm"):
         modules_to_save=["score"] if task == "scalar" else None,
     )
     try:
-        return _trained_in_float32(get_peft_model(model, peft_cfg))
+        return _trained_in_float32(_peft_model(model, peft_cfg))
     except ValueError:  # peft's NoMatchingPeftModuleError: a name in target_modules matches no layer
         if not cfg.target_modules:
             raise
@@ -62,6 +63,16 @@ def apply_lora(model, cfg: LoraConfig, task: str = "causal_lm"):
         raise ConfigError(f"config key 'lora.target_modules': {cfg.target_modules} matches no layer of this "
                           f"{model.config.model_type} model; its linear layers are named {', '.join(linear)}") \
             from None
+
+
+def _peft_model(model, peft_cfg):
+    """peft's `get_peft_model`, without the FutureWarning transformers >= 5 gives when peft reads its deprecated
+    `is_gradient_checkpointing` (peft's business, not the user's: it prints on every LoRA run)."""
+    from peft import get_peft_model
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.* is deprecated", category=FutureWarning)
+        return get_peft_model(model, peft_cfg)
 
 
 def _refuse_tied_targets(model, targets: list) -> None:
@@ -176,9 +187,7 @@ def clone_for_export(model, state: dict | None = None) -> torch.nn.Module:
     if getattr(plain, "generation_config", None) is not None:  # its stop tokens and sampling defaults: _from_config
         twin.generation_config = copy.deepcopy(plain.generation_config)  # would derive a default from config.json
     if is_peft_model(model):
-        from peft import get_peft_model
-
-        twin = get_peft_model(twin, copy.deepcopy(model.peft_config[model.active_adapter]))
+        twin = _peft_model(twin, copy.deepcopy(model.peft_config[model.active_adapter]))
     if state is not None:
         twin.load_state_dict(state, assign=True)
         base_model(twin).tie_weights()  # one Parameter again where the model ties two names to one
