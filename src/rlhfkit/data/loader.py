@@ -15,6 +15,7 @@ training starts, and a step left with no training rows says what removed them.
 from __future__ import annotations
 
 import dataclasses
+import math
 import random
 import sys
 from dataclasses import dataclass, field
@@ -307,6 +308,7 @@ def load_stage_data(stage: str, cfg: DataConfig, tokenizer, seed: int, train_spe
 
     spec = cfg.train if train_spec is None else train_spec
     template = Template.for_tokenizer(tokenizer, cfg.template, end_ids, key="data.template")
+    _note_system_prompt(template, note)
     sources, eval_source = resolve_sources(cfg, train_spec, "data.prompts" if stage == "prompts" else "data.train")
     path, key = _cache_entry(stage, cfg, seed, spec, sources, eval_source, tokenizer, template) if cfg.cache \
         else (None, "off")
@@ -315,7 +317,7 @@ def load_stage_data(stage: str, cfg: DataConfig, tokenizer, seed: int, train_spe
         if cached is not None:
             note(f"cache hit: {len(cached['train'])} train / {len(cached['eval'])} eval rows from {path}")
             data = StageData(cached["train"], cached["eval"], {**cached["info"], "cache": "hit"})
-            _note_no_eval(data, cfg, eval_source, note)
+            _note_eval_rows(stage, data, cfg, eval_source, note)
             return data
     train_ex, eval_ex, stats = read_examples(stage, cfg, seed, sources, eval_source)
     data = _tokenize(stage, train_ex, eval_ex, stats, tokenizer, template, cfg, spec)
@@ -323,13 +325,40 @@ def load_stage_data(stage: str, cfg: DataConfig, tokenizer, seed: int, train_spe
         if cache.save(path, key, data.train, data.eval, data.info, warn=note):
             note(f"tokenised rows cached at {path}")
     data.info["cache"] = "miss" if path is not None else key
-    _note_no_eval(data, cfg, eval_source, note)
+    _note_eval_rows(stage, data, cfg, eval_source, note)
     return data
 
 
-def _note_no_eval(data: StageData, cfg, eval_source, note) -> None:
-    """Say so when evaluation rows were asked for but none are left (a held-out share of few rows rounds to none,
-    or every eval row was too long): the run logs no eval metrics."""
+def _note_system_prompt(template: Template, note) -> None:
+    """Say so when the chat template writes a system prompt of its own into every row that has none."""
+    text = template.added_system_prompt()
+    if text:
+        shown = text if len(text) <= 80 else text[:77] + "..."
+        note(f"the chat template adds its own system prompt to every row without a system turn: {shown!r}; to "
+             f"use another, give the rows one (a first message {{\"role\": \"system\", \"content\": ...}} in "
+             f"\"messages\", or a \"system\" field in alpaca and sharegpt rows), or data.template=plain for no chat "
+             f"template")
+
+
+# Fewer held-out rows than this make a metric that means little: one row moves an accuracy by more than 10 points,
+# and the standard error of an accuracy near 0.5 over n rows, 0.5 / sqrt(n), is 0.16 or more.
+MIN_EVAL_ROWS = 10
+
+
+def _note_eval_rows(stage: str, data: StageData, cfg, eval_source, note) -> None:
+    """Say so when the rows held out by data.eval_fraction are too few to mean anything, or when evaluation rows
+    were asked for but none are left (a held-out share of few rows rounds to none, or every eval row was too long):
+    the run logs no eval metrics."""
+    if data.eval and eval_source is None and data.info.get("held_out") and len(data.eval) < MIN_EVAL_ROWS:
+        key = "data.eval_prompts" if stage == "prompts" else "data.eval"
+        total = data.info["train_rows"] + data.info["held_out"]
+        share = math.ceil(MIN_EVAL_ROWS * 100 / total) / 100  # the share _hold_out rounds to MIN_EVAL_ROWS rows
+        larger = f", data.eval_fraction={share:g} (holds out {round(share * total)} of {total})" if share <= 0.5 \
+            else ""
+        rows = f"{len(data.eval)} row{'s' if len(data.eval) > 1 else ''}"
+        note(f"evaluation on {rows} only, held out by data.eval_fraction={cfg.eval_fraction:g} of {total}: eval "
+             f"metrics over fewer than {MIN_EVAL_ROWS} rows mean little (each row is {1 / len(data.eval):.0%} of an "
+             f"eval accuracy); set {key}=PATH (rows of your own){larger}, or data.eval_fraction=0 for no evaluation")
     if data.eval or cfg.eval_max_rows <= 0:
         return
     if data.info.get("eval_read"):  # there were some: tokenisation skipped or dropped every one

@@ -165,6 +165,26 @@ class Template:
     def _render(self, messages: list[dict], add_generation_prompt: bool) -> str:
         return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
 
+    def added_system_prompt(self) -> str | None:
+        """The system text the chat template writes into a conversation that has no system turn (SmolLM2's "You
+        are a helpful AI assistant named SmolLM, ...", Qwen2.5's "You are Qwen, ..."), or None.
+
+        One user turn is rendered twice, alone and after a system turn holding a marker: a template that adds its
+        own system prompt renders the first as the second with its text in the marker's place. A template that
+        writes the same header either way (Llama 3's dates) adds no text of its own here."""
+        if not self.use_chat:
+            return None
+        marker, user = "\x00system\x00", [{"role": "user", "content": "\x00user\x00"}]
+        try:
+            alone = self._render(user, True)
+            before, _, after = self._render([{"role": "system", "content": marker}] + user, True).partition(marker)
+        except Exception:  # noqa: BLE001 - a template that refuses a system turn (Gemma's) has none of its own
+            return None
+        if not after or len(alone) <= len(before) + len(after) or not (alone.startswith(before)
+                                                                       and alone.endswith(after)):
+            return None
+        return alone[len(before):len(alone) - len(after)].strip() or None
+
 
 def _through(text: str, content: str) -> str:
     """`text` up to the end of `content` in it (all of it when `content` is not there)."""
