@@ -45,7 +45,10 @@ class PPODataConfig(SourceOptions):
 
 @dataclass
 class GenConfig:
-    max_new_tokens: int = option(64, "longest response; responses that hit it without EOS count as truncated")
+    max_new_tokens: int = option(64, "longest response; responses that hit it without EOS count as truncated. With "
+                                     "train.batch_size it sets an iteration's time (the log says it after the "
+                                     "first); a quick first try: gen.max_new_tokens=32 train.batch_size=4 "
+                                     "train.max_steps=2")
     min_new_tokens: int = option(0, "EOS is forbidden before this many response tokens")
     temperature: float = option(1.0, "sampling temperature (log-probs of actor and reference use the same one)")
     top_p: float = option(1.0, "nucleus sampling: keep the smallest token set with this much probability")
@@ -85,7 +88,26 @@ def _estimator_doc() -> str:
 
 def _kl_coef_doc() -> str:
     return (f"KL penalty coefficient beta in the reward (initial value when adaptive; "
-            f"{_estimators_where(lambda e: e.kl_in == 'loss')} put the KL in the loss: ppo.kl_loss_coef)")
+            f"{_estimators_where(lambda e: e.kl_in == 'loss')} put the KL in the loss: ppo.kl_loss_coef); the "
+            f"logged kl, and why it can be below 0: ppo.kl_estimator")
+
+
+# The per-token estimators of KL(pi || pi_ref) (algos/kl.py, after http://joschu.net/blog/kl-approx.html), from the
+# tokens pi sampled: name -> (formula, what its estimates are). Written into ppo.kl_estimator's doc and into the
+# run's first log lines, which say what the logged `kl` is.
+KL_ESTIMATOR_DOCS = {
+    "k1": ("log pi - log pi_ref", "unbiased, and below 0 (the true KL cannot be) when the sampled tokens happen to "
+                                  "be likelier under the reference: noise around a KL near 0, as at the start, "
+                                  "where pi = pi_ref up to rounding"),
+    "k2": ("(log pi - log pi_ref)^2 / 2", "biased, never below 0"),
+    "k3": ("(r - 1) - log r, r = pi_ref / pi", "unbiased, never below 0"),
+}
+
+
+def _kl_estimator_doc() -> str:
+    return ("per-token estimator of KL(pi || pi_ref) in the reward and in the logged kl (per response, the sum over "
+            "its sampled tokens; averaged over the responses): " + "; ".join(
+                f"{name} = {formula}: {meaning}" for name, (formula, meaning) in KL_ESTIMATOR_DOCS.items()))
 
 
 def _samples_doc() -> str:
@@ -96,7 +118,7 @@ def _samples_doc() -> str:
 @dataclass
 class PPOSection:
     kl_coef: float = option(DEFAULT_KL_COEF, _kl_coef_doc)
-    kl_estimator: str = option("k1", "per-token KL estimator in the reward", choices=("k1", "k2", "k3"))
+    kl_estimator: str = option("k1", _kl_estimator_doc, choices=tuple(KL_ESTIMATOR_DOCS))
     adaptive_kl: bool = option(False, "adapt kl_coef towards kl_target (Ziegler et al. 2019)")
     kl_target: float = option(6.0, "adaptive KL: target KL per sequence, in nats")
     kl_horizon: float = option(10000.0, "adaptive KL: horizon in samples")

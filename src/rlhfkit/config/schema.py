@@ -156,7 +156,9 @@ class LoadConfig:
 
 @dataclass
 class LoraConfig:
-    rank: int = option(0, "LoRA rank; 0 = full fine-tuning")
+    rank: int = option(0, "LoRA rank; 0 = full fine-tuning. LoRA needs a larger train.lr than full fine-tuning "
+                          "(its adapters start at zero), usually 1e-4 to 2e-4: train.lr keeps its default, 1e-5, "
+                          "and the log notes LoRA at a rate below 5e-5")
     alpha: float = option(16.0, "LoRA alpha (scale = alpha / rank)")
     dropout: float = option(0.0, "dropout on the LoRA input")
     target_modules: Optional[list] = option(None, "module names to adapt; default: per architecture (all "

@@ -48,6 +48,7 @@ from rlhfkit.models.lora import adapter_disabled, apply_lora, checkpointed, is_l
 from rlhfkit.registry.preference import preference_loss
 from rlhfkit.speed.plan import ModelPlan
 from rlhfkit.speed.registry import Target, plan_line, plan_model
+from rlhfkit.stages.advice import lora_rate_note
 from rlhfkit.stages.common import MetricsLogger, epoch_order, longest_first, plan_steps, write_run_report
 from rlhfkit.stages.guard import resume_state
 from rlhfkit.stages.loop import TrainLoop
@@ -442,6 +443,8 @@ def run_dpo(cfg: DPOConfig, resume: bool = False, force: bool = False) -> dict:
         log.write(plan_line(plans))
         log.write(f"{describe(data.info, cfg)}; reference log-probs: {reference.note}; {total} steps of "
                   f"{cfg.train.batch_size} pairs (accumulation {accum})")
+        if note := lora_rate_note(cfg.lora.rank, cfg.train.lr):
+            log.write(note)
         if start == 0 and evaluate:  # the starting point (the policy is the reference: DPO's rewards are 0)
             log.log(0, evaluate())
 

@@ -12,6 +12,7 @@ import time
 from rlhfkit.config.ppo_schema import PPOConfig
 from rlhfkit.data.loader import skipped_rows
 from rlhfkit.models.loading import record_template
+from rlhfkit.stages.advice import kl_note, lora_rate_note, pace_line
 from rlhfkit.stages.common import MetricsLogger, write_run_report
 from rlhfkit.stages.run_dir import prepare_output_dir, resumed_from, undone_if_bad_input_at_start
 from rlhfkit.stages.loop import TrainLoop
@@ -50,6 +51,9 @@ def run_ppo(cfg: PPOConfig, resume: bool = False, force: bool = False) -> dict:
             MetricsLogger(out, "ppo", iters, cfg.log, engine.is_main, initial=start) as log:
         log.write(models.speed_line())  # the first line: which fast paths each model takes, and why not the others
         log.write(describe(cfg, data.info, models.notes))
+        log.write(kl_note(cfg.ppo.kl_estimator))  # why the kl on the bar can be below 0
+        if note := lora_rate_note(cfg.lora.rank, cfg.train.lr):
+            log.write(note)
         first_eval = evaluate() if evaluate and start == 0 else {}
         if first_eval:  # the starting point, so the curves show what PPO changed
             log.log(0, first_eval, show=SHOW)
@@ -65,8 +69,11 @@ def run_ppo(cfg: PPOConfig, resume: bool = False, force: bool = False) -> dict:
                 # samples at a time (train.batch_size prompts x n_samples_per_prompt: kl_horizon counts samples)
                 rl.kl_ctl.update(experience.kl, samples_per_iteration(cfg))
                 rl.write_samples(out, log, it + 1, scored)
+                seconds = time.perf_counter() - tick
+                if it == start:  # how long the whole run will take, while it is still cheap to stop and shrink it
+                    log.write(pace_line("ppo", it + 1, iters, seconds, timer.seconds))
                 loop.end_step(it + 1, {**experience.metrics, **train_metrics, **lrs, "epoch": epoch,
-                                       **timer.metrics(), "time/iteration": time.perf_counter() - tick},
+                                       **timer.metrics(), "time/iteration": seconds},
                               skipped=rl.skipped(train_metrics))
 
     record_template(rl.actor.module, data.info["template"])

@@ -101,6 +101,15 @@ def pool_moments(metrics: dict, world_size: int) -> dict:
     return metrics
 
 
+def shorten_middle(text: str, width: int) -> str:
+    """`text` in at most `width` characters: its start and its end, the middle replaced by " ... " (a prompt's
+    preview: where it starts, and the question it ends with)."""
+    if len(text) <= width:
+        return text
+    head = (width - 5) // 2
+    return text[:head] + " ... " + text[len(text) - (width - 5 - head):]
+
+
 def fill_unjudged(raw: torch.Tensor, judged: torch.Tensor, group: torch.Tensor) -> torch.Tensor:
     """Unjudged scores replaced by the mean of their group's judged ones (0 when none is judged)."""
     out = raw.clone()
@@ -274,7 +283,7 @@ class PPOSteps:
             for i, (prompt, cut) in enumerate(shown):
                 f.write(json.dumps({"step": iteration, "prompt": prompt, **({"prompt_truncated": True} if cut else {}),
                                     "response": rollout.response_texts[i], "score": float(scored.raw[i])}) + "\n")
-        prompt = shown[0][0].replace("\n", " ")[-60:]
+        prompt = shorten_middle(shown[0][0].replace("\n", " "), 100)  # its start, and the question at its end
         log.write(f"[{iteration}] {prompt!r} -> {rollout.response_texts[0][:120]!r} "
                   f"(score {float(scored.raw[0]):.3g})")
 

@@ -22,6 +22,7 @@ from rlhfkit.models import load_scalar_model
 from rlhfkit.models.stage_forward import pair_scores
 from rlhfkit.models.loading import TEMPLATE_KEY
 from rlhfkit.models.lora import apply_lora, base_model
+from rlhfkit.stages.advice import lora_rate_note
 from rlhfkit.stages.common import MetricsLogger, plan_steps, set_seed, write_run_report
 from rlhfkit.stages.run_dir import prepare_output_dir, resumed_from
 from rlhfkit.stages.guard import resume_state
@@ -135,6 +136,8 @@ def run_rm(cfg: RMConfig, resume: bool = False, force: bool = False) -> dict:
     with MetricsLogger(out, "rm", total, cfg.log, engine.is_main, initial=start) as log:
         log.write(plan_line({"reward_model": plan}))
         log.write(f"{describe(data.info)}; {total} steps of {cfg.train.batch_size} pairs (accumulation {accum})")
+        if note := lora_rate_note(cfg.lora.rank, cfg.train.lr):
+            log.write(note)
         if start == 0 and evaluate:  # the untrained head's accuracy (~0.5): curves show what training changed
             log.log(0, evaluate())
 

@@ -16,6 +16,7 @@ from rlhfkit.models.segments import packed_row_tokens
 from rlhfkit.models.stage_forward import lm_forward
 from rlhfkit.models.loading import record_template
 from rlhfkit.models.lora import apply_lora
+from rlhfkit.stages.advice import lora_rate_note
 from rlhfkit.stages.common import MetricsLogger, plan_steps, write_run_report
 from rlhfkit.stages.run_dir import prepare_output_dir, resumed_from
 from rlhfkit.stages.guard import resume_state
@@ -96,6 +97,8 @@ def run_sft(cfg: SFTConfig, resume: bool = False, force: bool = False) -> dict:
                   f"{data.info['template']}, {data.info['truncated']} truncated, {data.info['dropped']} dropped"
                   f"{'; skipped ' + skipped if skipped else ''}; {total} steps of {cfg.train.batch_size} "
                   f"(accumulation {accum})")
+        if note := lora_rate_note(cfg.lora.rank, cfg.train.lr):
+            log.write(note)
         if start == 0 and evaluate:  # the starting point, so curves show what training changed
             log.log(0, evaluate())
         with TrainLoop(engine, out, "sft", total, cfg.train, log, {"model": actor}, evaluate=evaluate,
