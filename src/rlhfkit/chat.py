@@ -10,6 +10,7 @@ Only argparse is imported at module level so `rlhfkit --help` stays fast.
 from __future__ import annotations
 
 import argparse
+import shlex
 import shutil
 import sys
 import textwrap
@@ -76,7 +77,7 @@ class ChatModel:
             return  # load_causal_lm reports what is wrong with the folder
         if any("SequenceClassification" in a for a in archs):
             raise error(f"'{name}' is a reward model or critic (a scalar head), not a chat model: score responses "
-                        f"with `rlhfkit score {name} --data FILE`, or chat with an sft/ppo final/ folder")
+                        f"with `rlhfkit score {shlex.quote(name)} --data FILE`, or chat with an sft/ppo final/ folder")
 
     def prompt_ids(self, messages: list[dict], max_new_tokens: int) -> list[int]:
         """Token ids of the rendered conversation, dropping the oldest turns until the answer fits the context."""

@@ -83,17 +83,16 @@ def _task(rows, fields: dict, fmt: str) -> str:
 
 def _with_field_flags(exc):
     """A format error's `data.fields={...}` hint as this command's `--field` flags."""
-    import ast
     import re
 
     from rlhfkit.errors import DataError
 
     text = str(exc).replace("config key 'data.fields': ", "--field: ").replace("e.g. {response: answer}",
                                                                              "e.g. --field response=answer")
-    hint = re.search(r"map columns with data\.fields, e\.g\. data\.fields=(\{.*\})$", text)
+    hint = re.search(r"map columns with data\.fields, e\.g\. 'data\.fields=\{(.*)\}'$", text)
     if not hint:
         return DataError(text)
-    flags = " ".join(f"--field {k}={v}" for k, v in ast.literal_eval(hint.group(1)).items())
+    flags = " ".join(f"--field {pair.replace(': ', '=', 1)}" for pair in hint.group(1).split(", "))
     return DataError(f"{text[:hint.start()]}map columns with --field, e.g. {flags}")
 
 

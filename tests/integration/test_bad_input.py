@@ -112,8 +112,8 @@ def text_rows_for_rm(tmp, w):
     return "rm", [f"data.train={path}"], (
         f"{path}:1: cannot detect a preference format from keys (text); known formats: webgpt, shp, chat_pairs, "
         f"prompt_chosen_rejected, hh_dialogue, sharegpt_pairs; plain {{text}} rows are pretraining text, not "
-        f"prompt/response data; map columns with data.fields, e.g. data.fields={{'prompt': 'question', 'chosen': "
-        f"'better', 'rejected': 'worse'}}")
+        f"prompt/response data; map columns with data.fields, e.g. 'data.fields={{prompt: question, chosen: "
+        f"better, rejected: worse}}'")
 
 
 def sft_rows_for_rm(tmp, w):
@@ -121,7 +121,7 @@ def sft_rows_for_rm(tmp, w):
     return "rm", [f"data.train={path}"], (
         f"{path}:1: cannot detect a preference format from keys (prompt, response); known formats: webgpt, shp, "
         f"chat_pairs, prompt_chosen_rejected, hh_dialogue, sharegpt_pairs; map columns with data.fields, e.g. "
-        f"data.fields={{'prompt': 'question', 'chosen': 'better', 'rejected': 'worse'}}")
+        f"'data.fields={{prompt: question, chosen: better, rejected: worse}}'")
 
 
 def empty_file(tmp, w):
@@ -285,9 +285,7 @@ def yaml_unknown_key(tmp, w):
     path = tmp / "sft.yaml"
     path.write_text(f"model: {w['model']}\ndata: {{train: x.jsonl}}\ntrain: {{lr: 1.0e-4, lrr: 1}}\n")
     return "sft", ["--config", str(path), "model=", "data.train="], (
-        "unknown config key 'train.lrr' (known keys here: balance_micro_batches, batch_size, betas, epochs, "
-        "eval_every, keep_checkpoints, log_every, lr, max_grad_norm, max_steps, micro_batch_size, min_lr_ratio, "
-        "save_every, scheduler, seed, warmup_steps, weight_decay)")
+        "unknown config key 'train.lrr': did you mean 'train.lr'?")
 
 
 def yaml_wrong_type(tmp, w):

@@ -406,10 +406,10 @@ def test_undetectable_rows_suggest_the_fields_option():
         "mem.jsonl:1: cannot detect a sft format from keys (text); known formats: webgpt, shp, chat_pairs, "
         "prompt_chosen_rejected, hh_dialogue, sharegpt_pairs, messages, sharegpt, alpaca, prompt_response; plain {text} rows are pretraining "
         "text, not prompt/response data; map columns with data.fields, e.g. "
-        "data.fields={'prompt': 'question', 'response': 'answer'}"
+        "'data.fields={prompt: question, response: answer}'"
     )
-    with pytest.raises(DataError, match=re.escape("map columns with data.fields, e.g. data.fields={'response': "
-                                                  "'completion'}")):
+    with pytest.raises(DataError, match=re.escape("map columns with data.fields, e.g. "
+                                                  "'data.fields={response: completion}'")):
         to_sft_examples(rows({"prompt": "a", "completion": "b"}))
 
 
@@ -452,7 +452,7 @@ def test_missing_field_in_a_later_row():
             "preference",
             "mem.jsonl:1: cannot detect a preference format from keys (chosen, rejected); known formats: webgpt, "
             "shp, chat_pairs, prompt_chosen_rejected, hh_dialogue, sharegpt_pairs; map columns with data.fields, e.g. "
-            "data.fields={'prompt': 'question', 'chosen': 'better', 'rejected': 'worse'}",
+            "'data.fields={prompt: question, chosen: better, rejected: worse}'",
         ),
         (
             {"chosen": "\n\nHuman: hi\n\nAssistant: a", "rejected": "Hi"},

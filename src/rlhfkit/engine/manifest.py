@@ -18,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -170,9 +171,9 @@ def previous_good(folder: Path, before: Optional[Path], part: tuple[int, int] = 
 def _how_to_go_back(folder: Path, good: Optional[Path]) -> str:
     if good is None:
         return ("no earlier checkpoint verifies: start the run again without --resume (`rlhfkit checkpoints "
-                f"{folder.parent}` lists them)")
+                f"{shlex.quote(str(folder.parent))}` lists them)")
     return (f"the previous good checkpoint is {good.name}: point `latest` at it with `rlhfkit checkpoints "
-            f"{folder.parent} --use {good.name}`, then resume again")
+            f"{shlex.quote(str(folder.parent))} --use {good.name}`, then resume again")
 
 
 def _incompatible(manifest: dict, expect: dict, any_world_size: bool = False) -> Optional[str]:
