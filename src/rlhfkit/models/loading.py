@@ -3,21 +3,27 @@
 Local folders never touch the network (`local_files_only=True`), so offline runs do not stall on a hub
 lookup (DeepSpeedExamples #511). Weights are read by transformers from safetensors (or its own safe
 `torch.load(weights_only=True)` path for .bin files); `trust_remote_code` is only ever the user's choice.
+
+A hub id is checked once before anything loads (`check_model_source`): huggingface_hub's downloads retry a failed
+connection five times per file with backoff, so a name that is no folder, on a machine without network, waited
+~50 s and then failed as "no usable tokenizer".
 """
 
 from __future__ import annotations
 
 import contextlib
-import os
 from pathlib import Path
 
 import torch
+from huggingface_hub import HfApi, constants, is_offline_mode, try_to_load_from_cache
+from huggingface_hub.errors import HFValidationError, HfHubHTTPError, RepositoryNotFoundError
 from safetensors import SafetensorError
 from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer,
                           GenerationConfig)
 
 from rlhfkit.config.schema import LoadConfig
 from rlhfkit.errors import ModelError
+from rlhfkit.models.fetch import fetch_hint
 
 # what a folder that cannot be loaded raises: missing or unreadable files, bad configs, damaged weights
 LOAD_ERRORS = (OSError, ValueError, SafetensorError)
@@ -28,6 +34,8 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 # A folder holding none of these has no tokenizer (fast, sentencepiece, BPE vocab, or a config naming one).
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "spiece.model",
                    "vocab.txt")
+# the one request that tells whether the hub has a model: long enough for a slow link, short enough to wait for
+HUB_PROBE_TIMEOUT_S = 3
 
 
 def _is_local(name: str) -> bool:
@@ -47,10 +55,54 @@ def _source_kwargs(name: str, opts: LoadConfig) -> dict:
         if not path.is_dir():
             raise ModelError(f"model folder '{name}' does not exist")
         kwargs["local_files_only"] = True
-    elif os.environ.get("HF_HUB_OFFLINE") == "1":
-        raise ModelError(f"'{name}' is neither a local folder nor reachable (HF_HUB_OFFLINE=1): download it "
-                         f"elsewhere and pass the local folder")
+    elif is_offline_mode() and not _in_hub_cache(name):
+        raise ModelError(f"'{name}' is not a folder, and HF_HUB_OFFLINE is set (the hub is not asked, and its cache "
+                         f"has no copy){fetch_hint(None, name)}")
     return kwargs
+
+
+def _in_hub_cache(name: str) -> bool:
+    """A copy of hub model `name` is in huggingface_hub's cache (what transformers loads offline)."""
+    try:
+        return isinstance(try_to_load_from_cache(name, "config.json"), str)
+    except HFValidationError:  # not a hub id at all
+        return False
+
+
+def check_model_source(key: str, name: str) -> None:
+    """Before anything loads: ModelError naming config key `key` when `name` is neither a folder nor a model the
+    hub gives. Offline (HF_HUB_OFFLINE or TRANSFORMERS_OFFLINE, as huggingface_hub reads them) a hub id must be in
+    the hub's cache and nothing is asked; online one request (`HfApi.model_info`, which does not retry) tells an
+    unreachable hub or an unknown name at once. Whatever the hub answers otherwise is left to transformers."""
+    if _is_local(name):
+        _source_kwargs(name, LoadConfig())  # a missing folder
+        return
+    cached = _in_hub_cache(name)
+    if is_offline_mode():
+        if not cached:
+            raise ModelError(f"config key '{key}': '{name}' is not a folder, and HF_HUB_OFFLINE is set (the hub is "
+                             f"not asked, and its cache has no copy){fetch_hint(key, name)}")
+        return
+    try:
+        HfApi().model_info(name, timeout=HUB_PROBE_TIMEOUT_S)
+    except HFValidationError:
+        raise ModelError(f"config key '{key}': '{name}' is neither a folder nor a hub id (namespace/name)"
+                         f"{fetch_hint(key, name)}") from None
+    except RepositoryNotFoundError:
+        raise ModelError(f"config key '{key}': '{name}' is not a folder, and the hub ({constants.ENDPOINT}) has no "
+                         f"model of that name (or it is private: log in with hf auth login){fetch_hint(key, name)}") \
+            from None
+    except HfHubHTTPError:  # the hub answered: loading says what it means
+        return
+    except Exception as exc:  # no answer (no network, refused, timed out): the downloads would retry and fail
+        why = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else 'no answer'}"
+        if cached:
+            raise ModelError(f"config key '{key}': '{name}' is in the hub's cache, but the hub ({constants.ENDPOINT}) "
+                             f"is not reachable ({why}): put HF_HUB_OFFLINE=1 before the command to load the cached "
+                             f"copy without waiting on retries") from None
+        raise ModelError(f"config key '{key}': '{name}' is not a folder, and the hub ({constants.ENDPOINT}) is not "
+                         f"reachable ({why}; HF_HUB_OFFLINE=1 before the command skips it){fetch_hint(key, name)}") \
+            from None
 
 
 def load_tokenizer(name: str, opts: LoadConfig | None = None, padding_side: str = "right"):

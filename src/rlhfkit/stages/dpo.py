@@ -416,7 +416,7 @@ def describe(info: dict, cfg: DPOConfig) -> str:
 def run_dpo(cfg: DPOConfig, resume: bool = False, force: bool = False) -> dict:
     # 1. engine, tokenizer and pairs first (the RM step's data layer and its cache): bad input fails before anything
     #    is written
-    setup = start_stage(cfg, cfg.model, "rm")
+    setup = start_stage(cfg, cfg.model, "rm", resume=resume, force=force)
     cfg, engine, tokenizer, data = setup.cfg, setup.engine, setup.tokenizer, setup.data
     model = apply_lora(load_causal_lm(cfg.model, cfg.load, tokenizer), cfg.lora)
     check_reference(cfg, tokenizer)

@@ -34,7 +34,7 @@ def describe(cfg: PPOConfig, info: dict, notes: list[str]) -> str:
 
 def run_ppo(cfg: PPOConfig, resume: bool = False, force: bool = False) -> dict:
     # 0. engine, tokenizer and prompts first (bad input fails before the models load), then the four models
-    setup = start_stage(cfg, cfg.actor, "prompts", padding_side="left",
+    setup = start_stage(cfg, cfg.actor, "prompts", padding_side="left", resume=resume, force=force,
                         check_ranks=lambda world_size: check_ranks(cfg, world_size))
     cfg, engine, tokenizer, data = setup.cfg, setup.engine, setup.tokenizer, setup.data
     seed, iters = cfg.train.seed, cfg.train.max_steps

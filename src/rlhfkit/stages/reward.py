@@ -111,7 +111,7 @@ def train_step(rm, rows: list, accum: int, micro_size: int, batch_size: int, pad
 
 def run_rm(cfg: RMConfig, resume: bool = False, force: bool = False) -> dict:
     # 1. engine, tokenizer and pairs first: bad input fails here, before any folder is written
-    setup = start_stage(cfg, cfg.model, "rm")
+    setup = start_stage(cfg, cfg.model, "rm", resume=resume, force=force)
     cfg, engine, tokenizer, data = setup.cfg, setup.engine, setup.tokenizer, setup.data
     set_seed(cfg.train.seed)  # the fresh score head is drawn from the torch RNG: same seed, same head
     model = load_scalar_model(cfg.model, cfg.load, tokenizer)

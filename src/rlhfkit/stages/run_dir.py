@@ -34,18 +34,14 @@ QUIET = ("output_dir", "train.max_steps", "train.epochs", "train.log_every", "tr
          "train.keep_checkpoints", "log.", "data.cache", "data.cache_dir", "engine.collective_timeout_s")
 
 
-def prepare_output_dir(cfg, resume: bool, force: bool, is_main: bool = True) -> Path:
-    """Check the folder against --resume / --force, clear a replaced run's outputs, write a fresh run's
-    config.yaml (a resumed run's is written by `resumed_from`, once its checkpoint loaded).
-
-    Called only after data and models were checked, so a bad input leaves no folder behind.
-    """
+def check_output_dir(cfg, resume: bool, force: bool) -> None:
+    """RunError when the folder refuses the run: a finished or unfinished run there and neither --force nor
+    --resume, or --resume with no checkpoint. Reads the folder only: a stage checks it before anything loads."""
     out = Path(cfg.output_dir)
     latest = out / "checkpoints" / "latest"
     if resume:
         if not latest.is_file():
             raise RunError(f"--resume: no checkpoint in '{out / 'checkpoints'}' to resume from")
-        _check_resume(cfg, out, is_main)
     elif not force:
         if (out / "final").exists():
             raise RunError(f"output_dir '{out}' already holds a finished run (final/ exists): pass --force to "
@@ -53,6 +49,19 @@ def prepare_output_dir(cfg, resume: bool, force: bool, is_main: bool = True) -> 
         if latest.is_file():
             raise RunError(f"output_dir '{out}' holds an unfinished run (checkpoint {latest.read_text().strip()}): "
                            f"pass --resume to continue it, --force to start over, or choose another output_dir")
+
+
+def prepare_output_dir(cfg, resume: bool, force: bool, is_main: bool = True) -> Path:
+    """Check the folder against --resume / --force (again: `start_stage` checked it first), clear a replaced run's
+    outputs, write a fresh run's config.yaml (a resumed run's is written by `resumed_from`, once its checkpoint
+    loaded).
+
+    Called only after data and models were checked, so a bad input leaves no folder behind.
+    """
+    out = Path(cfg.output_dir)
+    check_output_dir(cfg, resume, force)
+    if resume:
+        _check_resume(cfg, out, is_main)
     if is_main:
         out.mkdir(parents=True, exist_ok=True)
         if not resume:

@@ -67,7 +67,7 @@ def train_step(actor, rows: list, accum: int, micro: int, pad_id: int, engine, p
 
 def run_sft(cfg: SFTConfig, resume: bool = False, force: bool = False) -> dict:
     # 1. engine, tokenizer and data first: bad input fails here, before any folder is written
-    setup = start_stage(cfg, cfg.model, "sft")
+    setup = start_stage(cfg, cfg.model, "sft", resume=resume, force=force)
     cfg, engine, tokenizer, data = setup.cfg, setup.engine, setup.tokenizer, setup.data
     model = load_causal_lm(cfg.model, cfg.load, tokenizer)
     model = apply_lora(model, cfg.lora)
