@@ -229,7 +229,8 @@ def reward_function_without_its_column(tmp, w):
     reward = tmp / "checks.py"
     reward.write_text("def exact(prompts, responses, answer):\n    return [0.0] * len(prompts)\n")
     return "ppo", ppo_args(tmp, w, reward=f"{reward}:exact"), (
-        f"reward '{reward}:exact' takes answer, which the prompt rows do not have (their fields: prompt)")
+        f"reward function 'exact' ({reward}:1) takes a parameter 'answer' that the prompt rows do not have (they "
+        f"have: prompt): rename it to one of those, or give it a default")
 
 
 def critic_with_another_vocabulary(tmp, w):

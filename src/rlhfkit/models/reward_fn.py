@@ -98,6 +98,48 @@ def field_parameters(fn: Callable) -> tuple[list[str], list[str], bool]:
             any(p.kind == p.VAR_KEYWORD for p in params))
 
 
+def defined_at(fn: Callable) -> str:
+    """'file.py:LINE' where `fn` (a function, or a callable object's class) is defined; '?' when unknown."""
+    target = fn if inspect.isroutine(fn) else type(fn)
+    try:
+        return f"{inspect.getsourcefile(target)}:{inspect.getsourcelines(target)[1]}"
+    except (TypeError, OSError):  # a builtin, or code with no source file
+        return "?"
+
+
+def call_problem(fn: Callable, name: str, fields: list[str]) -> str | None:
+    """Why `fn(prompts, responses, **columns)` cannot be called with the columns of prompt rows that have `fields`
+    (what `FunctionReward.columns` passes: the named parameters those rows have, or every field for **kwargs);
+    None when it can."""
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):  # a builtin or C function: nothing to read
+        return None
+    params = list(signature.parameters.values())
+    wanted, required, takes_all = field_parameters(fn)
+    passed = list(fields) if takes_all else [p for p in wanted if p in fields]
+    call = f"{name}(prompts, responses{''.join(f', {p}=...' for p in passed)})"
+    positional = [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    if len(positional) < 2 and not any(p.kind == p.VAR_POSITIONAL for p in params):
+        return f"takes {len(positional)} positional parameter{'s' * (len(positional) != 1)}, but is called as {call}"
+    twice = [(i, p) for i, p in enumerate(positional[:2]) if p in passed]
+    if twice:
+        i, param = twice[0]
+        return (f"gets the {('prompts', 'responses')[i]} as its {('first', 'second')[i]} parameter, '{param}', and "
+                f"the prompt rows' field '{param}' too: it is called as {call}")
+    missing = [p for p in required if p not in fields]
+    if missing:
+        listed = ", ".join(f"'{p}'" for p in missing)
+        return (f"takes {'a parameter' if len(missing) == 1 else 'parameters'} {listed} that the prompt rows do not "
+                f"have (they have: {', '.join(fields) or 'no fields'}): rename {'it' if len(missing) == 1 else 'them'} "
+                f"to one of those, or give {'it' if len(missing) == 1 else 'them'} a default")
+    try:
+        signature.bind(None, None, **dict.fromkeys(passed))
+    except TypeError as exc:
+        return f"cannot be called as {call}: {exc}"
+    return None
+
+
 class FunctionReward:
     """Calls `fn(prompts, responses, **fields)` with the rendered prompts, the decoded responses (special tokens
     skipped) and, for each further parameter the function names (or all of them for **kwargs), that column of
@@ -110,13 +152,13 @@ class FunctionReward:
         self.wanted, self.required, self.takes_all = field_parameters(fn)
 
     def check_fields(self, rows: list[dict]) -> None:
-        """ModelError when the function takes a column (a parameter without default) that none of `rows` has:
+        """ModelError naming the function's file and line when it cannot be called with the columns `rows` have
+        (a parameter no row has, too few positional parameters, a field that would fill the responses' slot too):
         said when the prompts are read, before any model loads, and again per batch."""
-        missing = [name for name in self.required if not any(name in row for row in rows)]
-        if missing:
-            known = sorted({k for row in rows for k in row})
-            raise ModelError(f"reward '{self.spec}' takes {', '.join(missing)}, which the prompt rows do not have "
-                             f"(their fields: {', '.join(known) or 'none'})")
+        name = self.spec.rsplit(":", 1)[1]
+        problem = call_problem(self.fn, name, sorted({k for row in rows for k in row}))
+        if problem:
+            raise ModelError(f"reward function '{name}' ({defined_at(self.fn)}) {problem}")
 
     def columns(self, batch) -> dict:
         rows = batch.fields or [{} for _ in range(batch.size)]
@@ -176,7 +218,8 @@ def raised_at(exc: BaseException, fn: Callable) -> str:
     import traceback
 
     frames = traceback.extract_tb(exc.__traceback__)
-    home = getattr(getattr(fn, "__code__", None), "co_filename", None)
+    code = getattr(fn, "__code__", None) or getattr(getattr(type(fn), "__call__", None), "__code__", None)
+    home = getattr(code, "co_filename", None)  # a function's file, or a callable object's class's
     own = [f for f in frames if f.filename == home]
     frame = (own or frames)[-1] if frames else None
     return f"at {frame.filename}:{frame.lineno} in {frame.name}" if frame else "no traceback"

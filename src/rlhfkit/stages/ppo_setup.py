@@ -53,21 +53,24 @@ def _check_vocab(name: str, role: str, actor_tok, opts) -> None:
 def load_reward(cfg: PPOConfig, actor_tok, engine, prompt_fields: list[dict] | None = None
                 ) -> tuple[CombinedReward, list]:
     """-> (the weighted sum of every `reward` part, the tokenizer of each part: None for a Python function).
-    `prompt_fields`: the prompt rows' dataset fields, checked against what each reward function takes."""
+    `prompt_fields`: the prompt rows' dataset fields, checked against what each reward function takes before any
+    reward model loads."""
+    functions = {part.name: FunctionReward(load_reward_function(part.spec), part.spec)
+                 for part in cfg.reward_parts() if is_function_spec(part.spec)}
+    if prompt_fields is not None:
+        for function in functions.values():
+            function.check_fields(prompt_fields)
     parts, tokenizers = [], []
     for part in cfg.reward_parts():
-        reward, tok = load_one_reward(part.spec, cfg, actor_tok, engine)
-        if prompt_fields is not None and isinstance(reward, FunctionReward):
-            reward.check_fields(prompt_fields)
+        reward, tok = (functions[part.name], None) if part.name in functions else \
+            load_reward_model(part.spec, cfg, actor_tok, engine)
         parts.append((part.name, reward, part.weight))
         tokenizers.append(tok)
     return CombinedReward(parts), tokenizers
 
 
-def load_one_reward(spec: str, cfg: PPOConfig, actor_tok, engine):
-    """-> (reward callable, reward tokenizer or None for a Python function)."""
-    if is_function_spec(spec):
-        return FunctionReward(load_reward_function(spec), spec), None
+def load_reward_model(spec: str, cfg: PPOConfig, actor_tok, engine):
+    """-> (the reward model in folder `spec`, scoring rollouts; its tokenizer)."""
     frozen_opts = dataclasses.replace(cfg.load, tokenizer=None, gradient_checkpointing=False)
     rm_tok = load_tokenizer(spec, frozen_opts)
     model = load_scalar_model(spec, frozen_opts, rm_tok)
