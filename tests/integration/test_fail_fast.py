@@ -1,0 +1,169 @@
+"""Fail fast on the right cause, before any model loads: a model name that is neither a folder nor reachable, a
+reward function whose signature the prompt rows cannot fill, an output folder that already holds a finished run.
+Each exits with code 2 and one line that blames the right thing, within seconds, and writes nothing.
+
+Most cases run `rlhfkit.cli.main` in-process (what the `rlhfkit` entry point calls); the hub cases whose
+offline switch huggingface_hub reads at import run the real entry point in a subprocess.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from rlhfkit.cli import main as cli_main
+from rlhfkit.stages import ppo, sft  # noqa: F401  imported here, so that the timings below leave the imports out
+
+from conftest import NAMES, ROOT, sft_rows, write_jsonl
+
+FETCHED = "SmolLM2-135M-Instruct"  # the folder `rlhfkit fetch smollm2-135m-instruct` writes
+
+
+def sft_args(tmp: Path, model) -> list[str]:
+    data = write_jsonl(tmp / "train.jsonl", sft_rows())
+    return [f"model={model}", f"data.train={data}", f"output_dir={tmp / 'out'}", "train.batch_size=4",
+            "train.micro_batch_size=4", "train.max_steps=1", "log.tensorboard=false", f"data.cache_dir={tmp / 'cache'}"]
+
+
+def ppo_args(tmp: Path, model, reward: str) -> list[str]:
+    prompts = write_jsonl(tmp / "prompts.jsonl", [{"prompt": f"say {n}", "ground_truth": n} for n in NAMES])
+    return [f"actor={model}", f"reward={reward}", f"data.prompts={prompts}", f"output_dir={tmp / 'out'}",
+            "train.batch_size=4", "train.micro_batch_size=4", "train.max_steps=1", "gen.max_new_tokens=4",
+            "data.eval_fraction=0", "log.tensorboard=false"]
+
+
+def run(capsys, verb: str, args: list[str]) -> tuple[int, str, float]:
+    """(exit code, the last stderr line, seconds) of `rlhfkit VERB ARGS` in-process."""
+    start = time.monotonic()
+    code = cli_main([verb, *args])
+    seconds = time.monotonic() - start
+    err = capsys.readouterr().err.strip()
+    return code, err.splitlines()[-1] if err else "", seconds
+
+
+def rlhfkit(*args: str, env: dict) -> subprocess.CompletedProcess:
+    """The real entry point, with `env` as its whole environment but PYTHONPATH."""
+    return subprocess.run([sys.executable, "-m", "rlhfkit", *args], capture_output=True, text=True, timeout=600,
+                          env={**env, "PYTHONPATH": str(ROOT / "src")})
+
+
+def without_offline() -> dict:
+    return {k: v for k, v in os.environ.items() if k not in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")}
+
+
+# ---------------------------------------------------------------- a model that is neither a folder nor reachable
+
+
+@pytest.mark.parametrize("name", [FETCHED, f"HuggingFaceTB/{FETCHED}"])
+def test_a_model_name_offline_says_so_and_names_the_fetched_folder(tmp_path, monkeypatch, capsys, name):
+    """HF_HUB_OFFLINE=1 (the test session's setting): no request at all; the fetched SmolLM2 is what was meant."""
+    monkeypatch.chdir(tmp_path)
+    cache = tmp_path / "rlhfkit-cache"
+    monkeypatch.setenv("RLHFKIT_CACHE_DIR", str(cache))
+    folder = cache / "models" / FETCHED
+    code, line, seconds = run(capsys, "sft", sft_args(tmp_path, name))
+    assert code == 2 and seconds < 5
+    assert line == (f"rlhfkit sft: error: config key 'model': '{name}' is not a folder, and HF_HUB_OFFLINE is set "
+                    f"(the hub is not asked, and its cache has no copy); did you mean the folder that rlhfkit fetch "
+                    f"smollm2-135m-instruct writes? run that, then pass model={folder}")
+    assert not (tmp_path / "out").exists() and not (tmp_path / "cache").exists()  # nothing written, nothing read
+
+    (folder).mkdir(parents=True)  # once fetched (the folder's marker: it is complete), it is named as it is
+    (folder / "rlhfkit-source.json").write_text("{}")
+    code, line, _ = run(capsys, "sft", sft_args(tmp_path, name))
+    assert code == 2 and line.endswith(f"; did you mean model={folder} (what rlhfkit fetch smollm2-135m-instruct "
+                                       f"wrote)?")
+
+
+def test_every_model_setting_is_checked_and_named(tmp_path, tiny_model_dir, monkeypatch, capsys):
+    """PPO's critic (and reference, reward) are checked with the actor, before the prompts are tokenised."""
+    monkeypatch.setenv("RLHFKIT_CACHE_DIR", str(tmp_path / "rlhfkit cache"))  # a space: quoted in the hint
+    reward = tmp_path / "r.py"
+    reward.write_text("def score(prompts, responses):\n    return [0.0] * len(responses)\n")
+    code, line, seconds = run(capsys, "ppo", ppo_args(tmp_path, tiny_model_dir, f"{reward}:score") + ["critic=gpt2"])
+    assert code == 2 and seconds < 5
+    fetched = shlex.quote(f"critic={tmp_path / 'rlhfkit cache' / 'models' / FETCHED}")
+    assert line == (f"rlhfkit ppo: error: config key 'critic': 'gpt2' is not a folder, and HF_HUB_OFFLINE is set (the "
+                    f"hub is not asked, and its cache has no copy): pass a model folder; rlhfkit fetch NAME makes "
+                    f"one (rlhfkit fetch smollm2-135m-instruct, then {fetched})")
+    assert not (tmp_path / "out").exists()
+
+
+def test_an_unreachable_hub_is_asked_once_without_retries(tmp_path, tiny_model_dir):
+    """Online, one request to the hub (here an endpoint where nothing listens) and no retries: the line says the
+    hub is unreachable, not that the tokenizer is missing, and points to fetch and to HF_HUB_OFFLINE."""
+    env = {**without_offline(), "HF_ENDPOINT": "http://127.0.0.1:9", "RLHFKIT_CACHE_DIR": str(tmp_path / "c")}
+    res = rlhfkit("sft", *sft_args(tmp_path, FETCHED), env=env)
+    assert res.returncode == 2, res.stderr[-2000:]
+    assert "Retry" not in res.stderr and "tokenizer" not in res.stderr
+    last = res.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"rlhfkit sft: error: config key 'model': '{FETCHED}' is not a folder, and the hub "
+                           f"(http://127.0.0.1:9) is not reachable (ConnectError: ")
+    assert last.endswith(f"; HF_HUB_OFFLINE=1 before the command skips it); did you mean the folder that rlhfkit fetch "
+                         f"smollm2-135m-instruct writes? run that, then pass "
+                         f"model={tmp_path / 'c' / 'models' / FETCHED}")
+    assert not (tmp_path / "out").exists()
+
+
+def test_transformers_offline_is_offline_too(tmp_path, tiny_model_dir):
+    env = {**without_offline(), "TRANSFORMERS_OFFLINE": "1", "HF_ENDPOINT": "http://127.0.0.1:9"}
+    res = rlhfkit("sft", *sft_args(tmp_path, "gpt2"), env=env)
+    assert res.returncode == 2 and "Retry" not in res.stderr
+    assert "config key 'model': 'gpt2' is not a folder, and HF_HUB_OFFLINE is set" in res.stderr.splitlines()[-1]
+
+
+# ---------------------------------------------------------------- a reward function the rows cannot call
+
+
+@pytest.mark.parametrize("source,problem", [
+    ("def score(prompts, responses, answer):",
+     "takes a parameter 'answer' that the prompt rows do not have (they have: ground_truth, prompt): rename it to "
+     "one of those, or give it a default"),
+    ("def score(completions, ground_truth, **kwargs):",
+     "gets the responses as its second parameter, 'ground_truth', and the prompt rows' field 'ground_truth' too: it "
+     "is called as score(prompts, responses, ground_truth=..., prompt=...)"),
+    ("def score(responses):",
+     "takes 1 positional parameter, but is called as score(prompts, responses)"),
+])
+def test_a_reward_function_with_the_wrong_signature_fails_before_any_model_loads(tmp_path, tiny_model_dir, capsys,
+                                                                                   source, problem):
+    reward = tmp_path / "my_reward.py"
+    reward.write_text(f"import math\n\n\n{source}\n    return [0.0 for _ in prompts]\n")
+    code, line, seconds = run(capsys, "ppo", ppo_args(tmp_path, tiny_model_dir, f"{reward}:score"))
+    assert code == 2
+    assert line == f"rlhfkit ppo: error: reward function 'score' ({reward}:4) {problem}"
+    assert seconds < 5  # before the actor loads and generates
+    assert not (tmp_path / "out").exists()
+
+
+def test_an_error_inside_the_reward_points_at_the_users_line(tmp_path, tiny_model_dir, capsys):
+    """Raised in a library the user's function called: the line named is the user's call, not json's nor rlhfkit's."""
+    reward = tmp_path / "my_reward.py"
+    reward.write_text("import json\n\n\ndef score(prompts, responses):\n    return json.loads(responses[0])\n")
+    code, line, _ = run(capsys, "ppo", ppo_args(tmp_path, tiny_model_dir, f"{reward}:score"))
+    assert code == 2 and line.startswith(f"rlhfkit ppo: error: reward '{reward}:score' raised JSONDecodeError: ")
+    assert line.endswith(f"(at {reward}:5 in score)")
+    assert not (tmp_path / "out").exists()
+
+
+# ---------------------------------------------------------------- an output folder that holds a finished run
+
+
+def test_a_finished_output_folder_is_refused_before_the_data_is_read(tmp_path, tiny_model_dir, capsys):
+    (tmp_path / "out" / "final").mkdir(parents=True)
+    (tmp_path / "out" / "final" / "model.safetensors").write_bytes(b"weights of a finished run")
+    code, line, seconds = run(capsys, "sft", sft_args(tmp_path, tiny_model_dir))
+    assert code == 2 and seconds < 5
+    assert line == (f"rlhfkit sft: error: output_dir '{tmp_path / 'out'}' already holds a finished run (final/ "
+                    f"exists): pass --force to overwrite it, --resume to continue from its checkpoints, or choose "
+                    f"another output_dir")
+    assert not (tmp_path / "cache").exists()  # refused before the rows were tokenised (and cached)
+    assert sorted(p.name for p in (tmp_path / "out").rglob("*")) == ["final", "model.safetensors"]
+    code, _, _ = run(capsys, "sft", sft_args(tmp_path, tiny_model_dir) + ["--force"])  # --force still replaces it
+    assert code == 0 and (tmp_path / "out" / "final" / "config.json").is_file()
