@@ -102,12 +102,24 @@ def pool_moments(metrics: dict, world_size: int) -> dict:
 
 
 def shorten_middle(text: str, width: int) -> str:
-    """`text` in at most `width` characters: its start and its end, the middle replaced by " ... " (a prompt's
-    preview: where it starts, and the question it ends with)."""
+    """`text` in at most `width` characters: its start and its end, the middle replaced by " ... "."""
     if len(text) <= width:
         return text
     head = (width - 5) // 2
     return text[:head] + " ... " + text[len(text) - (width - 5 - head):]
+
+
+def prompt_preview(messages: list[dict] | None, rendered: str, width: int = 100) -> str:
+    """A prompt for the log, from its start: the row's own turns (one user turn: its text; more: "role: text" each,
+    joined by " | "), not the template's markup and system prompt, which would fill the preview before the
+    question (the first log lines name a template's own system prompt); `rendered` where the row kept no turns.
+    Whitespace collapsed; a long prompt loses its middle, keeping its start and the question it ends with."""
+    if messages:
+        text = messages[0]["content"] if len(messages) == 1 else " | ".join(f"{m['role']}: {m['content']}"
+                                                                          for m in messages)
+    else:
+        text = rendered
+    return shorten_middle(" ".join(text.split()), width)
 
 
 def fill_unjudged(raw: torch.Tensor, judged: torch.Tensor, group: torch.Tensor) -> torch.Tensor:
@@ -283,7 +295,7 @@ class PPOSteps:
             for i, (prompt, cut) in enumerate(shown):
                 f.write(json.dumps({"step": iteration, "prompt": prompt, **({"prompt_truncated": True} if cut else {}),
                                     "response": rollout.response_texts[i], "score": float(scored.raw[i])}) + "\n")
-        prompt = shorten_middle(shown[0][0].replace("\n", " "), 100)  # its start, and the question at its end
+        prompt = prompt_preview(rollout.messages[0] if rollout.messages else None, shown[0][0])
         log.write(f"[{iteration}] {prompt!r} -> {rollout.response_texts[0][:120]!r} "
                   f"(score {float(scored.raw[0]):.3g})")
 
