@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import shlex
+import shutil
 import subprocess
 import sys
 import time
@@ -116,6 +117,28 @@ def test_transformers_offline_is_offline_too(tmp_path, tiny_model_dir):
     res = rlhfkit("sft", *sft_args(tmp_path, "gpt2"), env=env)
     assert res.returncode == 2 and "Retry" not in res.stderr
     assert "config key 'model': 'gpt2' is not a folder, and HF_HUB_OFFLINE is set" in res.stderr.splitlines()[-1]
+
+
+def test_a_model_in_the_hub_cache_loads_offline_and_is_named_when_the_hub_is_unreachable(tmp_path, tiny_model_dir):
+    """A hub id whose copy is in huggingface_hub's cache is what HF_HUB_OFFLINE=1 is for: it trains (transformers
+    reads the cache). Online with the hub unreachable, the downloads would wait on retries for every file: the
+    line says to set HF_HUB_OFFLINE=1."""
+    snapshot = tmp_path / "hf" / "hub" / "models--org--tiny" / "snapshots" / "0123abcd"
+    shutil.copytree(tiny_model_dir, snapshot)
+    (snapshot.parents[1] / "refs").mkdir()
+    (snapshot.parents[1] / "refs" / "main").write_text("0123abcd")
+    env = {**without_offline(), "HF_HOME": str(tmp_path / "hf"), "HF_ENDPOINT": "http://127.0.0.1:9"}
+    res = rlhfkit("sft", *sft_args(tmp_path, "org/tiny"), env={**env, "HF_HUB_OFFLINE": "1"})
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert (tmp_path / "out" / "final" / "model.safetensors").is_file()
+    res = rlhfkit("sft", *sft_args(tmp_path, "org/tiny"), "output_dir=" + str(tmp_path / "out2"), env=env)
+    assert res.returncode == 2 and "Retry" not in res.stderr
+    last = res.stderr.strip().splitlines()[-1]
+    assert last.startswith("rlhfkit sft: error: config key 'model': 'org/tiny' is in the hub's cache, but the hub "
+                           "(http://127.0.0.1:9) is not reachable (ConnectError: ")  # then the OS's words
+    assert last.endswith("): put HF_HUB_OFFLINE=1 before the command to load the cached copy without waiting on "
+                         "retries")
+    assert not (tmp_path / "out2").exists()
 
 
 # ---------------------------------------------------------------- a reward function the rows cannot call
