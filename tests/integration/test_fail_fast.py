@@ -112,6 +112,39 @@ def test_an_unreachable_hub_is_asked_once_without_retries(tmp_path, tiny_model_d
     assert not (tmp_path / "out").exists()
 
 
+def test_a_name_the_hub_does_not_have_is_said_after_one_answer(tmp_path):
+    """A hub that answers (here a stand-in on localhost) that it has no such repository: one line, not transformers'
+    'not a valid model identifier' wrapped as a tokenizer error."""
+    import http.server
+    import threading
+
+    class NoSuchRepo(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # what the hub answers for a repository that does not exist
+            self.send_response(404)
+            self.send_header("X-Error-Code", "RepoNotFound")
+            self.end_headers()
+
+        do_HEAD = do_GET
+
+        def log_message(self, *args):
+            pass
+
+    hub = http.server.ThreadingHTTPServer(("127.0.0.1", 0), NoSuchRepo)
+    threading.Thread(target=hub.serve_forever, daemon=True).start()
+    endpoint = f"http://127.0.0.1:{hub.server_port}"
+    try:
+        res = rlhfkit("sft", *sft_args(tmp_path, "gpt2"), env={**without_offline(), "HF_ENDPOINT": endpoint,
+                                                                "RLHFKIT_CACHE_DIR": str(tmp_path / "c")})
+    finally:
+        hub.shutdown()
+    assert res.returncode == 2 and "Retry" not in res.stderr
+    assert res.stderr.strip().splitlines()[-1] == (
+        f"rlhfkit sft: error: config key 'model': 'gpt2' is not a folder, and the hub ({endpoint}) has no model of "
+        f"that name (or it is private: log in with hf auth login): pass a model folder; rlhfkit fetch NAME makes one "
+        f"(rlhfkit fetch smollm2-135m-instruct, then model={tmp_path / 'c' / 'models' / FETCHED})")
+    assert not (tmp_path / "out").exists()
+
+
 def test_transformers_offline_is_offline_too(tmp_path, tiny_model_dir):
     env = {**without_offline(), "TRANSFORMERS_OFFLINE": "1", "HF_ENDPOINT": "http://127.0.0.1:9"}
     res = rlhfkit("sft", *sft_args(tmp_path, "gpt2"), env=env)
