@@ -47,7 +47,7 @@ def test_lora_at_a_full_fine_tuning_rate_is_noted_once_and_third_party_noise_is_
     assert not lines_with(res.stderr, "note: LoRA"), res.stderr[-2000:]
 
 
-def test_dpo_on_twenty_pairs_says_its_automatic_eval_split_is_one_pair(tmp_path, tiny_model_dir):
+def test_dpo_and_rm_on_twenty_pairs_say_their_automatic_eval_split_is_one_pair(tmp_path, tiny_model_dir):
     pairs = write_jsonl(tmp_path / "pairs.jsonl", [{"prompt": f"say {n}", "chosen": f"{n} {n} {n}",
                                                      "rejected": f"{n}"} for n in NAMES])
     res = run_cli("dpo", f"model={tiny_model_dir}", f"data.train={pairs}", f"output_dir={tmp_path / 'dpo'}",
@@ -58,7 +58,12 @@ def test_dpo_on_twenty_pairs_says_its_automatic_eval_split_is_one_pair(tmp_path,
                      "fewer than 10 rows mean little (each row is 100% of an eval accuracy); set data.eval=PATH "
                      "(rows of your own), data.eval_fraction=0.5 (holds out 10 of 20), or data.eval_fraction=0 for "
                      "no evaluation"], res.stderr[-3000:]
-    assert len(lines_with(res.stderr, LORA_NOTE)) == 1  # dpo notes LoRA's rate too
+    assert len(lines_with(res.stderr, LORA_NOTE)) == 1  # dpo notes LoRA's rate too, and so does rm
+    res = run_cli("rm", f"model={tiny_model_dir}", f"data.train={pairs}", f"output_dir={tmp_path / 'rm'}",
+                  "train.max_steps=1", "train.batch_size=4", "lora.rank=8", "rm.norm_samples=0",
+                  "log.tensorboard=false")
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert len(lines_with(res.stderr, LORA_NOTE)) == 1 and len(lines_with(res.stderr, "data: evaluation on")) == 1
 
 
 def test_a_chat_templates_own_system_prompt_is_said_once(tmp_path, tiny_model_dir):
