@@ -55,7 +55,7 @@ def test_dpo_and_rm_on_twenty_pairs_say_their_automatic_eval_split_is_one_pair(t
     assert res.returncode == 0, res.stderr[-3000:]
     notes = lines_with(res.stderr, "data: evaluation on")
     assert notes == ["data: evaluation on 1 row only, held out by data.eval_fraction=0.05 of 20: eval metrics over "
-                     "fewer than 10 rows mean little (each row is 100% of an eval accuracy); set data.eval=PATH "
+                     "fewer than 10 rows mean little (one row is 100% of every eval mean); set data.eval=PATH "
                      "(rows of your own), data.eval_fraction=0.5 (holds out 10 of 20), or data.eval_fraction=0 for "
                      "no evaluation"], res.stderr[-3000:]
     assert len(lines_with(res.stderr, LORA_NOTE)) == 1  # dpo notes LoRA's rate too, and so does rm

@@ -77,12 +77,13 @@ def test_a_tiny_automatic_eval_split_is_said_and_its_pasted_hint_silences_it(tmp
         return len(evals), [line for line in capsys.readouterr().err.splitlines() if "evaluation on" in line]
 
     assert load() == (1, ["data: evaluation on 1 row only, held out by data.eval_fraction=0.05 of 20: eval metrics "
-                          "over fewer than 10 rows mean little (each row is 100% of an eval accuracy); set "
+                          "over fewer than 10 rows mean little (one row is 100% of every eval mean); set "
                           "data.eval=PATH (rows of your own), data.eval_fraction=0.5 (holds out 10 of 20), or "
                           "data.eval_fraction=0 for no evaluation"])
     assert load()[1]  # a cache hit says it too
     assert load(eval_fraction=0.5) == (MIN_EVAL_ROWS, [])  # the hint, pasted
     assert load(eval_fraction=0.0) == (0, [])
+    assert load(eval_fraction=0.5, eval_max_rows=4) == (4, [])  # a cap the user chose
     eval_file = write_jsonl(tmp_path / "eval.jsonl", rows[:3])
     assert load(eval=str(eval_file)) == (3, [])  # rows the user chose are theirs to judge
     # from 100 rows, 5 held out: the share that holds out 10 is offered

@@ -349,7 +349,9 @@ def _note_eval_rows(stage: str, data: StageData, cfg, eval_source, note) -> None
     """Say so when the rows held out by data.eval_fraction are too few to mean anything, or when evaluation rows
     were asked for but none are left (a held-out share of few rows rounds to none, or every eval row was too long):
     the run logs no eval metrics."""
-    if data.eval and eval_source is None and data.info.get("held_out") and len(data.eval) < MIN_EVAL_ROWS:
+    # (a data.eval_max_rows the user set below MIN_EVAL_ROWS is their choice)
+    if data.eval and eval_source is None and data.info.get("held_out") \
+            and len(data.eval) < min(MIN_EVAL_ROWS, cfg.eval_max_rows):
         key = "data.eval_prompts" if stage == "prompts" else "data.eval"
         total = data.info["train_rows"] + data.info["held_out"]
         share = math.ceil(MIN_EVAL_ROWS * 100 / total) / 100  # the share _hold_out rounds to MIN_EVAL_ROWS rows
@@ -357,8 +359,8 @@ def _note_eval_rows(stage: str, data: StageData, cfg, eval_source, note) -> None
             else ""
         rows = f"{len(data.eval)} row{'s' if len(data.eval) > 1 else ''}"
         note(f"evaluation on {rows} only, held out by data.eval_fraction={cfg.eval_fraction:g} of {total}: eval "
-             f"metrics over fewer than {MIN_EVAL_ROWS} rows mean little (each row is {1 / len(data.eval):.0%} of an "
-             f"eval accuracy); set {key}=PATH (rows of your own){larger}, or data.eval_fraction=0 for no evaluation")
+             f"metrics over fewer than {MIN_EVAL_ROWS} rows mean little (one row is {1 / len(data.eval):.0%} of "
+             f"every eval mean); set {key}=PATH (rows of your own){larger}, or data.eval_fraction=0 for no evaluation")
     if data.eval or cfg.eval_max_rows <= 0:
         return
     if data.info.get("eval_read"):  # there were some: tokenisation skipped or dropped every one
