@@ -52,9 +52,10 @@ class ChatModel:
     def __init__(self, name: str, mode: str = "auto"):
         from rlhfkit.data.templates import Template
         from rlhfkit.models import ModelError, load_causal_lm, load_tokenizer
-        from rlhfkit.models.loading import template_mode
+        from rlhfkit.models.loading import check_model_source, template_mode
         from rlhfkit.rollout.generate import eos_token_ids
 
+        check_model_source(None, name)  # a name that is no folder: one line now, not the hub's retries
         self.name = name
         self.tokenizer = load_tokenizer(name, padding_side="left")
         self._refuse_scalar_head(name, ModelError)

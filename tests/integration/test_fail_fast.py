@@ -112,6 +112,19 @@ def test_an_unreachable_hub_is_asked_once_without_retries(tmp_path, tiny_model_d
     assert not (tmp_path / "out").exists()
 
 
+def test_chat_with_a_name_that_is_no_folder_asks_the_unreachable_hub_once(tmp_path):
+    """`rlhfkit chat NAME` (a command's argument, not a config key) gets the same one line, naming no config key,
+    and its hint is the folder alone."""
+    env = {**without_offline(), "HF_ENDPOINT": "http://127.0.0.1:9", "RLHFKIT_CACHE_DIR": str(tmp_path / "c")}
+    res = rlhfkit("chat", FETCHED, "--prompt", "hi", env=env)
+    assert res.returncode == 2, res.stderr[-2000:]
+    assert "Retry" not in res.stderr and "Traceback" not in res.stderr
+    last = res.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"rlhfkit chat: error: '{FETCHED}' is not a folder, and the hub (http://127.0.0.1:9) is "
+                           f"not reachable (ConnectError: ")
+    assert last.endswith(f"run that, then pass {tmp_path / 'c' / 'models' / FETCHED}")
+
+
 def test_a_name_the_hub_does_not_have_is_said_after_one_answer(tmp_path):
     """A hub that answers (here a stand-in on localhost) that it has no such repository: one line, not transformers'
     'not a valid model identifier' wrapped as a tokenizer error."""

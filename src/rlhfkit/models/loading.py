@@ -69,27 +69,28 @@ def _in_hub_cache(name: str) -> bool:
         return False
 
 
-def check_model_source(key: str, name: str) -> None:
-    """Before anything loads: ModelError naming config key `key` when `name` is neither a folder nor a model the
+def check_model_source(key: str | None, name: str) -> None:
+    """Before anything loads: ModelError naming config key `key` (None: a command's argument, `chat MODEL_DIR`) when `name` is neither a folder nor a model the
     hub gives. Offline (HF_HUB_OFFLINE or TRANSFORMERS_OFFLINE, as huggingface_hub reads them) a hub id must be in
     the hub's cache and nothing is asked; online one request (`HfApi.model_info`, which does not retry) tells an
     unreachable hub or an unknown name at once. Whatever the hub answers otherwise is left to transformers."""
     if _is_local(name):
         _source_kwargs(name, LoadConfig())  # a missing folder
         return
+    setting = f"config key '{key}': " if key else ""
     cached = _in_hub_cache(name)
     if is_offline_mode():
         if not cached:
-            raise ModelError(f"config key '{key}': '{name}' is not a folder, and HF_HUB_OFFLINE is set (the hub is "
+            raise ModelError(f"{setting}'{name}' is not a folder, and HF_HUB_OFFLINE is set (the hub is "
                              f"not asked, and its cache has no copy){fetch_hint(key, name)}")
         return
     try:
         HfApi().model_info(name, timeout=HUB_PROBE_TIMEOUT_S)
     except HFValidationError:
-        raise ModelError(f"config key '{key}': '{name}' is neither a folder nor a hub id (namespace/name)"
+        raise ModelError(f"{setting}'{name}' is neither a folder nor a hub id (namespace/name)"
                          f"{fetch_hint(key, name)}") from None
     except RepositoryNotFoundError:
-        raise ModelError(f"config key '{key}': '{name}' is not a folder, and the hub ({constants.ENDPOINT}) has no "
+        raise ModelError(f"{setting}'{name}' is not a folder, and the hub ({constants.ENDPOINT}) has no "
                          f"model of that name (or it is private: log in with hf auth login){fetch_hint(key, name)}") \
             from None
     except HfHubHTTPError:  # the hub answered: loading says what it means
@@ -97,10 +98,10 @@ def check_model_source(key: str, name: str) -> None:
     except Exception as exc:  # no answer (no network, refused, timed out): the downloads would retry and fail
         why = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else 'no answer'}"
         if cached:
-            raise ModelError(f"config key '{key}': '{name}' is in the hub's cache, but the hub ({constants.ENDPOINT}) "
+            raise ModelError(f"{setting}'{name}' is in the hub's cache, but the hub ({constants.ENDPOINT}) "
                              f"is not reachable ({why}): put HF_HUB_OFFLINE=1 before the command to load the cached "
                              f"copy without waiting on retries") from None
-        raise ModelError(f"config key '{key}': '{name}' is not a folder, and the hub ({constants.ENDPOINT}) is not "
+        raise ModelError(f"{setting}'{name}' is not a folder, and the hub ({constants.ENDPOINT}) is not "
                          f"reachable ({why}; HF_HUB_OFFLINE=1 before the command skips it){fetch_hint(key, name)}") \
             from None
 
