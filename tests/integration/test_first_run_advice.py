@@ -102,3 +102,25 @@ def test_ppo_says_what_its_kl_is_previews_the_start_of_prompts_and_says_its_pace
     pace = lines_with(res.stderr, "ppo: iteration 1 of 2 took")
     assert len(pace) == 1 and "; 1 more at this pace: about " in pace[0] and "generate" in pace[0], pace
     assert len(lines_with(res.stderr, LORA_NOTE)) == 1
+
+
+def test_the_end_of_a_run_says_what_it_learned_or_why_it_did_not(tmp_path, tiny_model_dir):
+    """The last line above the result: each bar metric from its first logged value to its last; a held-out loss
+    that did not move (here train.lr=0: the same eval rows give the same loss) says why it may not have."""
+    data = write_jsonl(tmp_path / "train.jsonl", sft_rows())
+    common = ("sft", f"model={tiny_model_dir}", f"data.train={data}", "train.max_steps=6", "train.batch_size=8",
+              "data.eval_fraction=0.1", "log.tensorboard=false")
+    res = run_cli(*common, "train.lr=3e-3", f"output_dir={tmp_path / 'trained'}")
+    assert res.returncode == 0, res.stderr[-3000:]
+    rows = [json.loads(line) for line in (tmp_path / "trained" / "metrics.jsonl").read_text().splitlines()]
+    losses = [r["loss"] for r in rows if "loss" in r]
+    evals = [r["eval/loss"] for r in rows if "eval/loss" in r]
+    assert lines_with(res.stderr, "sft: after") == [
+        f"sft: after 6 steps: loss {losses[0]:.4g} -> {losses[-1]:.4g}, eval/loss {evals[0]:.4g} -> {evals[-1]:.4g}"]
+    assert evals[-1] < 0.99 * evals[0]
+
+    res = run_cli(*common, "train.lr=0", f"output_dir={tmp_path / 'still'}")
+    assert res.returncode == 0, res.stderr[-3000:]
+    (line,) = lines_with(res.stderr, "sft: after 6 steps")
+    assert line.endswith("; the eval/loss barely moved (under 1%): a higher train.lr (LoRA trains at 1e-4 or more) "
+                         "or more steps"), line

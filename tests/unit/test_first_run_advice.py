@@ -134,3 +134,17 @@ def test_a_preview_shows_the_rows_own_prompt_from_its_start():
     assert len(shown) == 100 and shown.startswith("Describe a very long scene") and " ... " in shown
     assert shown.endswith("then name a primary color.")
     assert shorten_middle("abcdefghijkl", 11) == "abc ... jkl" and shorten_middle("abc", 3) == "abc"
+
+
+def test_learned_line_names_each_bar_metric_and_a_loss_that_did_not_move():
+    from rlhfkit.stages.advice import learned_line
+
+    seen = {"loss": (2.0, 1.0), "accuracy": (0.5, 0.75), "lr": (1e-3, 0.0)}
+    assert learned_line("rm", 10, seen, ("loss", "accuracy", "lr", "eval/accuracy")) == \
+        "rm: after 10 steps: loss 2 -> 1, accuracy 0.5 -> 0.75"
+    # the held-out loss decides when there is one; 1% of it is the line between moved and not
+    still = {"loss": (2.0, 1.0), "eval/loss": (3.0, 2.98)}
+    assert learned_line("sft", 1, still, ("loss", "eval/loss")).startswith(
+        "sft: after 1 step: loss 2 -> 1, eval/loss 3 -> 2.98; the eval/loss barely moved (under 1%)")
+    assert "barely" not in learned_line("sft", 1, {"eval/loss": (3.0, 2.96)}, ("eval/loss",))
+    assert learned_line("ppo", 3, {"kl": (0.0, 0.1)}, ("reward/mean",)) is None

@@ -44,3 +44,25 @@ def pace_line(stage: str, done: int, total: int, seconds: float, phases: dict[st
     left = total - done
     rest = f"{left} more at this pace: about {duration(left * seconds)}" if left else "the last one"
     return f"{stage}: iteration {done} of {total} took {seconds:.1f} s ({parts}); {rest}"
+
+
+# a loss that moved less than this (relative) from the run's first logged value to its last did not train visibly
+BARELY = 0.01
+
+
+def learned_line(stage: str, steps: int, seen: dict[str, tuple[float, float]], keys: tuple[str, ...]) -> str | None:
+    """What the run changed, said at its end: each of `keys` (the bar's metrics) from its first logged value to its
+    last (`seen`: key -> (first, last)); when the loss, held out if there is one, moved less than 1%, why that may
+    be. None when nothing was logged twice."""
+    moved = [(k, *seen[k]) for k in keys if k in seen and k != "lr"]
+    if not moved:
+        return None
+    line = f"{stage}: after {steps} step{'s' * (steps != 1)}: " + ", ".join(f"{k} {a:.4g} -> {b:.4g}"
+                                                                          for k, a, b in moved)
+    loss = "eval/loss" if "eval/loss" in seen else "loss" if "loss" in seen else None
+    if loss is not None:
+        first, last = seen[loss]
+        if abs(last - first) <= BARELY * abs(first):
+            line += (f"; the {loss} barely moved (under {BARELY:.0%}): a higher train.lr (LoRA trains at 1e-4 or "
+                     f"more) or more steps")
+    return line

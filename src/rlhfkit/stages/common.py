@@ -66,11 +66,15 @@ class MetricsLogger:
         show = enabled and cfg.progress and os.environ.get("RLHFKIT_NO_BAR") != "1"
         self.bar = tqdm(total=total, initial=initial, desc=stage, disable=not show, dynamic_ncols=True,
                         file=sys.stderr)
+        self.seen: dict[str, tuple[float, float]] = {}  # metric -> (first, last) value this process logged
 
     def log(self, step: int, metrics: dict, show: tuple[str, ...] = ()) -> None:
         if not self.enabled:
             return
         clean = {k: _finite(v) for k, v in metrics.items()}
+        for key, value in clean.items():
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                self.seen[key] = (self.seen.get(key, (value,))[0], value)
         self.file.write(json.dumps({"step": step, "stage": self.stage, **clean}) + "\n")
         self.file.flush()
         for key, value in clean.items():

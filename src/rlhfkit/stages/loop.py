@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from rlhfkit.config.schema import TrainConfig
+from rlhfkit.stages.advice import learned_line
 from rlhfkit.stages.common import MetricsLogger, batches, longest_first
 from rlhfkit.stages.guard import RunGuard
 
@@ -80,6 +81,8 @@ class TrainLoop:
         if done % self.train.log_every == 0 or last or self.last_eval.keys() & metrics.keys():
             self.log.log(done, metrics, show=self.show)
         self.log.advance()
+        if last and (line := learned_line(self.guard.stage, done, self.log.seen, self.show)):
+            self.log.write(line)  # what the run changed, or why it may not have
         keep = self.train.keep_checkpoints
         saved = self.due(self.train.save_every, done) and not last
         if saved:
