@@ -70,10 +70,11 @@ def _in_hub_cache(name: str) -> bool:
 
 
 def check_model_source(key: str | None, name: str) -> None:
-    """Before anything loads: ModelError naming config key `key` (None: a command's argument, `chat MODEL_DIR`) when `name` is neither a folder nor a model the
-    hub gives. Offline (HF_HUB_OFFLINE or TRANSFORMERS_OFFLINE, as huggingface_hub reads them) a hub id must be in
-    the hub's cache and nothing is asked; online one request (`HfApi.model_info`, which does not retry) tells an
-    unreachable hub or an unknown name at once. Whatever the hub answers otherwise is left to transformers."""
+    """Before anything loads: ModelError naming config key `key` (None: a command's argument, `chat MODEL_DIR`)
+    when `name` is neither a folder nor a model the hub gives. Offline (HF_HUB_OFFLINE or TRANSFORMERS_OFFLINE, as
+    huggingface_hub reads them) a hub id must be in the hub's cache and nothing is asked; online one request
+    (`HfApi.model_info`, which does not retry) tells an unreachable hub or an unknown name at once. Whatever the hub
+    answers otherwise is left to transformers."""
     if _is_local(name):
         _source_kwargs(name, LoadConfig())  # a missing folder
         return
