@@ -117,8 +117,8 @@ def test_reward_functions_get_the_dataset_columns_they_name():
     def needs_solution(prompts, responses, solution):
         return [0.0, 0.0]
 
-    with pytest.raises(ModelError, match=r"reward 'x' takes solution, which the prompt rows do not have "
-                                         r"\(their fields: answer, level\)"):
+    with pytest.raises(ModelError, match=r"reward function 'x' \(.*test_estimators.py:117\) takes a parameter "
+                                         r"'solution' that the prompt rows do not have \(they have: answer, level\)"):
         FunctionReward(needs_solution, "x")(b)
 
 

@@ -155,7 +155,7 @@ class FunctionReward:
         """ModelError naming the function's file and line when it cannot be called with the columns `rows` have
         (a parameter no row has, too few positional parameters, a field that would fill the responses' slot too):
         said when the prompts are read, before any model loads, and again per batch."""
-        name = self.spec.rsplit(":", 1)[1]
+        name = self.spec.rsplit(":", 1)[-1]  # "file.py:fn", or a bare name
         problem = call_problem(self.fn, name, sorted({k for row in rows for k in row}))
         if problem:
             raise ModelError(f"reward function '{name}' ({defined_at(self.fn)}) {problem}")
