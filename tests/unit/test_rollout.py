@@ -12,7 +12,8 @@ from rlhfkit.engine.local import LocalEngine
 from rlhfkit.config.ppo_schema import GenConfig, PPOSection
 from rlhfkit.data.templates import Template, encode_prompt, encode_response
 from rlhfkit.models import ModelError, load_causal_lm, load_scalar_model, load_tokenizer
-from rlhfkit.models.reward_fn import FunctionReward, ModelReward, is_function_spec, load_reward_function
+from rlhfkit.config.ppo_schema import is_function_spec
+from rlhfkit.models.reward_fn import FunctionReward, ModelReward, load_reward_function
 from rlhfkit.rollout import (RolloutBatch, add_advantages, add_model_outputs, adjust_scores, cat_rollouts,
                              ended_with_eos, generate_rollout, response_mask)
 from rlhfkit.rollout.experience import response_logprobs, response_values

@@ -6,6 +6,8 @@ update) and `batch_size` the prompts per iteration; `lr` is the actor's learning
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
@@ -385,3 +387,11 @@ class PPOConfig:
             raise ConfigError(f"config key '{prefix}train.micro_batch_size': {self.train.micro_batch_size} must "
                               f"divide the iteration's {samples} samples (train.batch_size x "
                               f"ppo.n_samples_per_prompt)")
+
+
+def is_function_spec(spec: str) -> bool:
+    """`module:function` or `path/file.py:function` (an existing folder is always a model, even with a ':')."""
+    if Path(spec).is_dir() or ":" not in spec:
+        return False
+    target, name = spec.rsplit(":", 1)
+    return bool(target) and name.isidentifier()

@@ -27,14 +27,6 @@ from rlhfkit.models.lora import base_model
 from rlhfkit.errors import ModelError, TemplateRefused
 
 
-def is_function_spec(spec: str) -> bool:
-    """`module:function` or `path/file.py:function` (an existing folder is always a model, even with a ':')."""
-    if Path(spec).is_dir() or ":" not in spec:
-        return False
-    target, name = spec.rsplit(":", 1)
-    return bool(target) and name.isidentifier()
-
-
 def load_reward_function(spec: str) -> Callable:
     """Import `module:function` (from the working directory or PYTHONPATH) or load `path/file.py:function`.
     An error while importing is one line naming the file and line that raised."""

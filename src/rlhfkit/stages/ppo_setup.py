@@ -19,7 +19,8 @@ from rlhfkit.errors import ModelError, RunError
 from rlhfkit.models import load_causal_lm, load_scalar_model, load_tokenizer
 from rlhfkit.models.loading import causal_lm_config, load_generation_config
 from rlhfkit.models.lora import apply_lora
-from rlhfkit.models.reward_fn import (CombinedReward, FunctionReward, ModelReward, is_function_spec,
+from rlhfkit.config.ppo_schema import is_function_spec
+from rlhfkit.models.reward_fn import (CombinedReward, FunctionReward, ModelReward,
                                      load_reward_function, same_tokenization)
 from rlhfkit.rollout.generate import ignored_generation_settings
 from rlhfkit.speed.registry import Target, plan_line, plan_model

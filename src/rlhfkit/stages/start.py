@@ -19,7 +19,7 @@ from rlhfkit.engine.backends import make_engine
 from rlhfkit.engine.protocol import Engine
 from rlhfkit.models import load_tokenizer
 from rlhfkit.models.loading import check_model_source, load_generation_config
-from rlhfkit.models.reward_fn import is_function_spec
+from rlhfkit.config.ppo_schema import is_function_spec
 from rlhfkit.stages.common import set_seed, with_trained_template
 from rlhfkit.stages.run_dir import check_output_dir
 
