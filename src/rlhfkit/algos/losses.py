@@ -144,6 +144,7 @@ def policy_loss(
     log_ratio_clamp: Optional[float] = None,
     aggregation: str = "token-mean",
     max_len: Optional[int] = None,
+    weights: Optional[torch.Tensor] = None,
 ) -> Tuple[torch.Tensor, Dict[str, float]]:
     """PPO clipped surrogate objective (Schulman et al. 2017, eq. 7), negated to be minimised.
 
@@ -174,6 +175,9 @@ def policy_loss(
         log_ratio_clamp: bound c > 0 on the log-ratio before exp; None disables it.
         aggregation: how per-token losses become a scalar; one of ``AGGREGATIONS`` (see ``aggregate``).
         max_len: the normaliser for ``aggregation="seq-mean-token-sum-norm"``.
+        weights: ``(B, T)`` per-token weights of the loss, or None: truncated importance sampling's
+            min(pi_old / pi_sampler, cap) where another engine sampled the tokens (``rollout/sync_check.py``).
+            They scale each token's clipped term (constants: no gradient), before aggregation.
 
     Returns:
         ``(loss, stats)``: a scalar tensor and Python floats
@@ -212,6 +216,8 @@ def policy_loss(
         cap = -advantages * dual_clip  # only binds for A < 0, where it is positive
         capped = (advantages < 0) & (loss_mat > cap)
         loss_mat = torch.where(advantages < 0, torch.min(loss_mat, cap), loss_mat)
+    if weights is not None:
+        loss_mat = loss_mat * torch.where(valid, weights.detach(), torch.zeros_like(weights)).to(loss_mat.dtype)
     loss = reduce(loss_mat, mask, max_len)
 
     with torch.no_grad():

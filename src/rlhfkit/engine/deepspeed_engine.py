@@ -206,6 +206,13 @@ class DeepSpeedEngine:
         """A DeepSpeed ZeRO-3 engine with an optimizer, whose hooks `unwrap_model_for_generation` removes."""
         return isinstance(module, deepspeed.DeepSpeedEngine) and getattr(module, "optimizer", None) is not None
 
+    def parameters_whole(self, params: list):
+        """ZeRO-3 partitions gathered for the block (all ranks, same order); other parameters are whole already."""
+        partitioned = [p for p in params if hasattr(p, "ds_id")]
+        if not partitioned:
+            return contextlib.nullcontext()
+        return deepspeed.zero.GatheredParameters(partitioned, modifier_rank=None)
+
     def generation_kwargs(self, module: torch.nn.Module) -> dict:
         # under ZeRO-3 every forward is a collective: a rank whose rows all ended must keep stepping until
         # every rank is done, or the others wait for it forever. Not so for a gathered, unwrapped actor.
@@ -240,6 +247,13 @@ class DeepSpeedEngine:
         t = torch.tensor([float(value)], dtype=torch.float64, device=self._comm_device())
         dist.all_reduce(t)
         return type(value)(t.item()) if isinstance(value, int) else t.item()
+
+    def reduce_max(self, value: float) -> float:
+        if self.world_size == 1:
+            return value
+        t = torch.tensor([float(value)], dtype=torch.float64, device=self._comm_device())
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return t.item()
 
     def barrier(self) -> None:
         dist.barrier()

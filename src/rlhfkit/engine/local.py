@@ -235,6 +235,9 @@ class LocalEngine:
     def reduce_sum(self, value: float) -> float:
         return value
 
+    def reduce_max(self, value: float) -> float:
+        return value
+
     def barrier(self) -> None:
         pass
 
@@ -281,6 +284,10 @@ class LocalEngine:
         if self.autocast is None:
             return contextlib.nullcontext(module)
         return _inside(torch.autocast(self.autocast.device_type, dtype=self.autocast.dtype), module)
+
+    def parameters_whole(self, params: list):
+        """Every parameter is held whole here: nothing to gather."""
+        return contextlib.nullcontext()
 
     def generation_kwargs(self, module: torch.nn.Module) -> dict:
         return {}

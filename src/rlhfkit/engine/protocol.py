@@ -90,6 +90,9 @@ class Engine(Protocol):
     def reduce_mean(self, metrics: dict) -> dict:
         """The numeric entries of `metrics` averaged over ranks (others unchanged)."""
 
+    def reduce_max(self, value: float) -> float:
+        """The largest of every rank's `value` (a collective)."""
+
     def barrier(self) -> None:
         """Wait for every rank."""
 
@@ -132,6 +135,11 @@ class Engine(Protocol):
 
     def gathered(self, module: torch.nn.Module) -> contextlib.AbstractContextManager:
         """A context giving the module to generate with, its full parameters at hand."""
+
+    def parameters_whole(self, params: list) -> contextlib.AbstractContextManager:
+        """A context in which each of `params` holds its full value on this rank (ZeRO-3: gathered for the block,
+        a collective that every rank enters with the same parameters in the same order; else nothing to do).
+        For handing weights to a rollout engine one module at a time, never the whole model at once."""
 
     def generation_kwargs(self, module: torch.nn.Module) -> dict:
         """Extra generate() arguments this backend needs (ZeRO-3 ranks must keep stepping together)."""

@@ -43,6 +43,8 @@ class RolloutBatch:
     rewards: Optional[torch.Tensor] = None  # (B, R) score on the last valid token minus kl_coef * kl
     advantages: Optional[torch.Tensor] = None  # (B, R) advantages of ppo.advantage_estimator
     returns: Optional[torch.Tensor] = None  # (B, R) returns (GAE: the critic's targets, advantages + values)
+    tis_weights: Optional[torch.Tensor] = None  # (B, R) min(pi_old / pi_sampler, rollout.tis_cap) where another
+    #                                             engine sampled (rollout/sync_check.py); None: no correction
 
     @property
     def size(self) -> int:

@@ -52,9 +52,10 @@ def sequence_kl(actor, reference, plans, batch: RolloutBatch, temperature: float
 
 @torch.no_grad()
 def evaluate_policy(actor, reference, reward, tokenizer, rows: list[dict], cfg: GenConfig, engine, micro: int,
-                    seed: int, eos_ids: list[int], plans) -> tuple[dict, RolloutBatch]:
+                    seed: int, eos_ids: list[int], plans, sampler=None) -> tuple[dict, RolloutBatch]:
     """eval/reward (raw reward of one response per held-out prompt), eval/kl, eval/response_length; `plans`: the
-    speed plans of "actor" and "reference".
+    speed plans of "actor" and "reference"; `sampler`: the run's rollout engine (rollout/engines.py, its weights
+    synced), None = the native decoder on `actor`.
 
     Sampling uses a fixed seed in a forked RNG: every evaluation draws with the same noise, so a change in
     eval/reward is the policy's, and the training RNG stream is untouched.
@@ -62,7 +63,8 @@ def evaluate_policy(actor, reference, reward, tokenizer, rows: list[dict], cfg: 
     devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
     with torch.random.fork_rng(devices=devices):
         torch.manual_seed(seed)
-        batch = generate_all(actor, engine, tokenizer, rows, cfg, plans["actor"], greedy=cfg.eval_greedy)
+        batch = generate_all(actor, engine, tokenizer, rows, cfg, plans["actor"], greedy=cfg.eval_greedy) \
+            if sampler is None else sampler.generate(rows, cfg, greedy=cfg.eval_greedy)
     finished = ended_with_eos(batch, eos_ids)
     with reward_on_device(engine, reward):
         scores = reward(batch, finished).float().cpu()

@@ -42,39 +42,44 @@ def run_ppo(cfg: PPOConfig, resume: bool = False, force: bool = False) -> dict:
     models = load_ppo_models(cfg, tokenizer, engine, iters * updates_per_iteration(cfg),
                              prompt_fields=[row.get("fields") or {} for row in data.train])
     rl = PPOSteps(cfg, models, tokenizer, engine, ptx)
-    out = prepare_output_dir(cfg, resume, force, engine.is_main)
-    resumed = rl.restore(out) if resume else {}
-    start = resumed_from(cfg, out, resumed["step"], engine.is_main) if resume else 0
-    evaluate = (lambda: rl.evaluate(data.eval)) if data.eval else None
+    try:  # the sampler (a vLLM engine) stops on every way out: the end, an error, a stop request
+        out = prepare_output_dir(cfg, resume, force, engine.is_main)
+        resumed = rl.restore(out) if resume else {}
+        start = resumed_from(cfg, out, resumed["step"], engine.is_main) if resume else 0
+        evaluate = (lambda: rl.evaluate(data.eval)) if data.eval else None
 
-    with undone_if_bad_input_at_start(out, not resume, engine.is_main), \
-            MetricsLogger(out, "ppo", iters, cfg.log, engine.is_main, initial=start) as log:
-        log.write(models.speed_line())  # the first line: which fast paths each model takes, and why not the others
-        log.write(describe(cfg, data.info, models.notes))
-        log.write(kl_note(cfg.ppo.kl_estimator))  # why the kl on the bar can be below 0
-        if note := lora_rate_note(cfg.lora.rank, cfg.train.lr):
-            log.write(note)
-        first_eval = evaluate() if evaluate and start == 0 else {}
-        if first_eval:  # the starting point, so the curves show what PPO changed
-            log.log(0, first_eval, show=SHOW)
-        with TrainLoop(engine, out, "ppo", iters, cfg.train, log, rl.trainables(), rl.checkpoint_state, evaluate,
-                       show=SHOW, resumed=resumed) as loop:
-            for it, epoch, rows in loop.steps(data.train, start):
-                tick, timer, lrs = time.perf_counter(), PhaseTimer(engine.device), rl.lrs()
-                rollout = rl.generate(rows, timer)  # 1. responses to the prompts, with their log-probs
-                scored = rl.score(rollout, timer)  # 2. the frozen reward on prompt + response
-                experience = rl.make_experience(scored, timer)  # 3. reference, values, rewards, advantages
-                train_metrics = rl.optimise(experience, it, timer)  # 4. PPO epochs x mini-batches
-                # Ziegler et al. 2019: the coefficient follows the measured KL per sequence, one iteration's
-                # samples at a time (train.batch_size prompts x n_samples_per_prompt: kl_horizon counts samples)
-                rl.kl_ctl.update(experience.kl, samples_per_iteration(cfg))
-                rl.write_samples(out, log, it + 1, scored)
-                seconds = time.perf_counter() - tick
-                if it == start:  # how long the whole run will take, while it is still cheap to stop and shrink it
-                    log.write(pace_line("ppo", it + 1, iters, seconds, timer.seconds))
-                loop.end_step(it + 1, {**experience.metrics, **train_metrics, **lrs, "epoch": epoch,
-                                       **timer.metrics(), "time/iteration": seconds},
-                              skipped=rl.skipped(train_metrics))
+        with undone_if_bad_input_at_start(out, not resume, engine.is_main), \
+                MetricsLogger(out, "ppo", iters, cfg.log, engine.is_main, initial=start) as log:
+            log.write(models.speed_line())  # the first line: which fast paths each model takes, and why not others
+            log.write(describe(cfg, data.info, models.notes))
+            log.write(kl_note(cfg.ppo.kl_estimator))  # why the kl on the bar can be below 0
+            if rl.sampler.separate:  # which engine samples, and how its weights are kept in step
+                log.write(rl.sampler.describe())
+            if note := lora_rate_note(cfg.lora.rank, cfg.train.lr):
+                log.write(note)
+            first_eval = evaluate() if evaluate and start == 0 else {}
+            if first_eval:  # the starting point, so the curves show what PPO changed
+                log.log(0, first_eval, show=SHOW)
+            with TrainLoop(engine, out, "ppo", iters, cfg.train, log, rl.trainables(), rl.checkpoint_state, evaluate,
+                           show=SHOW, resumed=resumed) as loop:
+                for it, epoch, rows in loop.steps(data.train, start):
+                    tick, timer, lrs = time.perf_counter(), PhaseTimer(engine.device), rl.lrs()
+                    rollout = rl.generate(rows, timer, it + 1)  # 1. responses to the prompts, with their log-probs
+                    scored = rl.score(rollout, timer)  # 2. the frozen reward on prompt + response
+                    experience = rl.make_experience(scored, timer)  # 3. reference, values, rewards, advantages
+                    train_metrics = rl.optimise(experience, it, timer)  # 4. PPO epochs x mini-batches
+                    # Ziegler et al. 2019: the coefficient follows the measured KL per sequence, one iteration's
+                    # samples at a time (train.batch_size prompts x n_samples_per_prompt: kl_horizon counts samples)
+                    rl.kl_ctl.update(experience.kl, samples_per_iteration(cfg))
+                    rl.write_samples(out, log, it + 1, scored)
+                    seconds = time.perf_counter() - tick
+                    if it == start:  # how long the whole run will take, while it is still cheap to stop and shrink
+                        log.write(pace_line("ppo", it + 1, iters, seconds, timer.seconds))
+                    loop.end_step(it + 1, {**experience.metrics, **train_metrics, **lrs, "epoch": epoch,
+                                           **timer.metrics(), "time/iteration": seconds},
+                                  skipped=rl.skipped(train_metrics))
+    finally:
+        rl.close()
 
     record_template(rl.actor.module, data.info["template"])
     rl.export(out)

@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 from dataclasses import dataclass, replace
 
@@ -26,10 +27,12 @@ from rlhfkit.data.templates import encode_prompt
 from rlhfkit.errors import ConfigError
 from rlhfkit.models.ema import EMA
 from rlhfkit.rollout.batch import RolloutBatch
-from rlhfkit.rollout.evaluate import evaluate_policy, generate_all, reward_on_device
+from rlhfkit.rollout.engines import make_rollout_engine
+from rlhfkit.rollout.evaluate import evaluate_policy, reward_on_device
 from rlhfkit.rollout.experience import (add_model_outputs, add_rewards, adjust_scores, ended_with_eos,
                                         finish_advantages, kl_rows, sort_by_length)
 from rlhfkit.rollout.generate import eos_token_ids
+from rlhfkit.rollout.sync_check import check_gap, logprob_gap, tis_metrics, tis_weights
 from rlhfkit.stages.guard import resume_state
 from rlhfkit.stages.ppo_setup import PPOModels
 from rlhfkit.stages.ppo_update import (PtxText, critic_update_with_values, mini_batch_size, ppo_update,
@@ -169,20 +172,32 @@ class PPOSteps:
         self.kl_ctl = kl_controller(cfg)
         self.ema = EMA(self.actor.module, engine, cfg.ema.beta) if cfg.ema.enabled else None
         self.eos_ids = eos_token_ids(tokenizer, self.actor.module)
-        # the old log-probs from a forward after sampling, not from sampling itself (auto: under bf16 autocast)
-        self.recompute_old = cfg.ppo.old_logprobs == "forward" or (cfg.ppo.old_logprobs == "auto"
-                                                                    and cfg.engine.precision == "bf16")
+        # what samples: the actor itself (native) or an engine holding its own copy of the weights (vllm), synced
+        # before it samples whenever the actor has changed since (`stale`)
+        self.sampler = make_rollout_engine(cfg, self.actor.module, engine, tokenizer, models.plans["actor"])
+        self.stale = self.sampler.separate
+        # the old log-probs from a forward after sampling, not from sampling itself (auto: under bf16 autocast;
+        # always where another engine sampled: its log-probs are checked against the forward's)
+        self.recompute_old = self.sampler.separate or cfg.ppo.old_logprobs == "forward" or (
+            cfg.ppo.old_logprobs == "auto" and cfg.engine.precision == "bf16")
+        self.iteration = 0
 
     # -- 1. generate ---------------------------------------------------------------------------------------
-    def generate(self, rows: list[dict], timer) -> RolloutBatch:
+    def generate(self, rows: list[dict], timer, iteration: int = 0) -> RolloutBatch:
         """ppo.n_samples_per_prompt responses to each prompt row; `group` says which prompt a row answers."""
-        n = self.cfg.ppo.n_samples_per_prompt
+        n, self.iteration = self.cfg.ppo.n_samples_per_prompt, iteration
+        self.sync_sampler(timer)
         with timer("generate"):
-            rollout = generate_all(self.actor.module, self.engine, self.tokenizer,
-                                   [row for row in rows for _ in range(n)], self.cfg.gen, self.models.plans["actor"],
-                                   group_size=n)
+            rollout = self.sampler.generate([row for row in rows for _ in range(n)], self.cfg.gen, group_size=n)
         rollout = replace(rollout, group=torch.arange(len(rows)).repeat_interleave(n), groups_share_prompts=n > 1)
         return sort_by_length(rollout)  # neighbours of similar length: each micro-batch trims its padding
+
+    def sync_sampler(self, timer=None) -> None:
+        """The actor's weights to a separate sampler when they changed since its last sync (time/sync)."""
+        if self.stale:
+            with timer("sync") if timer is not None else contextlib.nullcontext():
+                self.sampler.sync(self.actor.module)
+            self.stale = False
 
     # -- 2. score ------------------------------------------------------------------------------------------
     def score(self, rollout: RolloutBatch, timer) -> Scored:
@@ -222,6 +237,17 @@ class PPOSteps:
                                       cfg.ppo.forward_batch_size or cfg.train.micro_batch_size,
                                       old_from_sampling=not self.recompute_old,
                                       timer=timer)
+        sampler_metrics = {}
+        if self.sampler.separate:  # the sampler's log-probs against the trainer's: checked, then corrected (TIS)
+            sampler_metrics = logprob_gap(batch.old_logprobs, batch.sample_logprobs, batch.response_mask,
+                                          cfg.rollout.sync_tolerance, engine)
+            check_gap(sampler_metrics, cfg.rollout.sync_max_gap, cfg.rollout.sync_tolerance, self.iteration,
+                      self.sampler.name)
+            if cfg.rollout.tis_cap is not None:
+                weights = tis_weights(batch.old_logprobs, batch.sample_logprobs, batch.response_mask,
+                                      cfg.rollout.tis_cap)
+                sampler_metrics.update(tis_metrics(weights, batch.response_mask, cfg.rollout.tis_cap, engine))
+                batch = replace(batch, tis_weights=weights)
         batch = add_rewards(batch, scored.scores, self.kl_ctl.value, cfg.ppo)
         if not scored.judged.all():  # the group statistics leave the unjudged rows out
             batch = replace(batch, judged=scored.judged.to(batch.scores.device))
@@ -236,6 +262,7 @@ class PPOSteps:
         metrics = pool_moments(engine.reduce_mean(metrics), engine.world_size)
         for key in COUNTS.intersection(metrics):  # counts of the whole batch: the sum over ranks
             metrics[key] *= engine.world_size
+        metrics.update(sampler_metrics)  # pooled over ranks already
         return Experience(batch, metrics["kl"], metrics, pending=self.fused)
 
     def rollout_metrics(self, scored: Scored) -> dict:
@@ -266,6 +293,7 @@ class PPOSteps:
         metrics.update(ppo_update(batch, self.actor, self.critic, cfg, engine, iteration, self.models.plans,
                                   update_actor, self.ptx, self.ema, self.tokenizer.pad_token_id, timer,
                                   update_critic=update_critic))
+        self.stale = self.sampler.separate and (self.stale or update_actor)
         return metrics
 
     @staticmethod
@@ -278,10 +306,15 @@ class PPOSteps:
     # -- around the steps ------------------------------------------------------------------------------------
     def evaluate(self, rows: list[dict]) -> dict:
         """Held-out eval/reward (one sampled response per prompt, fixed seed) and eval/kl."""
+        self.sync_sampler()
         metrics, _ = evaluate_policy(self.actor.module, self.models.reference, self.models.reward, self.tokenizer,
                                      rows, self.cfg.gen, self.engine, self.cfg.train.micro_batch_size,
-                                     self.cfg.train.seed, self.eos_ids, self.models.plans)
+                                     self.cfg.train.seed, self.eos_ids, self.models.plans, self.sampler)
         return metrics
+
+    def close(self) -> None:
+        """Stop the sampler (a vLLM engine frees its memory); every exit of the run calls it."""
+        self.sampler.close()
 
     def write_samples(self, out, log, iteration: int, scored: Scored) -> None:
         """Every ppo.sample_every iterations (and the first): a few (prompt, response, score) triples to
@@ -318,6 +351,7 @@ class PPOSteps:
         """Models, optimizers, schedules, RNG, KL coefficient and EMA from checkpoints/latest; returns the loaded
         state (its "step", the loop's "guard" counts)."""
         state = resume_state(self.engine, out, self.trainables(), self.cfg.train.max_steps, "ppo")
+        self.stale = self.sampler.separate  # the resumed weights are not the sampler's
         self.kl_ctl.load_state_dict(state["kl_ctl"])
         if self.ema is not None:
             if state.get("ema") is not None:

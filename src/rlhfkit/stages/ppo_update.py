@@ -49,7 +49,8 @@ def actor_loss(model, part: RolloutBatch, cfg: PPOSection, temperature: float, m
     mask = part.response_mask
     loss, stats = policy_loss(logp, part.old_logprobs, part.advantages, mask, cfg.clip_eps,
                               clip_eps_high=cfg.clip_eps_high, dual_clip=cfg.dual_clip, ratio_level=cfg.ratio_level,
-                              log_ratio_clamp=cfg.log_ratio_clamp, aggregation=cfg.loss_aggregation, max_len=max_len)
+                              log_ratio_clamp=cfg.log_ratio_clamp, aggregation=cfg.loss_aggregation, max_len=max_len,
+                              weights=part.tis_weights)
     stats["policy_loss"] = loss.item()
     # the KL and entropy terms average like the policy loss (`loss_count` scales the three together)
     if cfg.kl_loss_coef > 0:
