@@ -90,7 +90,7 @@ def test_ppo_with_a_critic_and_lora_syncs_the_merged_adapter(smollm2, task_files
     out = tmp_path / "ppo-lora"
     args = grpo_args(smollm2, task_files, out, "train.max_steps=2", "ppo.advantage_estimator=gae",
                      "ppo.n_samples_per_prompt=1", "train.batch_size=4", "train.micro_batch_size=4",
-                     "ppo.kl_coef=0.05", "ppo.kl_loss_coef=0", "lora.rank=8", "train.lr=1e-3", "train.critic_lr=1e-4")
+                     "ppo.kl_coef=0.05", "ppo.kl_loss_coef=0", "lora.rank=8", "train.lr=1e-3", "ppo.critic_lr=1e-4")
     proc = run_cli(*args, timeout=900, env={"OMP_NUM_THREADS": "2"})
     assert proc.returncode == 0, proc.stderr[-4000:]
     rows = iterations(out)

