@@ -4,6 +4,8 @@
     python benchmarks/bench_grpo.py --quick    # the same config, 1 warm-up + 4 measured iterations
     python benchmarks/bench_grpo.py --sizes 5M,20M --iters 6
     python benchmarks/bench_grpo.py --check    # the loss of one fixed batch, computed by both (no timing)
+    python benchmarks/bench_grpo.py --gpu --sizes 1B --vllm --trl-python PY   # on a CUDA GPU (bf16), both
+                                               # sampling with a colocated vLLM (benchmarks/gpu_run.sh: grpo-vllm)
     --threads N sets torch's threads for both systems (default 1: steadier on a shared machine)
 
 TRL runs in its own venv, benchmarks/.venv-trl-grpo (torch 2.13.0 pinned first, then trl==1.16.0), built once by
@@ -76,6 +78,7 @@ PROMPTS, GROUP, RESPONSE = 8, 4, 32  # P prompts x G samples each, R-token respo
 MICRO = 8
 LR = 1e-6
 BETA = 0.04
+VLLM_MEMORY = 0.2  # --vllm: the GPU memory share of each colocated engine (both systems are loaded at once)
 CLIP = 0.2
 PHASES = ("generate", "reward", "reference", "actor_update")
 TARGET_TIME, TARGET_MEMORY = 0.5, 0.8
@@ -134,9 +137,12 @@ def trl_config(args, out, batch: int, accumulation: int):
         beta=BETA, use_bias_correction_kl=False, loss_type="dapo", scale_rewards="group", num_iterations=1,
         epsilon=CLIP, importance_sampling_level="token", mask_truncated_completions=False,
         learning_rate=LR, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, adam_beta1=0.9,
-        adam_beta2=0.95, max_grad_norm=1.0, max_steps=100000, bf16=False, fp16=False, gradient_checkpointing=False,
-        use_vllm=False, report_to=[], save_strategy="no", logging_steps=1, disable_tqdm=True, seed=1234,
-        use_cpu=True, dataloader_num_workers=0, log_completions=False)
+        adam_beta2=0.95, max_grad_norm=1.0, max_steps=100000, bf16=harness.on_gpu(), fp16=False,
+        gradient_checkpointing=False, report_to=[], save_strategy="no", logging_steps=1, disable_tqdm=True, seed=1234,
+        use_cpu=not harness.on_gpu(), dataloader_num_workers=0, log_completions=False,
+        # --vllm: TRL's colocated vLLM (its own weight sync), the share of GPU memory rlhfkit's engine gets too
+        use_vllm=args.vllm, **({"vllm_mode": "colocate", "vllm_gpu_memory_utilization": VLLM_MEMORY}
+                               if args.vllm else {}))
 
 
 def trl_trainer(args, config, callbacks=()):
@@ -316,9 +322,15 @@ def check(args, trl_python: Path, world: Path) -> None:
 
 
 def worker_cmd(system: str, python: Path, world: Path, size: str, args, out: Path) -> list[str]:
+    extra = list(args.extra)
+    if harness.on_gpu() and system == "rlhfkit":
+        extra.append("engine.precision=bf16")  # TRL: bf16=True (trl_config)
+    if args.vllm and system == "rlhfkit":
+        extra += ["rollout.engine=vllm", f"rollout.memory={VLLM_MEMORY}"]
     return [str(python), str(Path(__file__).resolve()), "--worker", system, "--world", str(world), "--size", size,
             "--prompts", str(args.prompts), "--group", str(args.group), "--response", str(args.response),
-            "--threads", str(args.threads), "--out", str(out)] + [f"--extra={e}" for e in args.extra]
+            "--threads", str(args.threads), "--out", str(out)] + [f"--extra={e}" for e in extra] + \
+        (["--vllm"] if args.vllm else [])
 
 
 def compare(world: Path, trl_python: Path, size: str, args, tmp: Path) -> dict:
@@ -375,6 +387,10 @@ def main() -> None:
                    help="torch threads, the same for both systems (1: steadier on a shared machine)")
     p.add_argument("--check", action="store_true", help="compare the loss of one fixed batch instead of timing")
     p.add_argument("--json", help="also write the results here")
+    p.add_argument("--gpu", action="store_true", help="on the machine's CUDA GPU, bf16 mixed precision (sizes 1B)")
+    p.add_argument("--vllm", action="store_true", help="both sample with a colocated vLLM engine: rlhfkit "
+                                                       "rollout.engine=vllm, TRL use_vllm with vllm_mode=colocate")
+    p.add_argument("--trl-python", help="an interpreter that imports TRL 1.16.0 (instead of its venv)")
     # worker mode (internal)
     p.add_argument("--worker", choices=("rlhfkit", "trl", "rlhfkit-check", "trl-check"))
     p.add_argument("--world"), p.add_argument("--size"), p.add_argument("--out"), p.add_argument("--spec")
@@ -388,9 +404,17 @@ def main() -> None:
     if (args.prompts * args.group) % MICRO:
         raise SystemExit(f"prompts x group must be a multiple of the micro-batch size {MICRO}")
 
-    trl_python = harness.ensure_trl_venv(venv=TRL_VENV, version=TRL_VERSION)
+    if args.gpu:
+        harness.enter_gpu_mode()
+    trl_python = Path(args.trl_python) if args.trl_python else harness.ensure_trl_venv(venv=TRL_VENV,
+                                                                                       version=TRL_VERSION)
     world = harness.build_world()
-    harness.tokenized_prompts(world, args.prompts)
+    for size in args.sizes.split(","):
+        if size in harness.GPU_SIZES:
+            if not args.gpu:
+                raise SystemExit(f"size {size} is built on a GPU: add --gpu")
+            harness.add_gpu_model(world, size)
+        harness.tokenized_prompts(world, args.prompts, size)
     if args.check:
         check(args, trl_python, world)
         return

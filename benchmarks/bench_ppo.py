@@ -157,7 +157,8 @@ def compare(world: Path, trl_python: Path, size: str, batch: int, response: int,
     def starter(name: str, py: Path):
         return lambda: harness.Worker(name, worker_cmd(name, py, world, size, batch, response, args.threads,
                                                        tmp / f"{name}-{size}-{batch}-{response}", bf16=args.bf16,
-                                                       micro=min(args.micro, batch)),
+                                                       micro=min(args.micro, batch),
+                                                       extra=args.rlhfkit_set if name == "rlhfkit" else ()),
                                       tmp / f"{name}-{size}-{batch}-{response}.log", env)
 
     results = harness.run_workers({"rlhfkit": starter("rlhfkit", Path(sys.executable)),
@@ -327,6 +328,8 @@ def main() -> None:
     p.add_argument("--gpu", action="store_true", help="on the machine's CUDA GPU, bf16 mixed precision, sizes "
                                                        f"from {sorted(harness.GPU_SIZES)} built there")
     p.add_argument("--trl-python", help="an interpreter that imports TRL 1.12.0 (instead of benchmarks/.venv-trl)")
+    p.add_argument("--rlhfkit-set", action="append", default=[], metavar="KEY=VALUE",
+                   help="an rlhfkit override for its side only, e.g. rollout.engine=vllm (repeatable)")
     # worker mode (internal)
     p.add_argument("--worker", choices=("rlhfkit", "trl"))
     p.add_argument("--world"), p.add_argument("--size"), p.add_argument("--out")

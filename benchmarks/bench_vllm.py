@@ -114,9 +114,9 @@ def grpo_part(model_dir: Path, response: int, iterations: int) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--part", choices=("rollout", "grpo", "all"), default="all")
-    parser.add_argument("--response", type=int, default=64)
-    parser.add_argument("--reps", type=int, default=3)
-    parser.add_argument("--iterations", type=int, default=4)
+    parser.add_argument("--response", type=int, default=32)
+    parser.add_argument("--reps", type=int, default=2)
+    parser.add_argument("--iterations", type=int, default=3)
     args = parser.parse_args()
     model_dir = smollm2()
     import vllm

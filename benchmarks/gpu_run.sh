@@ -43,11 +43,18 @@ step() {  # step <name> <seconds> <command...>: run it under a time limit, its o
     pkill -9 -f "benchmarks/bench_" 2> /dev/null  # workers a timed-out step left behind hold GPU memory
     tail -n 25 "$OUT_DIR/$name.log"
 }
+has_vllm() {
+    python3 -c "import vllm" 2> /dev/null && return 0
+    echo "== vLLM rows skipped: vllm is not importable here (pip install 'vllm>=0.33,<0.34' on this machine first)"
+    return 1
+}
 # STEPS picks and orders them (default: all, the ones without a like-for-like number yet first). rm-padded times
 # rlhfkit's RM with packing off (padded micro-batches, one attention call per layer, as TRL's) against the packed
 # default, whose attention runs once per packed sequence: which of the two belongs on CUDA.
 SFT_RM=(--gpu --sizes 1B --rows 64 --micro 8 --threads 4 --warmup 1 --trl-python /tmp/python-trl116)
-for name in ${STEPS:-ppo rm rm-padded sft}; do
+# ppo-vllm against ppo: PPO with vLLM rollouts against PPO native, both against TRL 1.12 in the same run; grpo-vllm:
+# rlhfkit GRPO with colocated vLLM against TRL 1.16's GRPOTrainer with use_vllm colocate, the same work.
+for name in ${STEPS:-ppo ppo-vllm grpo-vllm rm rm-padded sft}; do
     case $name in
         ppo) step ppo 180 python3 benchmarks/bench_ppo.py --gpu --sizes 1B --shapes "${PPO_SHAPES:-16:128}" \
                  --threads 4 --iters 3 --warmup 1 --trl-python /tmp/python-trl112 --json "$OUT_DIR/ppo.json" ;;
@@ -55,6 +62,14 @@ for name in ${STEPS:-ppo rm rm-padded sft}; do
         rm-padded) step rm-padded 120 python3 benchmarks/bench_sft.py "${SFT_RM[@]}" --stages rm --iters 3 \
                        --rlhfkit-set packing=false --json "$OUT_DIR/rm-padded.json" ;;
         sft) step sft 120 python3 benchmarks/bench_sft.py "${SFT_RM[@]}" --stages sft --iters 4 --json "$OUT_DIR/sft.json" ;;
+        # vLLM rows (docs/vllm.md): they need the CUDA vllm importable on the GPU machine (its wheels are too large
+        # to carry: install vllm 0.33 there first); without it they say so and end
+        ppo-vllm) has_vllm && step ppo-vllm 240 python3 benchmarks/bench_ppo.py --gpu --sizes 1B \
+                      --shapes "${PPO_SHAPES:-16:128}" --threads 4 --iters 3 --warmup 1 --trl-python /tmp/python-trl112 \
+                      --rlhfkit-set rollout.engine=vllm --rlhfkit-set rollout.memory=0.3 --json "$OUT_DIR/ppo-vllm.json" ;;
+        grpo-vllm) has_vllm && step grpo-vllm 300 python3 benchmarks/bench_grpo.py --gpu --sizes 1B --vllm \
+                       --prompts 16 --group 8 --response 128 --threads 4 --iters 3 --warmup 1 \
+                       --trl-python /tmp/python-trl116 --json "$OUT_DIR/grpo-vllm.json" ;;
         *) echo "unknown step $name" ;;
     esac
 done

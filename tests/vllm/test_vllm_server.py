@@ -83,3 +83,13 @@ def test_a_server_of_another_model_is_refused_before_training(server, task_files
     assert f"rollout.server: {server} serves" in proc.stderr and f"not the actor '{STORIES}'" in proc.stderr
     assert "VLLM_SERVER_DEV_MODE=1 vllm serve" in proc.stderr
     assert not (out / "final").exists() and not (out / "metrics.jsonl").exists()
+
+
+def test_no_server_at_the_url_is_one_error_with_the_serve_command_before_models_load(smollm2, task_files, tmp_path):
+    url = f"http://127.0.0.1:{free_port()}"
+    proc = run_cli(*grpo_args(smollm2, task_files, tmp_path / "none", "train.max_steps=1", f"rollout.server={url}"),
+                   timeout=300, env={"OMP_NUM_THREADS": "2"})
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert f"rollout.server: no vLLM server answers at {url}" in proc.stderr
+    assert f"VLLM_SERVER_DEV_MODE=1 vllm serve {smollm2} --logprobs-mode processed_logprobs" in proc.stderr
+    assert "Loading weights" not in proc.stderr  # before any model loads

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -144,3 +145,39 @@ def test_a_skipped_sync_stops_the_run_with_the_sync_checks_error(smollm2, task_f
         run_ppo(cfg)
     assert len(calls) == 2
     assert not (out / "final").exists()
+
+
+def test_sigterm_stops_the_run_with_its_engine_and_resume_syncs_the_restored_weights(smollm2, task_files,
+                                                                                     tmp_path):
+    """SIGTERM after the first iteration: the run saves a checkpoint and stops, its engine with it (no process
+    of the run is left); --resume hands the restored weights to a new engine before it samples (quiet check)."""
+    import signal
+    import time
+
+    out = tmp_path / "stopped"
+    args = grpo_args(smollm2, task_files, out, "train.max_steps=3", "train.lr=1e-5", "train.save_every=1")
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "2"}
+    proc = subprocess.Popen([sys.executable, "-m", "rlhfkit", *args], env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 600
+    while not ((out / "metrics.jsonl").is_file() and iterations(out)):
+        assert proc.poll() is None and time.time() < deadline, proc.stderr.read()[-3000:]
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    err = proc.communicate(timeout=600)[1]
+    assert proc.returncode == 130, err[-3000:]
+    assert "stopped by SIGTERM" in err and (out / "checkpoints" / "latest").is_file()
+    left = [p for p in Path("/proc").iterdir() if p.name.isdigit() and str(out) in _cmdline(p)]
+    assert not left, [_cmdline(p) for p in left]
+    done = run_cli(*args, "--resume", timeout=900, env={"OMP_NUM_THREADS": "2"})
+    assert done.returncode == 0, done.stderr[-4000:]
+    rows = iterations(out)
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert all(r["rollout/logprob_gap_mean"] < 1e-3 for r in rows)
+
+
+def _cmdline(proc_dir) -> str:
+    try:
+        return (proc_dir / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""

@@ -57,14 +57,15 @@ class NativeRollout:
         pass
 
 
-def make_rollout_engine(cfg, model, engine, tokenizer, plan) -> RolloutEngine:
-    """The engine of `cfg.rollout.engine` for the actor `model` (a PPOConfig's rollout section)."""
+def make_rollout_engine(cfg, model, engine, tokenizer, plan, served: str | None = None) -> RolloutEngine:
+    """The engine of `cfg.rollout.engine` for the actor `model` (a PPOConfig's rollout section); `served`: what
+    `vllm_server.check_server` found, when `rollout.server` is set."""
     if cfg.rollout.engine == "native":
         return NativeRollout(model, engine, tokenizer, plan)
     if cfg.rollout.server:
         from rlhfkit.rollout.vllm_server import VLLMServer
 
-        return VLLMServer(cfg, model, engine, tokenizer, cfg.output_dir)
+        return VLLMServer(cfg, model, engine, tokenizer, cfg.output_dir, served)
     from rlhfkit.rollout.vllm_engine import VLLMRollout
 
     return VLLMRollout(cfg, model, engine, tokenizer)

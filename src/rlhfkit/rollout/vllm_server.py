@@ -49,44 +49,45 @@ def _request(url: str, payload: dict | None = None, timeout: float = 600.0) -> d
     return json.loads(body) if body.strip() else {}
 
 
+def check_server(cfg, tokenizer) -> str:
+    """The id of the model `rollout.server` serves, after checking that it is the actor's: it answers, it serves a
+    folder of the actor's name, it tokenizes as the actor's tokenizer, it takes a prompt and its response. Run before
+    any model loads; a RunError naming the difference and the serve command."""
+    url, actor = cfg.rollout.server.rstrip("/"), str(cfg.actor)
+    hint = SERVE_HINT.format(actor=actor, mode=logprobs_mode(cfg.gen))
+    try:
+        card = _request(f"{url}/v1/models", timeout=10)["data"][0]
+    except (urllib.error.URLError, OSError, KeyError, IndexError, ValueError) as exc:
+        raise RunError(f"rollout.server: no vLLM server answers at {url} ({exc}); start one with: {hint}") from None
+    served, root = card["id"], str(card.get("root") or card["id"])
+    if Path(root.rstrip("/")).name != Path(actor.rstrip("/")).name:
+        raise RunError(f"rollout.server: {url} serves {root!r}, not the actor {actor!r}; start it on the actor's "
+                       f"folder: {hint}")
+    ours = list(tokenizer(PROBE, add_special_tokens=False)["input_ids"])
+    theirs = _request(f"{url}/tokenize", {"model": served, "prompt": PROBE, "add_special_tokens": False},
+                      timeout=30).get("tokens")
+    if ours != list(theirs or []):
+        raise RunError(f"rollout.server: {url} tokenizes {PROBE!r} as {theirs}, the actor's tokenizer as {ours}: not "
+                       f"the actor's tokenizer; start the server on the actor's folder: {hint}")
+    needed = cfg.data.max_prompt_length + cfg.gen.max_new_tokens
+    if card.get("max_model_len") and card["max_model_len"] < needed:
+        raise RunError(f"rollout.server: {url} takes {card['max_model_len']} tokens, the run needs {needed} "
+                       f"(data.max_prompt_length + gen.max_new_tokens); restart it with --max-model-len {needed}")
+    return served
+
+
 class VLLMServer:
     name, separate = "vllm", True
 
-    def __init__(self, cfg, model, engine, tokenizer, output_dir: Path):
+    def __init__(self, cfg, model, engine, tokenizer, output_dir: Path, served: str | None = None):
+        """`served`: the model id `check_server` found (it runs before the models load); checked here otherwise."""
         self.cfg, self.engine, self.tokenizer = cfg, engine, tokenizer
         self.url = cfg.rollout.server.rstrip("/")
         self.eos_ids = eos_token_ids(tokenizer, model)
         self.mode = logprobs_mode(cfg.gen)
         self.weights_dir = Path(cfg.rollout.server_weights_dir or Path(output_dir) / "engine-weights")
         self.sync_seconds: list[float] = []
-        self.served = self.check_server(cfg.actor)
-
-    def check_server(self, actor: str) -> str:
-        """The id of the model the server serves, after checking that it is the actor's: reachable, the same folder
-        name, the same tokenization, room for a prompt and its response. A RunError naming the difference."""
-        hint = SERVE_HINT.format(actor=actor, mode=self.mode)
-        try:
-            models = _request(f"{self.url}/v1/models", timeout=10)["data"]
-        except (urllib.error.URLError, OSError, KeyError, ValueError) as exc:
-            raise RunError(f"rollout.server: no vLLM server answers at {self.url} ({exc}); start one with: "
-                           f"{hint}") from None
-        card = models[0]
-        served, root = card["id"], str(card.get("root") or card["id"])
-        if Path(root.rstrip("/")).name != Path(str(actor).rstrip("/")).name:
-            raise RunError(f"rollout.server: {self.url} serves {root!r}, not the actor {actor!r}; start it on the "
-                           f"actor's folder: {hint}")
-        ours = self.tokenizer(PROBE, add_special_tokens=False)["input_ids"]
-        theirs = _request(f"{self.url}/tokenize", {"model": served, "prompt": PROBE, "add_special_tokens": False},
-                          timeout=30).get("tokens")
-        if list(ours) != list(theirs or []):
-            raise RunError(f"rollout.server: {self.url} tokenizes {PROBE!r} as {theirs}, the actor's tokenizer as "
-                           f"{list(ours)}: not the actor's tokenizer; start the server on the actor's folder: {hint}")
-        needed = self.cfg.data.max_prompt_length + self.cfg.gen.max_new_tokens
-        if card.get("max_model_len") and card["max_model_len"] < needed:
-            raise RunError(f"rollout.server: {self.url} takes {card['max_model_len']} tokens, the run needs "
-                           f"{needed} (data.max_prompt_length + gen.max_new_tokens); restart it with "
-                           f"--max-model-len {needed}")
-        return served
+        self.served = served or check_server(cfg, tokenizer)
 
     def describe(self) -> str:
         return (f"rollout: the vLLM server at {self.url} ({self.served}, {self.mode}); the actor's weights reach it "

@@ -12,6 +12,7 @@ import time
 from rlhfkit.config.ppo_schema import PPOConfig
 from rlhfkit.data.loader import skipped_rows
 from rlhfkit.models.loading import record_template
+from rlhfkit.rollout.vllm_server import check_server
 from rlhfkit.stages.advice import kl_note, lora_rate_note, pace_line
 from rlhfkit.stages.common import MetricsLogger, write_run_report
 from rlhfkit.stages.run_dir import prepare_output_dir, resumed_from, undone_if_bad_input_at_start
@@ -39,9 +40,10 @@ def run_ppo(cfg: PPOConfig, resume: bool = False, force: bool = False) -> dict:
     cfg, engine, tokenizer, data = setup.cfg, setup.engine, setup.tokenizer, setup.data
     seed, iters = cfg.train.seed, cfg.train.max_steps
     ptx = PtxText(cfg.data.ptx, tokenizer, cfg.ptx.max_length, seed) if cfg.ptx.coef > 0 else None
+    served = check_server(cfg, tokenizer) if cfg.rollout.server else None  # another model's server: before loading
     models = load_ppo_models(cfg, tokenizer, engine, iters * updates_per_iteration(cfg),
                              prompt_fields=[row.get("fields") or {} for row in data.train])
-    rl = PPOSteps(cfg, models, tokenizer, engine, ptx)
+    rl = PPOSteps(cfg, models, tokenizer, engine, ptx, served)
     try:  # the sampler (a vLLM engine) stops on every way out: the end, an error, a stop request
         out = prepare_output_dir(cfg, resume, force, engine.is_main)
         resumed = rl.restore(out) if resume else {}

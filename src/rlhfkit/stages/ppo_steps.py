@@ -163,7 +163,8 @@ class Experience:
 
 
 class PPOSteps:
-    def __init__(self, cfg: PPOConfig, models: PPOModels, tokenizer, engine, ptx: PtxText | None = None):
+    def __init__(self, cfg: PPOConfig, models: PPOModels, tokenizer, engine, ptx: PtxText | None = None,
+                 served: str | None = None):
         self.cfg, self.models, self.tokenizer, self.engine, self.ptx = cfg, models, tokenizer, engine, ptx
         self.actor, self.critic = models.actor, models.critic
         self.estimator = cfg.ppo.estimator()
@@ -174,7 +175,7 @@ class PPOSteps:
         self.eos_ids = eos_token_ids(tokenizer, self.actor.module)
         # what samples: the actor itself (native) or an engine holding its own copy of the weights (vllm), synced
         # before it samples whenever the actor has changed since (`stale`)
-        self.sampler = make_rollout_engine(cfg, self.actor.module, engine, tokenizer, models.plans["actor"])
+        self.sampler = make_rollout_engine(cfg, self.actor.module, engine, tokenizer, models.plans["actor"], served)
         self.stale = self.sampler.separate
         # the old log-probs from a forward after sampling, not from sampling itself (auto: under bf16 autocast;
         # always where another engine sampled: its log-probs are checked against the forward's)
