@@ -172,3 +172,17 @@ def test_vision_and_audio_builds_for_another_torch_are_kept_out(tmp_path, monkey
     finally:
         for name in shielded:
             sys.modules.pop(name, None)
+
+
+def test_every_rollout_engine_implements_the_protocol_with_its_signatures():
+    import inspect
+
+    from rlhfkit.rollout.engines import NativeRollout, RolloutEngine
+    from rlhfkit.rollout.vllm_engine import VLLMRollout
+    from rlhfkit.rollout.vllm_server import VLLMServer
+
+    for name in ("generate", "sync", "close", "describe"):
+        wanted = list(inspect.signature(getattr(RolloutEngine, name)).parameters)
+        for impl in (NativeRollout, VLLMRollout, VLLMServer):
+            assert list(inspect.signature(getattr(impl, name)).parameters) == wanted, (impl.__name__, name)
+    assert not NativeRollout.separate and VLLMRollout.separate and VLLMServer.separate

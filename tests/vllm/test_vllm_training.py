@@ -100,11 +100,15 @@ def test_ppo_with_a_critic_and_lora_syncs_the_merged_adapter(smollm2, task_files
     assert rows[1]["kl"] != 0 and moved(smollm2, out / "final")  # the adapter trained and was merged in the export
 
 
-def test_grpo_on_two_ranks_under_zero3_syncs_gathered_weights(smollm2, task_files, tmp_path):
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_grpo_on_two_ranks_under_zero3_syncs_gathered_weights(smollm2, task_files, tmp_path, lora):
+    """Each rank's engine receives the weights gathered one module at a time (LoRA: merged from gathered parts)."""
     out = tmp_path / "zero3"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29571",
-           "-m", "rlhfkit", *grpo_args(smollm2, task_files, out, "train.max_steps=2", "train.lr=2e-5",
-                                       "train.batch_size=4", "engine.backend=deepspeed", "engine.zero_stage=3")]
+    tuning = ["lora.rank=8", "train.lr=1e-3"] if lora else ["train.lr=2e-5"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+           str(29571 + lora), "-m", "rlhfkit",
+           *grpo_args(smollm2, task_files, out, "train.max_steps=2", "train.batch_size=4", "engine.backend=deepspeed",
+                      "engine.zero_stage=3", *tuning)]
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]

@@ -38,6 +38,9 @@ class RolloutEngine(Protocol):
     def close(self) -> None:
         """Stop the engine and free what it holds (idempotent)."""
 
+    def describe(self) -> str:
+        """One log line: which engine samples and how its weights are kept in step."""
+
 
 class NativeRollout:
     """rlhfkit's own decoder on the actor (KV cache, left padding, the speed plan's fast paths)."""
@@ -55,6 +58,9 @@ class NativeRollout:
 
     def close(self) -> None:
         pass
+
+    def describe(self) -> str:
+        return "rollout: rlhfkit's own decoder on the actor (nothing to sync)"
 
 
 def make_rollout_engine(cfg, model, engine, tokenizer, plan, served: str | None = None) -> RolloutEngine:
