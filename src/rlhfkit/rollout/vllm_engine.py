@@ -43,7 +43,7 @@ from rlhfkit.rollout.weights import hf_weights
 def _engine_environment(memory: float, on_cpu: bool):
     """vLLM's environment switches, set before it is imported: in-process engine core, an unpinned CPU worker, the
     KV cache size on a CPU. The user's own settings win."""
-    wanted = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_LOGGING_LEVEL": "WARNING"}
+    wanted = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_LOGGING_LEVEL": "ERROR"}
     if on_cpu:
         wanted.update({"VLLM_CPU_OMP_THREADS_BIND": "nobind", "VLLM_CPU_KVCACHE_SPACE": str(max(1, round(memory)))})
     for name, value in wanted.items():
