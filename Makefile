@@ -30,7 +30,7 @@ install-vllm:
 	./scripts/bootstrap-vllm.sh
 
 test-vllm: install-vllm
-	.venv-vllm/bin/python -m pytest -q -p no:cacheprovider --durations=15 -m vllm tests/vllm $(PYTEST_ARGS)
+	.venv-vllm/bin/python -m pytest -q -p no:cacheprovider --durations=15 -m vllm tests/vllm_tier $(PYTEST_ARGS)
 
 # docs/configuration.md is generated from the option docs that drive `--help` (tests/unit/test_docs.py checks it)
 docs: install

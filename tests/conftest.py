@@ -178,3 +178,30 @@ def speed_plan(output: str) -> tuple[dict, dict]:
         return out
 
     return entries(on_text), entries(off_text)
+
+
+@pytest.fixture(scope="session")
+def smollm2() -> Path:
+    """SmolLM2-135M-Instruct, materialised once by `rlhfkit fetch` (the real-model and vLLM tiers); a skip where it
+    cannot be, except under CI (`CI` set), where that fails."""
+    from rlhfkit.errors import ModelError
+    from rlhfkit.models.fetch import fetch
+
+    try:
+        return fetch("smollm2-135m-instruct", log=lambda line: None)
+    except ModelError as exc:
+        if os.environ.get("CI"):
+            raise
+        pytest.skip(f"SmolLM2-135M-Instruct cannot be materialised here: {exc}")
+
+
+@pytest.fixture(scope="session")
+def task_files(tmp_path_factory) -> Path:
+    """The arithmetic task's training prompts and 8 held-out ones (prompts.jsonl, eval.jsonl), for runs on SmolLM2."""
+    from rlhfkit.demo.tasks import arithmetic_prompts
+
+    root = tmp_path_factory.mktemp("smol_task")
+    train, heldout = arithmetic_prompts(0)
+    write_jsonl(root / "prompts.jsonl", [{"prompt": p} for p in train])
+    write_jsonl(root / "eval.jsonl", [{"prompt": p} for p in heldout[:8]])
+    return root

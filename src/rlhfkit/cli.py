@@ -86,6 +86,7 @@ def build_parser() -> argparse.ArgumentParser:
     _load("rlhfkit.demo.cli:add_demo_parser")(sub)
     _load("rlhfkit.chat:add_chat_parser")(sub)
     _load("rlhfkit.models.fetch:add_fetch_parser")(sub)
+    _load("rlhfkit.rollout.serve:add_serve_parser")(sub)
     return parser
 
 
@@ -101,6 +102,8 @@ def main(argv: list[str] | None = None) -> int:
     # overrides may come before or after flags (`--force k=v` or `k=v --force`): argparse stops collecting a
     # positional list at the first flag, so gather the stragglers here
     args, extra = parser.parse_known_args(argv)
+    if args.verb == "vllm-serve":  # its options after MODEL are vLLM's own
+        return _load("rlhfkit.rollout.serve:main")(args)
     stray = [x for x in extra if x.startswith("-") or "=" not in x]
     if stray:
         parser.error(f"unrecognized arguments: {' '.join(stray)}")

@@ -22,23 +22,9 @@ from conftest import (ALPACA, HH, ROOT, assert_bars_passed, needs_shared, read_m
                       write_jsonl)
 
 pytestmark = [pytest.mark.real, needs_shared]
-MODEL_NAME = "smollm2-135m-instruct"
 IM_END = "<|im_end|>"
 TWO_THREADS = {"OMP_NUM_THREADS": "2"}  # one process at a time in this tier: both cores
 SMALL = ["log.tensorboard=false", "data.cache=false"]
-
-
-@pytest.fixture(scope="session")
-def smollm2() -> Path:
-    from rlhfkit.models.fetch import fetch
-    from rlhfkit.errors import ModelError
-
-    try:
-        return fetch(MODEL_NAME, log=lambda line: None)
-    except ModelError as exc:
-        if os.environ.get("CI"):
-            raise
-        pytest.skip(f"SmolLM2-135M-Instruct cannot be materialised here: {exc}")
 
 
 @pytest.fixture(scope="session")
@@ -241,17 +227,6 @@ def test_each_training_stage_on_its_speed_plan_gives_the_reference_paths_losses(
 
 
 # ---------------------------------------------------------------- step 3: PPO
-
-
-@pytest.fixture(scope="session")
-def task_files(tmp_path_factory) -> Path:
-    from rlhfkit.demo.tasks import arithmetic_prompts
-
-    root = tmp_path_factory.mktemp("smol_task")
-    train, heldout = arithmetic_prompts(0)
-    write_jsonl(root / "prompts.jsonl", [{"prompt": p} for p in train])
-    write_jsonl(root / "eval.jsonl", [{"prompt": p} for p in heldout[:8]])
-    return root
 
 
 def ppo_args(smollm2, task_files, out, reward, *extra):

@@ -15,7 +15,6 @@ import sys
 from pathlib import Path
 
 import pytest
-from test_smollm2 import smollm2  # noqa: F401  (the fixture: SmolLM2 fetched once, else skipped)
 
 pytestmark = pytest.mark.real
 

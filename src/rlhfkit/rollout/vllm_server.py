@@ -1,11 +1,8 @@
 """A `vllm serve` on other devices as the rollout engine (`rollout.engine=vllm rollout.server=URL`).
 
 The trainer keeps its GPUs for training; a vLLM server elsewhere samples. Start it on the actor's starting folder
-with the development endpoints on (weight reloads, prefix-cache resets) and the log-probs rlhfkit compares:
-
-    VLLM_SERVER_DEV_MODE=1 vllm serve PATH/TO/ACTOR --logprobs-mode processed_logprobs --generation-config vllm
-
-(on a CPU also `--dtype float32 --enforce-eager --no-enable-chunked-prefill`: docs/vllm.md). Before training,
+with `rlhfkit vllm-serve PATH/TO/ACTOR [--port P ...]` (rollout/serve.py: `vllm serve` with the development
+endpoints on, for weight reloads and prefix-cache resets, and the log-probs rlhfkit compares; docs/vllm.md). Before training,
 `check_server` asks it which model it serves and how it tokenizes, and stops with the difference when it is not the
 actor's. Each iteration's requests go as token ids (`/v1/completions`, one request per response, each with its own
 seed drawn from the torch RNG), so the server samples exactly the prompts the trainer rendered.
@@ -34,8 +31,9 @@ from rlhfkit.rollout.generate import eos_token_ids
 from rlhfkit.rollout.vllm_layout import rollout_batch
 from rlhfkit.rollout.weights import hf_weights
 
-SERVE_HINT = ("VLLM_SERVER_DEV_MODE=1 vllm serve {actor} --logprobs-mode {mode} --generation-config vllm "
-              "(on a CPU add --dtype float32 --enforce-eager --no-enable-chunked-prefill)")
+SERVE_HINT = ("rlhfkit vllm-serve {actor} (or vLLM's own: VLLM_SERVER_DEV_MODE=1 vllm serve {actor} --logprobs-mode "
+              "{mode} --generation-config vllm, on a CPU with --dtype float32 --enforce-eager "
+              "--no-enable-chunked-prefill)")
 PROBE = "The quick brown fox jumps over the lazy dog. 12 + 7 = 19."
 
 

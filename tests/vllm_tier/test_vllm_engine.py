@@ -27,19 +27,6 @@ QUESTIONS = ["What is 12 + 7?", "Name a colour of the sky.", "Write one short se
 
 
 @pytest.fixture(scope="module")
-def smollm2():
-    from rlhfkit.errors import ModelError
-    from rlhfkit.models.fetch import fetch
-
-    try:
-        return fetch("smollm2-135m-instruct", log=lambda line: None)
-    except ModelError as exc:
-        if os.environ.get("CI"):
-            raise
-        pytest.skip(f"SmolLM2-135M-Instruct cannot be materialised here: {exc}")
-
-
-@pytest.fixture(scope="module")
 def setup(smollm2, tmp_path_factory):
     """(cfg, trainer model, tokenizer, local engine, vLLM rollout engine): the engine starts once, stops at the end."""
     from rlhfkit.config.fields import from_dict
