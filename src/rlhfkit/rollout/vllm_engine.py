@@ -39,6 +39,7 @@ from rlhfkit.rollout.generate import eos_token_ids
 from rlhfkit.rollout.vllm_layout import rollout_batch
 from rlhfkit.rollout.weights import hf_weights
 
+
 @contextlib.contextmanager
 def _engine_environment(memory: float, on_cpu: bool):
     """vLLM's environment switches, set before it is imported: in-process engine core, an unpinned CPU worker, the
@@ -64,7 +65,6 @@ class VLLMRollout:
         self.eos_ids = eos_token_ids(tokenizer, model)
         self.mode = logprobs_mode(cfg.gen)
         self.llm = None
-        self.sync_seconds: list[float] = []
         on_cpu = engine.device.type == "cpu"
         self.external = torch.distributed.is_initialized()
         dtype = "bfloat16" if cfg.engine.precision == "bf16" else str(next(base_model(model).parameters()).dtype
@@ -83,6 +83,8 @@ class VLLMRollout:
         if self.external:  # each rank of the launcher's group runs its own engine on its own prompts
             options.update(distributed_executor_backend="external_launcher", tensor_parallel_size=1)
         started = time.perf_counter()
+        # in-process, vLLM seeds the global RNGs with `seed` as it starts (train.seed + rank: a run stays
+        # reproducible; a resume restores the checkpoint's RNG state afterwards)
         with _engine_environment(cfg.rollout.memory, on_cpu):
             from vllm import LLM
 
@@ -125,9 +127,7 @@ class VLLMRollout:
         started = time.perf_counter()
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": hf_weights(model, self.engine)})
         self.llm.reset_prefix_cache()  # its KV was computed with the old weights
-        seconds = time.perf_counter() - started
-        self.sync_seconds.append(seconds)
-        return seconds
+        return time.perf_counter() - started
 
     def close(self) -> None:
         """Stop the engine and free its memory (idempotent). Under a launcher's process group vLLM's own shutdown

@@ -84,7 +84,6 @@ class VLLMServer:
         self.eos_ids = eos_token_ids(tokenizer, model)
         self.mode = logprobs_mode(cfg.gen)
         self.weights_dir = Path(cfg.rollout.server_weights_dir or Path(output_dir) / "engine-weights")
-        self.sync_seconds: list[float] = []
         self.served = served or check_server(cfg, tokenizer)
 
     def describe(self) -> str:
@@ -132,9 +131,7 @@ class VLLMServer:
         del state
         if self.engine.reduce_sum(1.0 if failure else 0.0):  # every rank stops, none samples before the reload
             raise failure or RunError(f"rollout.server: the main rank could not sync {self.url}: see its error")
-        seconds = time.perf_counter() - started
-        self.sync_seconds.append(seconds)
-        return seconds
+        return time.perf_counter() - started
 
     def _write_and_reload(self, state: dict) -> None:
         from safetensors.torch import save_file
