@@ -77,6 +77,7 @@ def _partition(param: torch.nn.Parameter) -> torch.Tensor:
 
 class DeepSpeedEngine:
     name = "deepspeed"
+    in_process_group = True  # init_process_group below, a group of one for a plain run
 
     def __init__(self, cfg: EngineConfig, train: TrainConfig | None = None):
         init_process_group(_join_with_deepspeed, cfg.collective_timeout_s)

@@ -212,6 +212,7 @@ class LocalEngine:
     precision, on a CPU with AVX-512 bf16 (or AMX) oneDNN's bf16 matmuls."""
 
     name = "local"
+    in_process_group = False
 
     def __init__(self, cfg=None, train: TrainConfig | None = None):
         self.cfg = cfg

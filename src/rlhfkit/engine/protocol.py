@@ -76,6 +76,9 @@ class Engine(Protocol):
     world_size: int
     is_main: bool
     device: torch.device
+    # this process is in a launcher's torch.distributed process group (also a group of one): what a library that
+    # would start its own (vLLM's colocated engine) joins instead
+    in_process_group: bool
 
     # -- ranks -----------------------------------------------------------------------------------------
     def shard(self, items: Sequence[T]) -> list[T]:

@@ -66,7 +66,7 @@ class VLLMRollout:
         self.mode = logprobs_mode(cfg.gen)
         self.llm = None
         on_cpu = engine.device.type == "cpu"
-        self.external = torch.distributed.is_initialized()
+        self.external = engine.in_process_group
         dtype = "bfloat16" if cfg.engine.precision == "bf16" else str(next(base_model(model).parameters()).dtype
                                                                         ).removeprefix("torch.")
         folder = str(getattr(base_model(model), "name_or_path", "") or cfg.actor)
