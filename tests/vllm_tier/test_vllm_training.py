@@ -63,6 +63,17 @@ def test_grpo_with_vllm_rollouts_trains_with_the_engine_in_step(smollm2, task_fi
     assert moved(smollm2, out / "final")
 
 
+@pytest.mark.parametrize("estimator", ["rloo", "reinforce_pp"])
+def test_the_other_critic_free_estimators_train_on_vllm_rollouts(smollm2, task_files, tmp_path, estimator):
+    out = tmp_path / estimator
+    proc = run_cli(*grpo_args(smollm2, task_files, out, "train.max_steps=2", "train.lr=1e-5",
+                              f"ppo.advantage_estimator={estimator}"), timeout=900, env={"OMP_NUM_THREADS": "2"})
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    rows = iterations(out)
+    assert len(rows) == 2 and all("policy_loss" in r for r in rows)
+    assert_synced_while_moving(rows)
+
+
 def test_ppo_with_a_critic_and_lora_syncs_the_merged_adapter(smollm2, task_files, tmp_path):
     out = tmp_path / "ppo-lora"
     args = grpo_args(smollm2, task_files, out, "train.max_steps=2", "ppo.advantage_estimator=gae",
