@@ -54,13 +54,17 @@ has_vllm() {
 SFT_RM=(--gpu --sizes 1B --rows 64 --micro 8 --threads 4 --warmup 1 --trl-python /tmp/python-trl116)
 # ppo-vllm against ppo: PPO with vLLM rollouts against PPO native, both against TRL 1.12 in the same run; grpo-vllm:
 # rlhfkit GRPO with colocated vLLM against TRL 1.16's GRPOTrainer with use_vllm colocate, the same work.
-for name in ${STEPS:-ppo ppo-vllm grpo-vllm rm rm-padded sft}; do
+for name in ${STEPS:-ppo decode ppo-vllm grpo-vllm rm rm-padded sft}; do
     case $name in
         ppo) step ppo 180 python3 benchmarks/bench_ppo.py --gpu --sizes 1B --shapes "${PPO_SHAPES:-16:128}" \
                  --threads 4 --iters 3 --warmup 1 --trl-python /tmp/python-trl112 --json "$OUT_DIR/ppo.json" ;;
         rm) step rm 120 python3 benchmarks/bench_sft.py "${SFT_RM[@]}" --stages rm --iters 3 --json "$OUT_DIR/rm.json" ;;
         rm-padded) step rm-padded 120 python3 benchmarks/bench_sft.py "${SFT_RM[@]}" --stages rm --iters 3 \
                        --rlhfkit-set packing=false --json "$OUT_DIR/rm-padded.json" ;;
+        # decode: where generation's time goes (rlhfkit's loop against generate with a dynamic and a static,
+        # compiled, KV cache), the 80% of the PPO row
+        decode) step decode 240 python3 benchmarks/bench_decode_gpu.py --gpu --batch 16 --response 128 --iters 3 \
+                    --json "$OUT_DIR/decode.json" ;;
         sft) step sft 120 python3 benchmarks/bench_sft.py "${SFT_RM[@]}" --stages sft --iters 4 --json "$OUT_DIR/sft.json" ;;
         # vLLM rows (docs/vllm.md): they need the CUDA vllm importable on the GPU machine (its wheels are too large
         # to carry: install vllm 0.33 there first); without it they say so and end
