@@ -328,6 +328,38 @@ class PPOSection:
 
 
 @dataclass
+class EpisodeSection:
+    """Multi-turn episodes against an environment (`env`; rollout/episodes.py, docs/agents.md)."""
+
+    max_turns: int = option(4, "the most model turns of an episode (each up to gen.max_new_tokens tokens)")
+    max_tokens: int = option(512, "the most tokens of an episode after its opening prompt, the model's and the "
+                                  "environment's together")
+    workers: int = option(8, "environment calls (reset, step, reward) run at once, in threads")
+    timeout: float = option(30.0, "seconds an environment call may take; past it the episode is left unjudged "
+                                  "(episode/ended_timeout)")
+    max_failed: float = option(0.25, "stop the run when more than this share of an iteration's episodes failed "
+                                     "(the environment raised, timed out or returned a bad value); 1 = never")
+    tools: list = option([], "tools the model may call, besides the environment class's own: calculator, python "
+                             "(model-written code in a sandboxed process; off unless listed), module:function or "
+                             "path/file.py:function (a Python function with a docstring)")
+    env_args: dict = option({}, "keyword arguments for the environment class")
+
+    def validate(self, prefix: str = "") -> None:
+        for key in ("max_turns", "max_tokens", "workers"):
+            if getattr(self, key) < 1:
+                raise ConfigError(f"config key '{prefix}{key}': must be >= 1, got {getattr(self, key)}")
+        if not self.timeout > 0:
+            raise ConfigError(f"config key '{prefix}timeout': must be > 0, got {self.timeout}")
+        if not 0 <= self.max_failed <= 1:
+            raise ConfigError(f"config key '{prefix}max_failed': a share in [0, 1], got {self.max_failed}")
+        if not isinstance(self.tools, list) or not all(isinstance(t, str) and t for t in self.tools):
+            raise ConfigError(f"config key '{prefix}tools': expected a list of tool names or module:function specs, "
+                              f"got {self.tools!r}")
+        if not isinstance(self.env_args, dict):
+            raise ConfigError(f"config key '{prefix}env_args': expected a mapping, got {self.env_args!r}")
+
+
+@dataclass
 class PtxConfig:
     coef: float = option(0.0, "weight of the causal-LM loss on data.ptx in the actor loss (InstructGPT's gamma)")
     batch_size: int = option(4, "pretraining texts per actor optimizer step, over all ranks")
@@ -363,6 +395,9 @@ class PPOConfig:
     reward: Any = option(None, "a reward-model folder, or a Python function module:function or path/file.py:function "
                                "taking (prompts, responses[, dataset columns]) -> list[float | None]; or a list "
                                "of {reward: one of those, weight: w, name: n} summed with their weights")
+    env: Optional[str] = option(None, "a multi-turn environment, module:Class or path/file.py:Class (a subclass of "
+                                      "rlhfkit.envs.Environment): each prompt row becomes an episode it judges "
+                                      "(then leave `reward` unset; episode.* sets the limits; docs/agents.md)")
     critic: Optional[str] = option(None, "value model folder; default: the reward model when it is a folder "
                                          "with the actor's tokenizer, else the actor with a fresh value head")
     reference: Optional[str] = option(None, "frozen KL reference; default: the actor (with LoRA: the actor "
@@ -373,6 +408,7 @@ class PPOConfig:
                                                "per iteration)")
     gen: GenConfig = option(GenConfig(), "generation")
     rollout: RolloutSection = option(RolloutSection(), "the rollout engine (native or vLLM)")
+    episode: EpisodeSection = option(EpisodeSection(), "multi-turn episodes (with env)")
     ppo: PPOSection = option(PPOSection(), "PPO")
     ptx: PtxConfig = option(PtxConfig(), "PPO-ptx")
     ema: EMAConfig = option(EMAConfig(), "EMA of the actor")
@@ -382,7 +418,10 @@ class PPOConfig:
     log: LogConfig = option(LogConfig(), "logging")
 
     def reward_parts(self, prefix: str = "") -> list[RewardPart]:
-        """`reward` as a list of (spec, weight, name); a single spec has weight 1 and its own name."""
+        """`reward` as a list of (spec, weight, name); a single spec has weight 1 and its own name. An `env` run's
+        run has none: its environment judges (`stages/ppo_setup.load_reward`)."""
+        if self.env:
+            return []
         items = self.reward if isinstance(self.reward, list) else [{"reward": self.reward}]
         parts = []
         for i, item in enumerate(items):
@@ -406,9 +445,21 @@ class PPOConfig:
         return parts
 
     def validate(self, prefix: str = "") -> None:
-        for key in ("actor", "reward"):
+        for key in ("actor",) + (() if self.env else ("reward",)):
             if not getattr(self, key):
-                raise ConfigError(f"config key '{prefix}{key}': required")
+                raise ConfigError(f"config key '{prefix}{key}': required" + (
+                    " (or env: a multi-turn environment that judges its episodes)" if key == "reward" else ""))
+        if self.env:
+            if self.reward:
+                raise ConfigError(f"config key '{prefix}reward': the environment (env={self.env}) judges its "
+                                  f"episodes; unset reward (an environment may call a reward function in its "
+                                  f"reward() method)")
+            if not is_function_spec(self.env):
+                raise ConfigError(f"config key '{prefix}env': expected module:Class or path/file.py:Class, got "
+                                  f"{self.env!r}")
+            if self.ppo.normalize_reward:
+                raise ConfigError(f"config key '{prefix}ppo.normalize_reward': needs a reward model's stored "
+                                  f"mean/std; an environment judges this run")
         check_lora_dropout(self.load, self.lora, prefix)
         parts = self.reward_parts(prefix)
         if self.ppo.normalize_reward and len(parts) > 1:

@@ -1,6 +1,6 @@
 """Detect a dataset's format and convert its rows into canonical examples.
 
-Canonical form: a prompt is a list of messages `{"role": "system"|"user"|"assistant", "content": str}` with at
+Canonical form: a prompt is a list of messages `{"role": "system"|"user"|"assistant"|"tool", "content": str}` with at
 least one user message and a non-empty last message; a response is a string. Roles need not alternate and the
 prompt may end with an assistant turn, as in real Anthropic HH rows, whose convention is kept: the prompt is the
 text up to the LAST `\n\nAssistant:`, the response everything after it (a typo "Humans:" leaves two Assistant turns
@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from rlhfkit.data.readers import Row
 from rlhfkit.errors import DataError, where
 
-ROLES = ("system", "user", "assistant")
+ROLES = ("system", "user", "assistant", "tool")  # tool: a tool's result in an agent's conversation
 
 
 @dataclass

@@ -27,15 +27,16 @@ from rlhfkit.models.lora import base_model
 from rlhfkit.errors import ModelError, TemplateRefused
 
 
-def load_reward_function(spec: str) -> Callable:
+def load_reward_function(spec: str, what: str = "reward") -> Callable:
     """Import `module:function` (from the working directory or PYTHONPATH) or load `path/file.py:function`.
-    An error while importing is one line naming the file and line that raised."""
+    An error while importing is one line naming the file and line that raised; `what` names the config key
+    (reward, env) in it."""
     target, name = spec.rsplit(":", 1)
     if target.endswith(".py"):
         path = Path(target).expanduser()
         if not path.is_file():
-            raise ModelError(f"reward '{spec}': file '{target}' does not exist")
-        module_name = f"rlhfkit_reward_{path.stem}"
+            raise ModelError(f"{what} '{spec}': file '{target}' does not exist")
+        module_name = f"rlhfkit_{what}_{path.stem}"
         module_spec = importlib.util.spec_from_file_location(module_name, path)
         module = importlib.util.module_from_spec(module_spec)
         # registered while it runs, as an import does: dataclasses and pickling look their module up there
@@ -44,7 +45,7 @@ def load_reward_function(spec: str) -> Callable:
             module_spec.loader.exec_module(module)
         except Exception as exc:
             sys.modules.pop(module_name, None)
-            raise ModelError(f"reward '{spec}': importing '{target}' failed: {type(exc).__name__}: {exc} "
+            raise ModelError(f"{what} '{spec}': importing '{target}' failed: {type(exc).__name__}: {exc} "
                              f"({import_failed_at(exc, path)})") from None
     else:
         if os.getcwd() not in sys.path:  # `python -m` adds it, console scripts do not
@@ -53,15 +54,15 @@ def load_reward_function(spec: str) -> Callable:
             module = importlib.import_module(target)
         except ModuleNotFoundError as exc:
             if exc.name and target.startswith(exc.name):  # the module itself (or its package) is not found
-                raise ModelError(f"reward '{spec}': cannot import module '{target}': {exc}") from None
-            raise ModelError(f"reward '{spec}': importing module '{target}' failed: {type(exc).__name__}: {exc} "
+                raise ModelError(f"{what} '{spec}': cannot import module '{target}': {exc}") from None
+            raise ModelError(f"{what} '{spec}': importing module '{target}' failed: {type(exc).__name__}: {exc} "
                              f"({import_failed_at(exc)})") from None
         except Exception as exc:
-            raise ModelError(f"reward '{spec}': importing module '{target}' failed: {type(exc).__name__}: {exc} "
+            raise ModelError(f"{what} '{spec}': importing module '{target}' failed: {type(exc).__name__}: {exc} "
                              f"({import_failed_at(exc)})") from None
     fn = getattr(module, name, None)
     if not callable(fn):
-        raise ModelError(f"reward '{spec}': '{target}' has no function '{name}'")
+        raise ModelError(f"{what} '{spec}': '{target}' has no {'class' if what == 'env' else 'function'} '{name}'")
     return fn
 
 

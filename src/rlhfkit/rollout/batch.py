@@ -4,6 +4,11 @@ Layout. B rows, P prompt columns, R response columns. Prompts are LEFT-padded (s
 row at the same column) and responses RIGHT-padded, so `input_ids = [prompt_ids | response_ids]` is (B, P + R)
 and response token j sits at column P + j for every row. Per-token quantities are (B, R) and aligned with the
 response: index j is about response token j, predicted from everything before it (logits at column P - 1 + j).
+
+Episodes (multi-turn, rollout/episodes.py): the response is the whole trajectory after the prompt, the model's
+turns and the environment's messages in between, as ids. `response_mask` is 1 on the model's own tokens only (what
+the losses, the KL, entropy, values and advantages cover); `response_attention` is 1 on every real token (what the
+forwards attend to). A single-turn batch has no environment tokens and leaves `response_attention` None.
 """
 
 from __future__ import annotations
@@ -45,6 +50,11 @@ class RolloutBatch:
     returns: Optional[torch.Tensor] = None  # (B, R) returns (GAE: the critic's targets, advantages + values)
     tis_weights: Optional[torch.Tensor] = None  # (B, R) min(pi_old / pi_sampler, rollout.tis_cap) where another
     #                                             engine sampled (rollout/sync_check.py); None: no correction
+    # ---- episodes (rollout/episodes.py); None for single-turn rollouts
+    response_attention: Optional[torch.Tensor] = None  # (B, R) long: 1 on every real response-side token, the
+    #                                                    environment's included (response_mask: the model's only)
+    episode_rewards: Optional[torch.Tensor] = None  # (B,) the environment's return of each episode (NaN: unjudged)
+    episodes: list = field(default_factory=list)  # B dicts: turns, tool calls, how each episode ended
 
     @property
     def size(self) -> int:
@@ -60,13 +70,20 @@ class RolloutBatch:
         return torch.cat([self.prompt_ids, self.response_ids], dim=1)
 
     @property
+    def response_attended(self) -> torch.Tensor:
+        """(B, R) long: 1 on every response-side token a forward attends to (an episode's environment tokens
+        too, which `response_mask` leaves out)."""
+        return self.response_mask.long() if self.response_attention is None else self.response_attention.long()
+
+    @property
     def attention_mask(self) -> torch.Tensor:
-        """(B, P + R) 1 on real prompt tokens and valid response tokens (nothing after EOS)."""
-        return torch.cat([self.prompt_mask, self.response_mask.long()], dim=1)
+        """(B, P + R) 1 on real prompt tokens and real response tokens (nothing after EOS; an episode's
+        environment tokens included)."""
+        return torch.cat([self.prompt_mask, self.response_attended], dim=1)
 
     @property
     def response_lengths(self) -> torch.Tensor:
-        """(B,) valid response tokens, EOS included."""
+        """(B,) valid response tokens, EOS included (an episode's: the model's own tokens)."""
         return self.response_mask.sum(-1)
 
     def select(self, index, trim: bool = True) -> "RolloutBatch":
@@ -88,7 +105,8 @@ class RolloutBatch:
 
     def _trimmed(self) -> "RolloutBatch":
         first_prompt = int(self.prompt_mask.any(0).long().argmax()) if self.prompt_mask.any() else 0
-        resp_width = int(self.response_mask.any(0).nonzero().max()) + 1 if self.response_mask.any() else 1
+        attended = self.response_attended
+        resp_width = int(attended.any(0).nonzero().max()) + 1 if attended.any() else 1
         trims = {}
         for f in fields(self):
             value = getattr(self, f.name)

@@ -12,6 +12,7 @@ from dataclasses import replace
 import torch
 
 from rlhfkit.accel import grad_in_place
+from rlhfkit.algos.rewards import last_valid_index
 from rlhfkit.algos import (entropy_from_logits, kl_penalty, linear_token_logprobs, masked_mean, masked_whiten,
                            shape_rewards, token_logprobs)
 from rlhfkit.config.ppo_schema import PPOSection
@@ -36,7 +37,7 @@ def response_logits(model, batch: RolloutBatch, plan, temperature: float = 1.0) 
     logits = None
     if batch.groups_share_prompts:  # every rank's batch is one of groups: all take the same two forwards
         logits = shared_prefix_logits(model, batch.prompt_ids, batch.prompt_mask, batch.response_ids,
-                                      batch.response_mask, plan, always=True)
+                                      batch.response_attended, plan, always=True)
     width = batch.response_ids.size(1)
     if logits is None:  # the tokens every row begins with (a chat template's system prompt) computed once
         logits = common_prefix_outputs(model, batch.input_ids[:, :-1], batch.attention_mask[:, :-1], width, plan,
@@ -54,7 +55,7 @@ def response_hidden(model, batch: RolloutBatch, plan) -> torch.Tensor:
     hidden = None
     if batch.groups_share_prompts:
         hidden = shared_prefix_logits(model, batch.prompt_ids, batch.prompt_mask, batch.response_ids,
-                                      batch.response_mask, plan, always=True, hidden=True)
+                                      batch.response_attended, plan, always=True, hidden=True)
     if hidden is None:  # the tokens every row begins with once, where that computes fewer tokens than packing
         hidden = common_prefix_outputs(model, batch.input_ids[:, :-1], batch.attention_mask[:, :-1],
                                        batch.response_ids.size(1), plan)
@@ -123,7 +124,7 @@ def length_sorted_chunks(batch: RolloutBatch, size: int, rows: torch.Tensor | No
     longest row), so a micro-batch holds whole groups and computes each prompt once (`shared_prefix_logits`).
     """
     rows = torch.arange(batch.size) if rows is None else torch.as_tensor(rows, dtype=torch.long)
-    lengths = (batch.prompt_mask.sum(-1) + batch.response_mask.sum(-1)).cpu()[rows]
+    lengths = (batch.prompt_mask.sum(-1) + batch.response_attended.sum(-1)).cpu()[rows]
     group = None if batch.group is None else batch.group.cpu()[rows]
     if group is None or group.unique().numel() == group.numel():  # no two rows of one prompt
         return list(rows[torch.argsort(lengths, stable=True)].split(size))
@@ -188,8 +189,8 @@ def add_model_outputs(batch: RolloutBatch, actor, critic, reference, plans, temp
 
 
 def ended_with_eos(batch: RolloutBatch, eos_ids: list[int]) -> torch.Tensor:
-    """(B,) bool: the response stopped by itself (its last valid token is an EOS)."""
-    last = (batch.response_lengths.long() - 1).clamp(min=0)
+    """(B,) bool: the response stopped by itself (its last valid token is an EOS; an episode's: its last turn's)."""
+    last = last_valid_index(batch.response_mask)
     last_tokens = batch.response_ids.gather(1, last[:, None]).squeeze(1)
     return torch.isin(last_tokens, torch.tensor(eos_ids, device=last_tokens.device))
 

@@ -11,6 +11,7 @@ import time
 
 from rlhfkit.config.ppo_schema import PPOConfig
 from rlhfkit.data.loader import skipped_rows
+from rlhfkit.envs.load import load_environment
 from rlhfkit.models.loading import record_template
 from rlhfkit.rollout.vllm_server import check_server
 from rlhfkit.stages.advice import kl_note, lora_rate_note, pace_line
@@ -41,9 +42,10 @@ def run_ppo(cfg: PPOConfig, resume: bool = False, force: bool = False) -> dict:
     seed, iters = cfg.train.seed, cfg.train.max_steps
     ptx = PtxText(cfg.data.ptx, tokenizer, cfg.ptx.max_length, seed) if cfg.ptx.coef > 0 else None
     served = check_server(cfg, tokenizer) if cfg.rollout.server else None  # another model's server: before loading
+    environment = load_environment(cfg) if cfg.env else None  # the user's environment class and tools, likewise
     models = load_ppo_models(cfg, tokenizer, engine, iters * updates_per_iteration(cfg),
                              prompt_fields=[row.get("fields") or {} for row in data.train])
-    rl = PPOSteps(cfg, models, tokenizer, engine, ptx, served)
+    rl = PPOSteps(cfg, models, tokenizer, engine, ptx, served, environment)
     try:  # the sampler (a vLLM engine) stops on every way out: the end, an error, a stop request
         out = prepare_output_dir(cfg, resume, force, engine.is_main)
         resumed = rl.restore(out) if resume else {}
@@ -55,7 +57,7 @@ def run_ppo(cfg: PPOConfig, resume: bool = False, force: bool = False) -> dict:
             log.write(models.speed_line())  # the first line: which fast paths each model takes, and why not others
             log.write(describe(cfg, data.info, models.notes))
             log.write(kl_note(cfg.ppo.kl_estimator))  # why the kl on the bar can be below 0
-            if rl.sampler.separate:  # which engine samples, and how its weights are kept in step
+            if rl.sampler.separate or environment:  # which engine samples, how its weights are kept in step, episodes
                 log.write(rl.sampler.describe())
             if note := lora_rate_note(cfg.lora.rank, cfg.train.lr):
                 log.write(note)

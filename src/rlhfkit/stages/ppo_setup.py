@@ -22,6 +22,7 @@ from rlhfkit.models.lora import apply_lora
 from rlhfkit.config.ppo_schema import is_function_spec
 from rlhfkit.models.reward_fn import (CombinedReward, FunctionReward, ModelReward,
                                      load_reward_function, same_tokenization)
+from rlhfkit.rollout.episodes import EnvironmentReward
 from rlhfkit.rollout.generate import ignored_generation_settings
 from rlhfkit.speed.registry import Target, plan_line, plan_model
 
@@ -56,6 +57,8 @@ def load_reward(cfg: PPOConfig, actor_tok, engine, prompt_fields: list[dict] | N
     """-> (the weighted sum of every `reward` part, the tokenizer of each part: None for a Python function).
     `prompt_fields`: the prompt rows' dataset fields, checked against what each reward function takes before any
     reward model loads."""
+    if cfg.env:  # the environment judges its episodes (rollout/episodes.py)
+        return CombinedReward([("env", EnvironmentReward(), 1.0)]), [None]
     functions = {part.name: FunctionReward(load_reward_function(part.spec), part.spec)
                  for part in cfg.reward_parts() if is_function_spec(part.spec)}
     if prompt_fields is not None:
@@ -107,6 +110,8 @@ def zero_value_head(model) -> None:
 
 def reward_notes(cfg: PPOConfig, reward: CombinedReward) -> list[str]:
     """Which reward each part is, for the log."""
+    if cfg.env:
+        return [f"reward: the environment's ({cfg.env})"]
     parts = cfg.reward_parts()
     return [f"reward: {part.spec}" + (f" x {part.weight:g} as {part.name}" if len(parts) > 1 else "")
             + (" (re-tokenised: its tokenizer differs)" if getattr(one, "retokenize", False) else "")

@@ -27,7 +27,9 @@ from rlhfkit.data.templates import encode_prompt
 from rlhfkit.errors import ConfigError
 from rlhfkit.models.ema import EMA
 from rlhfkit.rollout.batch import RolloutBatch
+from rlhfkit.data.templates import Template
 from rlhfkit.rollout.engines import make_rollout_engine
+from rlhfkit.rollout.episodes import EpisodeRollout, episode_metrics
 from rlhfkit.rollout.evaluate import evaluate_policy, reward_on_device
 from rlhfkit.rollout.experience import (add_model_outputs, add_rewards, adjust_scores, ended_with_eos,
                                         finish_advantages, kl_rows, sort_by_length)
@@ -164,7 +166,7 @@ class Experience:
 
 class PPOSteps:
     def __init__(self, cfg: PPOConfig, models: PPOModels, tokenizer, engine, ptx: PtxText | None = None,
-                 served: str | None = None):
+                 served: str | None = None, environment=None):
         self.cfg, self.models, self.tokenizer, self.engine, self.ptx = cfg, models, tokenizer, engine, ptx
         self.actor, self.critic = models.actor, models.critic
         self.estimator = cfg.ppo.estimator()
@@ -176,6 +178,10 @@ class PPOSteps:
         # what samples: the actor itself (native) or an engine holding its own copy of the weights (vllm), synced
         # before it samples whenever the actor has changed since (`stale`)
         self.sampler = make_rollout_engine(cfg, self.actor.module, engine, tokenizer, models.plans["actor"], served)
+        if environment is not None:  # multi-turn: the engine samples each model turn of the episodes
+            template = Template.for_tokenizer(tokenizer, cfg.data.template, self.eos_ids)
+            self.sampler = EpisodeRollout(self.sampler, environment.env_class, cfg.episode, template, engine,
+                                          environment.tools, environment.env_args, environment.spec)
         self.stale = self.sampler.separate
         # the old log-probs from a forward after sampling, not from sampling itself (auto: under bf16 autocast;
         # always where another engine sampled: its log-probs are checked against the forward's)
@@ -278,7 +284,7 @@ class PPOSteps:
                 "reward/unjudged": float((~judged).sum()), **scored.dropped,
                 "score/mean": scored.scores.mean().item(), **coef,
                 "response_length": scored.lengths.float().mean().item(),
-                "response/finished": scored.finished.float().mean().item()}
+                "response/finished": scored.finished.float().mean().item(), **episode_metrics(scored.rollout)}
 
     # -- 4. optimise ---------------------------------------------------------------------------------------
     def optimise(self, experience: Experience, iteration: int, timer) -> dict:

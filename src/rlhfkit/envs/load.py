@@ -1,0 +1,47 @@
+"""The `env` of a PPO config: its class imported and its tools resolved, before any model loads."""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+
+from rlhfkit.envs.base import Environment
+from rlhfkit.errors import ConfigError, ModelError
+
+
+@dataclass
+class LoadedEnvironment:
+    spec: str  # env= as written
+    env_class: type
+    tools: list  # rlhfkit.tools.Tool objects: the class's own `tools`, then episode.tools
+    env_args: dict
+
+
+def load_environment(cfg) -> LoadedEnvironment:
+    """The class of `cfg.env`, checked against `cfg.episode.env_args`, and its tools (ModelError / ConfigError
+    naming the key)."""
+    from rlhfkit.models.reward_fn import load_reward_function
+
+    env_class = load_reward_function(cfg.env, what="env")
+    if not inspect.isclass(env_class) or not callable(getattr(env_class, "step", None)):
+        raise ModelError(f"env '{cfg.env}': expected a class with reset() and step() (a subclass of "
+                         f"rlhfkit.envs.Environment), got {type(env_class).__name__} {env_class!r:.60}")
+    args = dict(cfg.episode.env_args)
+    try:
+        inspect.signature(env_class).bind(**args)
+    except TypeError as exc:
+        raise ConfigError(f"config key 'episode.env_args': {env_class.__name__}({', '.join(args)}) cannot be called: "
+                          f"{exc}") from None
+    specs = list(getattr(env_class, "tools", None) or []) + list(cfg.episode.tools)
+    tools = []
+    try:
+        if specs:
+            from rlhfkit.tools import resolve_tools
+
+            tools = resolve_tools(specs)
+    except (ValueError, ImportError, AttributeError) as exc:
+        raise ConfigError(f"config key 'episode.tools': {exc}") from None
+    if not issubclass(env_class, Environment) and tools:
+        raise ModelError(f"env '{cfg.env}': tools need an environment that runs them (subclass "
+                         f"rlhfkit.envs.ToolEnvironment)")
+    return LoadedEnvironment(cfg.env, env_class, tools, args)
