@@ -116,6 +116,7 @@ def test_an_episode_run_resumes_exactly(ppo_world, agent_world):
         torch.testing.assert_close(resumed[key], value, atol=1e-6, rtol=1e-6)
 
 
+@pytest.mark.xdist_group("ranks")  # one multi-rank launch at a time under xdist
 def test_episodes_train_under_zero3_on_two_ranks(ppo_world, agent_world):
     """Every rank samples each turn with the others (ZeRO-3's forwards are collective), even when its own
     episodes ended sooner."""

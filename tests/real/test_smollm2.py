@@ -485,3 +485,18 @@ def test_task_demo_quick_learns_arithmetic(tmp_path):
     assert_bars_passed(proc, summary)  # every bar but its time (measured in benchmarks/)
     assert rows["held-out accuracy gain"]["value"] >= 0.2
     assert (tmp_path / "demo" / "report.html").is_file() and (tmp_path / "demo" / "samples.jsonl").is_file()
+
+
+def test_agent_demo_quick_learns_to_call_the_calculator(tmp_path):
+    """`rlhfkit demo --task calculator --quick`: SFT on 12 demonstrations of the call, GRPO on multi-turn episodes;
+    the starting model never multiplies 3-digit numbers right, the trained one does, by calling the calculator."""
+    proc = run_cli("demo", "--task", "calculator", "--quick", "--output", str(tmp_path / "demo"), timeout=1500,
+                   env=TWO_THREADS)
+    summary = json.loads((tmp_path / "demo" / "summary.json").read_text())
+    assert_bars_passed(proc, summary)
+    policies = summary["policies"]
+    assert policies["start"]["success"]["mean"] <= 0.1 and policies["trained"]["success"]["mean"] >= 0.5
+    assert policies["trained"]["used_tool"]["mean"] >= 0.5
+    metrics = [r for r in read_metrics(tmp_path / "demo" / "ppo" / "metrics.jsonl") if "episode/turns" in r]
+    assert metrics and all(r["episode/tool_calls"] > 0 for r in metrics)
+    assert (tmp_path / "demo" / "report.html").is_file() and (tmp_path / "demo" / "samples.jsonl").is_file()

@@ -187,6 +187,15 @@ def check_demo(args, overrides: list[str]) -> None:
     from rlhfkit.config.fields import deep_merge, from_dict, parse_overrides
     from rlhfkit.config.ppo_schema import PPOConfig
 
+    if args.task == "calculator":
+        from rlhfkit.config.schema import SFTConfig
+        from rlhfkit.demo import agent_run
+
+        size = agent_run.SIZES["quick" if args.quick else "full"]
+        from_dict(SFTConfig, agent_run.sft_dict(Path(args.output), Path(SUBSTITUTED), size, args.seed))
+        from_dict(PPOConfig, deep_merge(agent_run.ppo_dict(Path(args.output), size, args.seed),
+                                        parse_overrides(overrides)))
+        return
     if args.task:
         from rlhfkit.demo import task_run
 

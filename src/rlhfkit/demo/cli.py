@@ -12,7 +12,8 @@ def add_demo_parser(sub) -> argparse.ArgumentParser:
                        epilog="example:\n  rlhfkit demo --output runs/demo\n"
                               "  rlhfkit demo --quick ppo.train.max_steps=40\n"
                               "  rlhfkit demo --algos all         # and the arena: PPO, GRPO, RLOO, REINFORCE++, DPO\n"
-                              "  rlhfkit demo --task arithmetic   # runs/demo-arithmetic",
+                              "  rlhfkit demo --task arithmetic   # runs/demo-arithmetic\n"
+                              "  rlhfkit demo --task calculator   # an agent learns to call a tool: runs/demo-calculator",
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--output", default="runs/demo", help="output folder (default runs/demo)")
     p.add_argument("--quick", action="store_true", help="a smaller model and fewer steps (for tests, ~2.5 minutes)")
@@ -21,9 +22,11 @@ def add_demo_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--early-stop", action="store_true",
                    help="evaluate the PPO checkpoint of best gold reward on the validation prompts (exported to "
                         "OUTPUT/early-stop) instead of PPO's last policy")
-    p.add_argument("--task", choices=("arithmetic",), default=None,
+    p.add_argument("--task", choices=("arithmetic", "calculator"), default=None,
                    help="instead of the toy world: SmolLM2-135M-Instruct (rlhfkit fetch) learns this task with a "
-                        "verifiable reward by RL (~10 minutes on 2 cores; --quick: a shorter run)")
+                        "verifiable reward by RL (~10 minutes on 2 cores; --quick: a shorter run); calculator: "
+                        "3-digit multiplication in multi-turn episodes with a calculator tool (SFT on 12 "
+                        "demonstrations, then GRPO)")
     p.add_argument("--algo", choices=("ppo", "grpo", "rloo", "reinforce_pp"), default="ppo",
                    help="with --task: the RL algorithm (ppo: a critic; grpo, rloo: groups of 4 samples per prompt, "
                         "no critic; reinforce_pp: no critic); output runs/demo-TASK-ALGO")
@@ -52,6 +55,13 @@ def main(args) -> int:
         if not args.task and args.algo != "ppo":
             raise ConfigError("--algo chooses the --task demo's algorithm; the toy world compares algorithms with "
                               "--algos")
+        if args.task == "calculator":
+            if args.algo != "ppo":
+                raise ConfigError("--task calculator trains with GRPO (its own recipe); leave out --algo")
+            from rlhfkit.demo.agent_run import run_agent_demo
+
+            output = "runs/demo-calculator" if args.output == "runs/demo" else args.output
+            return run_agent_demo(output, args.quick, args.overrides, args.force, args.seed)
         if args.task:
             suffix = "" if args.algo == "ppo" else f"-{args.algo}"
             output = f"runs/demo-{args.task}{suffix}" if args.output == "runs/demo" else args.output

@@ -5,7 +5,7 @@ from __future__ import annotations
 import inspect
 from dataclasses import dataclass
 
-from rlhfkit.envs.base import Environment
+from rlhfkit.envs.tool_env import ToolEnvironment
 from rlhfkit.errors import ConfigError, ModelError
 
 
@@ -41,7 +41,9 @@ def load_environment(cfg) -> LoadedEnvironment:
             tools = resolve_tools(specs)
     except (ValueError, ImportError, AttributeError) as exc:
         raise ConfigError(f"config key 'episode.tools': {exc}") from None
-    if not issubclass(env_class, Environment) and tools:
+    if tools and not issubclass(env_class, ToolEnvironment) and not getattr(env_class, "tools", None):
+        # tools described to the model that nothing would run: a ToolEnvironment runs them (or a class of the
+        # user's that lists its own tools, and so reads self.tools itself)
         raise ModelError(f"env '{cfg.env}': tools need an environment that runs them (subclass "
-                         f"rlhfkit.envs.ToolEnvironment)")
+                         f"rlhfkit.envs.ToolEnvironment); {env_class.__name__} does not")
     return LoadedEnvironment(cfg.env, env_class, tools, args)

@@ -1,0 +1,80 @@
+"""The agent task of `rlhfkit demo --task calculator`: 3-digit multiplication, which SmolLM2-135M-Instruct cannot do
+in its head, with a calculator it may call.
+
+`MultiplyEnv` is an ordinary environment (rlhfkit.envs.ToolEnvironment), named in the PPO config as
+`env=rlhfkit.demo.agent:MultiplyEnv` exactly as a user's would be: the question is the prompt row's own, the model
+may call the calculator (its result comes back as a tool turn), and its first turn without a call is the answer,
+right when the first number in it equals the product (commas allowed: "287,663").
+
+The demonstrations that teach the call format are generated here too: for a question, the conversation system
+(the template's own text and the tool instructions) -> user question -> assistant call, as one SFT row rendered
+from the same messages an episode opens with (`TurnRenderer.opening_messages`). They show the call only: what to
+make of the calculator's result (answer with the number, first) is left for RL to learn from the reward.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+
+from rlhfkit.envs import ToolEnvironment
+
+_QUESTION = re.compile(r"What is (\d+) \* (\d+)\?")
+_NUMBER = re.compile(r"-?\d[\d,]*")
+
+
+def questions(seed: int, train: int = 256, heldout: int = 48) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+    """(training, held-out) pairs of 3-digit factors, disjoint, chosen by `seed`."""
+    rng = random.Random(seed)
+    pairs: list[tuple[int, int]] = []
+    seen = set()
+    while len(pairs) < train + heldout:
+        pair = (rng.randint(100, 999), rng.randint(100, 999))
+        if pair not in seen:
+            seen.add(pair)
+            pairs.append(pair)
+    return pairs[heldout:], pairs[:heldout]
+
+
+def question(a: int, b: int) -> str:
+    return f"What is {a} * {b}?"
+
+
+def prompt_row(a: int, b: int) -> dict:
+    """A prompt row of the task: the question and its answer (a dataset field the environment reads)."""
+    return {"prompt": question(a, b), "answer": a * b}
+
+
+def first_number(text: str) -> int | None:
+    """The first integer written in `text` (thousands separators allowed), or None."""
+    match = _NUMBER.search(text)
+    if not match:
+        return None
+    digits = match.group().replace(",", "")
+    return int(digits) if digits.lstrip("-").isdigit() else None
+
+
+class MultiplyEnv(ToolEnvironment):
+    """The question is the row's prompt; the answer is right when its first number is the product."""
+
+    tools = ["calculator"]
+
+    def reset(self, row: dict):
+        self.answer = int(row["answer"])
+        return None  # open with the row's own prompt (the tools described beside it)
+
+    def score(self, answer: str) -> float:
+        return float(first_number(answer) == self.answer)
+
+
+def demonstration_rows(pairs: list[tuple[int, int]], renderer) -> list[dict]:
+    """SFT rows teaching the tool format: per question, the call after the question. `renderer`: the TurnRenderer
+    of the run's template and tools."""
+    from rlhfkit.tools.format import format_tool_call
+
+    rows = []
+    for a, b in pairs:
+        opening = renderer.opening_messages([{"role": "user", "content": question(a, b)}])
+        call = format_tool_call("calculator", {"expression": f"{a} * {b}"})
+        rows.append({"messages": opening + [{"role": "assistant", "content": call}]})
+    return rows
