@@ -40,8 +40,8 @@ def world(tiny_model_dir):
     from rlhfkit.models import load_causal_lm, load_tokenizer
 
     tok = load_tokenizer(str(tiny_model_dir), padding_side="left")
-    model = sharpened(load_causal_lm(str(tiny_model_dir), tokenizer=tok)).eval()
-    engine = LocalEngine()
+    engine = LocalEngine()  # the machine's device (a GPU where there is one)
+    model = sharpened(load_causal_lm(str(tiny_model_dir), tokenizer=tok)).to(engine.device).eval()
     plan = plan_model(Target(model, "actor", "ppo", None, engine))  # every fast path the actor would take
     template = Template.for_tokenizer(tok, "auto", [tok.eos_token_id])
     return tok, model, engine, plan, template
@@ -75,10 +75,11 @@ def test_a_two_turn_episode_is_trained_on_exactly_the_tokens_sampled(world):
             assert ids[len(turn):len(turn) + len(env_ids)] == env_ids
         assert batch.episodes[row]["env_tokens"] == int((~model_at & batch.response_attention[row].bool()).sum())
         assert model_at.sum() == len(ids) - batch.episodes[row]["env_tokens"]
-    assert torch.equal(batch.episode_rewards, torch.ones(4))
+    assert torch.equal(batch.episode_rewards.cpu(), torch.ones(4))
     # the trainer's forward over prompt + trajectory (attending to the environment's tokens), on the actor's fast
     # paths, gives the sampler's log-prob for every token the model sampled
     trainer = response_logprobs(model, batch, plan)
+    batch, trainer = batch.to("cpu"), trainer.cpu()
     valid = batch.response_mask.bool()
     assert valid.sum() >= 4 * 7
     assert torch.allclose(trainer[valid], batch.sample_logprobs[valid], atol=1e-4)
@@ -90,7 +91,7 @@ def test_environment_tokens_carry_no_loss_kl_or_advantage(world):
     from rlhfkit.registry.estimators import ESTIMATORS
 
     tok, model, engine, plan, template = world
-    batch = episodes(world, TwoTurns, NAMES[:4])
+    batch = episodes(world, TwoTurns, NAMES[:4]).to("cpu")
     env_at = batch.response_attention.bool() & ~batch.response_mask.bool()
     assert env_at.any()
     cfg = PPOSection(kl_coef=0.1)
@@ -135,8 +136,8 @@ def test_one_turn_episodes_are_the_engines_own_batch(world):
 
     rows = rows_for(tok, template, NAMES[:4])
     torch.manual_seed(3)
-    plain = NativeRollout(model, engine, tok, plan).generate(rows, GenConfig(max_new_tokens=6))
-    batch = episodes(world, OneTurn, NAMES[:4], seed=3)
+    plain = NativeRollout(model, engine, tok, plan).generate(rows, GenConfig(max_new_tokens=6)).to("cpu")
+    batch = episodes(world, OneTurn, NAMES[:4], seed=3).to("cpu")
     width = plain.response_ids.size(1)
     assert torch.equal(batch.response_ids[:, :width], plain.response_ids)
     assert torch.equal(batch.response_mask[:, :width], plain.response_mask)
@@ -150,11 +151,11 @@ def test_limits_end_episodes_by_turns_and_tokens(world):
         def step(self, text):
             return Step(["go on"], reward=0.5)
 
-    batch = episodes(world, Chatty, NAMES[:2], max_turns=3)
+    batch = episodes(world, Chatty, NAMES[:2], max_turns=3).to("cpu")
     assert [e["turns"] for e in batch.episodes] == [3, 3]
     assert [e["ended"] for e in batch.episodes] == ["max_turns"] * 2
     assert torch.equal(batch.episode_rewards, torch.tensor([1.5, 1.5]))  # per-turn rewards add up
-    short = episodes(world, Chatty, NAMES[:2], max_turns=5, max_tokens=20)
+    short = episodes(world, Chatty, NAMES[:2], max_turns=5, max_tokens=20).to("cpu")
     for e, row in zip(short.episodes, range(2)):
         assert e["ended"] == "max_tokens" and int(short.response_attention[row].sum()) <= 20
     metrics = episode_metrics(short)
@@ -180,7 +181,7 @@ class Flaky(Environment):
 
 def test_a_failing_environment_leaves_its_episode_unjudged_and_the_rest_go_on(world):
     start = time.monotonic()
-    batch = episodes(world, Flaky, NAMES[:6], timeout=0.5, max_failed=0.6)
+    batch = episodes(world, Flaky, NAMES[:6], timeout=0.5, max_failed=0.6).to("cpu")
     assert time.monotonic() - start < 2.5  # the hung call was given up on, not waited for
     ended = [e["ended"] for e in batch.episodes]
     assert ended == ["raised", "timeout", "bad_value", "done", "done", "done"]
@@ -203,7 +204,7 @@ def test_an_episode_that_earned_no_reward_is_unjudged(world):
         def step(self, text):
             return None  # done, no reward anywhere
 
-    batch = episodes(world, Silent, NAMES[:2])
+    batch = episodes(world, Silent, NAMES[:2]).to("cpu")
     assert torch.isnan(batch.episode_rewards).all()
     assert [e["unjudged"] for e in batch.episodes] == [True, True] and batch.episodes[0]["failure"] is None
 

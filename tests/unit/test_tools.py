@@ -182,11 +182,11 @@ def test_resolve_tools_refusals(tool_module, tmp_path):
         resolve_tools([f"{tool_module}:double", f"{tool_module}:double"])
     with pytest.raises(ValueError, match="expected one of calculator, python"):
         resolve_tools(["abacus"])
-    with pytest.raises(ValueError, match="has no function or Tool named 'missing'"):
+    with pytest.raises(ValueError, match="has no function 'missing'"):
         resolve_tools([f"{tool_module}:missing"])
-    with pytest.raises(ValueError, match="importing 'no_such_module_here' failed: ModuleNotFoundError"):
+    with pytest.raises(ValueError, match="cannot import module 'no_such_module_here'"):
         resolve_tools(["no_such_module_here:f"])
-    with pytest.raises(ValueError, match="importing .*absent.py' failed: FileNotFoundError"):
+    with pytest.raises(ValueError, match="file '.*absent.py' does not exist"):
         resolve_tools([f"{tmp_path}/absent.py:f"])
     with pytest.raises(ValueError, match="cannot make a tool of 'no_docstring'"):
         resolve_tools([no_docstring])

@@ -7,9 +7,12 @@ may call the calculator (its result comes back as a tool turn), and its first tu
 right when the first number in it equals the product (commas allowed: "287,663").
 
 The demonstrations that teach the call format are generated here too: for a question, the conversation system
-(the template's own text and the tool instructions) -> user question -> assistant call, as one SFT row rendered
-from the same messages an episode opens with (`TurnRenderer.opening_messages`). They show the call only: what to
-make of the calculator's result (answer with the number, first) is left for RL to learn from the reward.
+(the template's own text and the tool instructions) -> user question -> assistant call -> tool result -> assistant
+answer, as two SFT rows (the call; the answer after the result), rendered from the same messages an episode opens
+with (`TurnRenderer.opening_messages`). Half the answers are the bare product ("287663"), half restate the question
+first ("347 * 829 = 287663"), which the reward counts as wrong (its first number is not the product): the SFT
+model calls the calculator and then answers either way, and RL has to learn, from the reward alone, to answer with
+the result first.
 """
 
 from __future__ import annotations
@@ -68,13 +71,20 @@ class MultiplyEnv(ToolEnvironment):
 
 
 def demonstration_rows(pairs: list[tuple[int, int]], renderer) -> list[dict]:
-    """SFT rows teaching the tool format: per question, the call after the question. `renderer`: the TurnRenderer
-    of the run's template and tools."""
+    """SFT rows teaching the tool format: per question, the call after the question, and the answer after the
+    calculator's result (every other one restating the question first). `renderer`: the TurnRenderer of the run's
+    template and tools."""
     from rlhfkit.tools.format import format_tool_call
 
+    calculator = next(tool for tool in renderer.tools if tool.name == "calculator")
     rows = []
-    for a, b in pairs:
+    for i, (a, b) in enumerate(pairs):
         opening = renderer.opening_messages([{"role": "user", "content": question(a, b)}])
-        call = format_tool_call("calculator", {"expression": f"{a} * {b}"})
-        rows.append({"messages": opening + [{"role": "assistant", "content": call}]})
+        arguments = {"expression": f"{a} * {b}"}
+        call = [{"role": "assistant", "content": format_tool_call("calculator", arguments)}]
+        result = calculator(arguments)
+        answer = result if i % 2 == 0 else f"{a} * {b} = {result}"
+        rows.append({"messages": opening + call})
+        rows.append({"messages": opening + call + [{"role": "tool", "content": result},
+                                                   {"role": "assistant", "content": answer}]})
     return rows

@@ -6,14 +6,9 @@ function comes back as one line, "error: ...", which the model reads as the tool
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
 import inspect
-import os
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 
 from transformers.utils import get_json_schema
 
@@ -115,38 +110,16 @@ def defined_at(fn: Callable) -> str:
 
 
 def load_tool(spec: str) -> Tool:
-    """The Tool, or the function made a tool, that `module:name` or `path/to/file.py:name` names."""
+    """The Tool, or the function made a tool, that `module:name` or `path/to/file.py:name` names (imported as a
+    reward function is: `models.reward_fn.load_reward_function`). ValueError naming the spec when it cannot be."""
+    from rlhfkit.errors import ModelError
+    from rlhfkit.models.reward_fn import load_reward_function
+
     target, _, attr = spec.rpartition(":")
     if not target or not attr:
         raise ValueError(f"tool '{spec}': expected 'module:function' or 'path/file.py:function'")
     try:
-        if target.endswith(".py"):
-            module = import_file(Path(target).expanduser())
-        else:
-            if os.getcwd() not in sys.path:  # as `python -m` would, so a module next to the config is found
-                sys.path.insert(0, os.getcwd())
-            module = importlib.import_module(target)
-    except Exception as exc:  # noqa: BLE001 - whatever the module raises while it runs, told as one line
-        raise ValueError(f"tool '{spec}': importing '{target}' failed: {type(exc).__name__}: {exc}") from None
-    found = getattr(module, attr, None)
-    if isinstance(found, Tool):
-        return found
-    if callable(found):
-        return function_tool(found)
-    raise ValueError(f"tool '{spec}': '{target}' has no function or Tool named '{attr}'")
-
-
-def import_file(path: Path):
-    """Run a .py file as a module named after it (registered in sys.modules while it runs, as an import is)."""
-    if not path.is_file():
-        raise FileNotFoundError(f"no file '{path}'")
-    name = f"rlhfkit_tool_{path.stem}"
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    try:
-        spec.loader.exec_module(module)
-    except BaseException:
-        sys.modules.pop(name, None)
-        raise
-    return module
+        found = load_reward_function(spec, what="tool")
+    except ModelError as exc:
+        raise ValueError(str(exc)) from None
+    return found if isinstance(found, Tool) else function_tool(found)
