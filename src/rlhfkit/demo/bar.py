@@ -70,3 +70,22 @@ def context_rows(gold: dict, best: float, train_gold: dict, flaws: dict, exploit
 
 def failed(rows: list[dict]) -> list[str]:
     return [r["name"] for r in rows if r.get("passed") is False]
+
+
+def report_verdict(out, title: str, rows: list[dict]) -> int:
+    """The end of a task demo: OUT/report.html, the bar printed, and the exit code (0 when every bar passed, else 1
+    with the failed bars on stderr)."""
+    import sys
+
+    from rlhfkit.report import write_report
+    from rlhfkit.stages.pipeline import print_table
+
+    report = write_report(out)
+    print_table(title, rows)
+    print(f"\nreport: {report}")
+    bad = failed(rows)
+    if bad:
+        print(f"rlhfkit demo: FAILED: {'; '.join(bad)}", file=sys.stderr)
+        return 1
+    print("rlhfkit demo: every bar passed")
+    return 0

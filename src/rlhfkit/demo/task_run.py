@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 from rlhfkit.config.ppo_schema import GenConfig
+from rlhfkit.demo.bar import report_verdict
 from rlhfkit.demo.run import write_jsonl
 from rlhfkit.demo.tasks import TASKS
 from rlhfkit.registry.estimators import ESTIMATORS
@@ -97,8 +98,6 @@ def run_task_demo(output: str, task_name: str, quick: bool = False, overrides: l
     from rlhfkit.config.ppo_schema import PPOConfig
     from rlhfkit.demo.evaluate import gold_of_policies
     from rlhfkit.models.fetch import fetch
-    from rlhfkit.report import write_report
-    from rlhfkit.stages.pipeline import print_table
     from rlhfkit.stages.ppo import run_ppo
 
     tick = time.perf_counter()
@@ -140,12 +139,4 @@ def run_task_demo(output: str, task_name: str, quick: bool = False, overrides: l
     write_jsonl(out / "samples.jsonl", [
         {"prompt": p, "before": b, "after": a, "before_reward": task.correct(p, b), "after_reward": task.correct(p, a)}
         for p, b, a in zip(prompts, texts["start"], texts["trained"])][:len(heldout) * 2])
-    report = write_report(out)
-    print_table(title, rows)
-    print(f"\nreport: {report}")
-    bad = [r["name"] for r in rows if r.get("passed") is False]
-    if bad:
-        print(f"rlhfkit demo: FAILED: {'; '.join(bad)}", file=sys.stderr)
-        return 1
-    print("rlhfkit demo: every bar passed")
-    return 0
+    return report_verdict(out, title, rows)
