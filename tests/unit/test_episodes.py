@@ -259,3 +259,27 @@ def test_environment_turns_are_the_chat_templates_own_ids(smollm2):
     # a turn cut at the token limit gets the closing <|im_end|> from the environment's side
     cut = renderer.followup(tool, tok("x", add_special_tokens=False)["input_ids"][0])
     assert cut[0] == end and cut[1:] == renderer.followup(tool, end)
+
+
+def test_a_template_that_takes_tools_describes_them_in_its_own_words(tiny_model_dir):
+    """Where the chat template reads `tools`, the opening is its rendering of the tool schemas, not rlhfkit's
+    fallback instructions; where it does not, the fallback instructions join the system turn."""
+    from rlhfkit.demo.tiny import build_tokenizer
+    from rlhfkit.rollout.turns import TurnRenderer
+    from rlhfkit.tools import resolve_tools
+
+    chatml = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+              "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    with_tools = "{% if tools %}<|im_start|>tools\n{{ tools | tojson }}<|im_end|>\n{% endif %}" + chatml
+    question = [{"role": "user", "content": "What is 2 * 3?"}]
+    texts = {}
+    for name, source in (("own", with_tools), ("fallback", chatml)):
+        tok = build_tokenizer(["What is 2 * 3?"] * 4, vocab_size=300, chat_template=source)
+        renderer = TurnRenderer(Template.for_tokenizer(tok, "auto"), resolve_tools(["calculator"]))
+        texts[name] = (renderer.native_tools, renderer.opening(question)[1])
+    native, text = texts["own"]
+    assert native and text.startswith('<|im_start|>tools\n[{"type": "function", "function": {"name": "calculator"')
+    assert "<tool_call>" not in text and text.endswith("What is 2 * 3?<|im_end|>\n<|im_start|>assistant\n")
+    native, text = texts["fallback"]
+    assert not native and text.startswith("<|im_start|>system\nYou can call these tools:")
+    assert '<tool_call>{"name": "TOOL_NAME"' in text

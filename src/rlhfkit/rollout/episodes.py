@@ -81,9 +81,9 @@ class EpisodeRollout:
         self.tools = list(tools or [])
         self.renderer = TurnRenderer(template, self.tools)
         self.name, self.separate = inner.name, inner.separate
-        parser = getattr(self.tokenizer, "parse_response", None)
-        self.parser = _own_parser(self.tokenizer) if parser is not None and getattr(
-            self.tokenizer, "response_schema", None) else None
+        # the tokenizer's own tool-call parser where its folder defines one (transformers' response template)
+        own = getattr(self.tokenizer, "response_template", None) or getattr(self.tokenizer, "response_schema", None)
+        self.parser = _own_parser(self.tokenizer) if own and hasattr(self.tokenizer, "parse_response") else None
 
     # -- the RolloutEngine protocol -------------------------------------------------------------------------
     def sync(self, model) -> float:
