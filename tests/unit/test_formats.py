@@ -430,7 +430,7 @@ def test_missing_field_in_a_later_row():
         (
             {"messages": [user("Hi"), {"role": "bot", "content": "x"}]},
             "sft",
-            "mem.jsonl:1: field 'messages': message 2: role 'bot' is not one of system, user, assistant",
+            "mem.jsonl:1: field 'messages': message 2: role 'bot' is not one of system, user, assistant, tool",
         ),
         (
             {"messages": [user("Hi")]},

@@ -50,7 +50,10 @@ class Episode:
         self.logprobs: list[float] = []  # the sampler's log-prob of each model token (0 on the environment's)
         self.turn_rewards: list[float] = []
         self.turns = 0
+        self.last_token: int | None = None  # the model's last sampled id, and its turn as text (for the environment)
+        self.text = ""
         self.done = False
+        self.unjudged = False  # over with no reward at all (not a failure)
         self.ended = ""  # why: done, max_turns, max_tokens, or a failure reason
         self.failure: str | None = None  # raised, timeout, bad_value
         self.detail = ""
@@ -253,7 +256,7 @@ class EpisodeRollout:
         texts = [self.tokenizer.decode(e.ids, skip_special_tokens=True) for e in episodes]
         stats = [{"turns": e.turns, "tool_calls": getattr(e.env, "tool_calls", 0), "ended": e.ended,
                   "env_tokens": len(e.ids) - sum(e.model), "failure": e.failure, "detail": e.detail,
-                  "unjudged": getattr(e, "unjudged", False) or e.failure is not None} for e in episodes]
+                  "unjudged": e.unjudged or e.failure is not None} for e in episodes]
         device = self.engine.device if self.engine is not None else "cpu"
         return RolloutBatch(prompt_ids=prompt_ids, prompt_mask=prompt_mask, response_ids=response_ids,
                             response_mask=model, prompt_texts=[e.prompt_text for e in episodes], response_texts=texts,
@@ -296,7 +299,7 @@ class EnvironmentReward:
 def episode_metrics(batch: RolloutBatch) -> dict:
     """The rollout's episodes at a glance: mean turns, tool calls and environment tokens per episode, the share
     that called a tool, and the share of each way an episode ended (done, max_turns, max_tokens, failures)."""
-    stats = batch.episodes
+    stats = getattr(batch, "episodes", None)
     if not stats:
         return {}
     n = len(stats)
