@@ -62,3 +62,14 @@ def shield_mismatched_extensions() -> list[str]:
             sys.modules[package] = None
             shielded.append(package)
     return shielded
+
+
+def shield_child_processes() -> None:
+    """The same guard in every Python process this one starts from now on (vLLM's model inspection, its engine
+    processes): `compat_site`, whose sitecustomize runs `shield_mismatched_extensions`, first on PYTHONPATH."""
+    import os
+
+    site = str(Path(__file__).resolve().parent / "compat_site")
+    rest = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and p != site]
+    os.environ["PYTHONPATH"] = os.pathsep.join([site] + rest)
+

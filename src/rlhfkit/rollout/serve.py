@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from pathlib import Path
 
 from rlhfkit.config.vllm_checks import INSTALL_HINT
 
@@ -49,6 +48,8 @@ def serve_argv(model: str, extra: list[str], on_cpu: bool) -> list[str]:
 def main(args) -> int:
     import importlib.util
 
+    from rlhfkit.compat import shield_child_processes
+
     if importlib.util.find_spec("vllm") is None:
         print(f"rlhfkit vllm-serve: error: vllm is not installed in this Python ({sys.executable}); {INSTALL_HINT}",
               file=sys.stderr)
@@ -59,9 +60,7 @@ def main(args) -> int:
     os.environ.setdefault("VLLM_SERVER_DEV_MODE", "1")
     # the engine processes vLLM spawns start with none of this process's modules: the guard against mismatched
     # vision builds runs in each of them from a sitecustomize (rlhfkit/compat_site) first on their path
-    site = str(Path(__file__).resolve().parents[1] / "compat_site")
-    os.environ["PYTHONPATH"] = os.pathsep.join([site] + [p for p in os.environ.get("PYTHONPATH", "").split(
-        os.pathsep) if p])
+    shield_child_processes()
     if on_cpu:
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
     argv = serve_argv(args.model, args.vllm_args, on_cpu)

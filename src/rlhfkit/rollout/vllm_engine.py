@@ -31,6 +31,7 @@ import time
 
 import torch
 
+from rlhfkit.compat import shield_child_processes
 from rlhfkit.config.ppo_schema import GenConfig
 from rlhfkit.config.vllm_checks import check_vllm_installed, logprobs_mode
 from rlhfkit.models.lora import base_model
@@ -49,6 +50,7 @@ def _engine_environment(memory: float, on_cpu: bool):
         wanted.update({"VLLM_CPU_OMP_THREADS_BIND": "nobind", "VLLM_CPU_KVCACHE_SPACE": str(max(1, round(memory)))})
     for name, value in wanted.items():
         os.environ.setdefault(name, value)
+    shield_child_processes()  # vLLM inspects the model in a child process, which imports transformers afresh
     set_threads = torch.set_num_threads  # the CPU worker replaces it for the whole process
     try:
         yield
@@ -71,7 +73,8 @@ class VLLMRollout:
                                                                         ).removeprefix("torch.")
         folder = str(getattr(base_model(model), "name_or_path", "") or cfg.actor)
         self.dtype = dtype
-        max_len = cfg.data.max_prompt_length + cfg.gen.max_new_tokens
+        # an episode's later turns read the trajectory so far: at most episode.max_tokens after the prompt
+        max_len = cfg.data.max_prompt_length + (cfg.episode.max_tokens if cfg.env else cfg.gen.max_new_tokens)
         options = dict(model=folder, tokenizer=folder, dtype=dtype, seed=cfg.train.seed + engine.rank,
                        max_model_len=max_len, logprobs_mode=self.mode, enable_prefix_caching=True,
                        trust_remote_code=bool(getattr(cfg.load, "trust_remote_code", False)))
