@@ -19,6 +19,7 @@
 from __future__ import annotations
 
 import math
+import sys
 
 GAP_FRACTION = 0.25  # the held-out gold may be this fraction of PPO's gain on training prompts below them
 EXPLOIT_TARGET = 0.4  # fraction of PPO's held-out samples that may show an exploit
@@ -75,14 +76,17 @@ def failed(rows: list[dict]) -> list[str]:
 def report_verdict(out, title: str, rows: list[dict]) -> int:
     """The end of a task demo: OUT/report.html, the bar printed, and the exit code (0 when every bar passed, else 1
     with the failed bars on stderr)."""
-    import sys
-
     from rlhfkit.report import write_report
     from rlhfkit.stages.pipeline import print_table
 
     report = write_report(out)
     print_table(title, rows)
     print(f"\nreport: {report}")
+    return verdict(rows)
+
+
+def verdict(rows: list[dict]) -> int:
+    """The demo's exit code: 0 when every bar passed, else 1 with the failed bars on stderr."""
     bad = failed(rows)
     if bad:
         print(f"rlhfkit demo: FAILED: {'; '.join(bad)}", file=sys.stderr)

@@ -264,7 +264,7 @@ def run_demo(output: str, quick: bool = False, overrides: list[str] | None = Non
     """The whole demo; returns the exit code (0 when every bar passes, 1 otherwise)."""
     import torch
 
-    from rlhfkit.demo.bar import bar_rows, context_rows, failed
+    from rlhfkit.demo.bar import bar_rows, context_rows, verdict
     from rlhfkit.stages.pipeline import print_table
 
     torch.set_num_threads(demo_threads())
@@ -319,9 +319,4 @@ def run_demo(output: str, quick: bool = False, overrides: list[str] | None = Non
         print(f"\nthe arena: every algorithm from the same SFT model, on the test prompts "
               f"({results['arena']['samples']} samples each)\n{arena_table(results['arena'])}")
     print(f"\nreport: {report}")
-    bad = failed(rows)
-    if bad:
-        print(f"rlhfkit demo: FAILED: {'; '.join(bad)}", file=sys.stderr)
-        return 1
-    print("rlhfkit demo: every bar passed")
-    return 0
+    return verdict(rows)
