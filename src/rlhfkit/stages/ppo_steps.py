@@ -23,11 +23,10 @@ import torch
 from rlhfkit.algos import AdaptiveKLController, FixedKLController
 from rlhfkit.algos.group import group_filter_mask
 from rlhfkit.config.ppo_schema import PPOConfig
-from rlhfkit.data.templates import encode_prompt
+from rlhfkit.data.templates import Template, encode_prompt
 from rlhfkit.errors import ConfigError
 from rlhfkit.models.ema import EMA
 from rlhfkit.rollout.batch import RolloutBatch
-from rlhfkit.data.templates import Template
 from rlhfkit.rollout.engines import make_rollout_engine
 from rlhfkit.rollout.episodes import EpisodeRollout, episode_metrics
 from rlhfkit.rollout.evaluate import evaluate_policy, reward_on_device
