@@ -96,7 +96,7 @@ class Template:
 
     def prompt(self, messages: list[dict]) -> str:
         if self.use_chat:
-            return self._apply_chat(messages, add_generation_prompt=True)
+            return self.apply_chat(messages, add_generation_prompt=True)
         turns = [f"{ROLE_NAMES.get(m['role'], m['role'].title())}: {m['content']}" for m in messages]
         return "\n\n".join(turns) + "\n\nAssistant:"
 
@@ -127,7 +127,7 @@ class Template:
     def _assistant_turn(self, messages: list[dict], content: str) -> str:
         """What the chat template writes after the prompt for an assistant reply `content`."""
         prompt = self.prompt(messages)
-        full = self._apply_chat(messages + [{"role": "assistant", "content": content}])
+        full = self.apply_chat(messages + [{"role": "assistant", "content": content}])
         if full.startswith(prompt):
             return full[len(prompt):]
         # Templates that rewrite earlier turns (e.g. strip reasoning), or a prompt ending with an assistant turn
@@ -147,7 +147,7 @@ class Template:
         start, minus_length = min(hits)  # the earliest; the longest token at a tie
         return start, start - minus_length
 
-    def _apply_chat(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
+    def apply_chat(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
         """The chat template's text; when it refuses the conversation (jinja raises, e.g. Llama-2's "roles must
         alternate"), same-role turns are merged and rendering retried once. TemplateRefused if it still raises."""
         try:

@@ -288,7 +288,6 @@ class EnvironmentReward:
     """The reward part of an `env=` run: each episode's return, as its environment judged it (NaN: unjudged)."""
 
     stats = None  # no stored mean/std to normalise with
-    plan = None
 
     def __call__(self, batch: RolloutBatch, finished: torch.Tensor | None = None) -> torch.Tensor:
         if batch.episode_rewards is None:

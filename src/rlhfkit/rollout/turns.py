@@ -98,8 +98,8 @@ class TurnRenderer:
 
     def _chat_suffix(self, messages: list[dict]) -> str:
         base = [{"role": "user", "content": CONTEXT}, {"role": "assistant", "content": PLACEHOLDER}]
-        alone = self.template._apply_chat(base)
-        after = self.template._apply_chat(base + messages, add_generation_prompt=True)
+        alone = self.template.apply_chat(base)
+        after = self.template.apply_chat(base + messages, add_generation_prompt=True)
         at = alone.rfind(PLACEHOLDER)
         head = alone[:at + len(PLACEHOLDER)]
         if at < 0 or not after.startswith(head):
