@@ -10,6 +10,6 @@ stamp=.venv/.rlhfkit-installed
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   .venv/bin/python -m pip install -q --upgrade pip
   .venv/bin/python -m pip install -q "torch==${TORCH_VERSION:-2.13.0}"
-  .venv/bin/python -m pip install -q -e ".[dev]"
+  .venv/bin/python -m pip install -q -e ".[dev,tasks,textarena]"
   touch "$stamp"
 fi

@@ -47,6 +47,11 @@ class Environment:
 
     tools: list = []  # tool specs the environment brings: "calculator", "python", module:function, Tool objects
 
+    @classmethod
+    def check_args(cls, **env_args) -> None:
+        """Check `episode.env_args` once, before any model loads: raise a ConfigError naming the key, or a
+        ValueError saying what is wrong. The default checks nothing beyond the constructor's signature."""
+
     def reset(self, row: dict) -> Any:
         """Start the episode from a dataset row (its fields). Return the opening: a user message (str), a list of
         messages, or None to open with the row's own prompt."""

@@ -32,6 +32,14 @@ def load_environment(cfg) -> LoadedEnvironment:
     except TypeError as exc:
         raise ConfigError(f"config key 'episode.env_args': {env_class.__name__}({', '.join(args)}) cannot be called: "
                           f"{exc}") from None
+    check = getattr(env_class, "check_args", None)  # the class's own checks of its arguments (Environment.check_args)
+    if callable(check):
+        try:
+            check(**args)
+        except (ConfigError, ModelError):
+            raise
+        except ValueError as exc:
+            raise ConfigError(f"config key 'episode.env_args': {env_class.__name__}: {exc}") from None
     specs = list(getattr(env_class, "tools", None) or []) + list(cfg.episode.tools)
     tools = []
     try:
