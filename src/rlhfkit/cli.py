@@ -87,6 +87,7 @@ def build_parser() -> argparse.ArgumentParser:
     _load("rlhfkit.chat:add_chat_parser")(sub)
     _load("rlhfkit.models.fetch:add_fetch_parser")(sub)
     _load("rlhfkit.rollout.serve:add_serve_parser")(sub)
+    _load("rlhfkit.remote.server:add_serve_reward_parser")(sub)
     return parser
 
 
@@ -107,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     stray = [x for x in extra if x.startswith("-") or "=" not in x]
     if stray:
         parser.error(f"unrecognized arguments: {' '.join(stray)}")
-    if extra and not hasattr(args, "overrides"):  # chat, score, report, fetch, checkpoints take no key=value
+    if extra and not hasattr(args, "overrides"):  # chat, score, report, fetch, checkpoints, serve-reward: none
         parser.error(f"unrecognized arguments: {' '.join(extra)} (rlhfkit {args.verb} takes no key=value "
                      f"overrides; see rlhfkit {args.verb} --help)")
     if extra:
@@ -123,6 +124,8 @@ def main(argv: list[str] | None = None) -> int:
         return _load("rlhfkit.models.fetch:main")(args)
     if args.verb == "checkpoints":
         return _load("rlhfkit.engine.manifest:main")(args)
+    if args.verb == "serve-reward":
+        return _load("rlhfkit.remote.server:main")(args)
     if args.verb in ("demo", "chat"):
         return _load(f"rlhfkit.{'demo.cli' if args.verb == 'demo' else 'chat'}:main")(args)
     cfg_path, runner_path, _ = TRAIN_VERBS[args.verb]

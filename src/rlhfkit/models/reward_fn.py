@@ -221,7 +221,8 @@ def raised_at(exc: BaseException, fn: Callable) -> str:
 class CombinedReward:
     """Several rewards (models and functions) summed with their weights: `parts` are (name, reward, weight).
     A response any part cannot judge (NaN) stays unjudged. `last` holds each part's mean over the responses it
-    judged, for the metrics (reward/<name>)."""
+    judged, for the metrics (reward/<name>); `counts` the counts the parts report of their last call, summed over
+    the parts (a reward server's `reward/remote_failed`)."""
 
     def __init__(self, parts: list[tuple[str, Callable, float]]):
         self.parts = parts
@@ -230,13 +231,16 @@ class CombinedReward:
         self.stats = {"mean": weight * stats["mean"], "std": stats["std"]} if stats is not None else None
         self.models = [getattr(reward, "model", None) for _, reward, _ in parts]
         self.last: dict = {}
+        self.counts: dict = {}
 
     def __call__(self, batch, finished: torch.Tensor | None = None) -> torch.Tensor:
-        total, self.last = None, {}
+        total, self.last, self.counts = None, {}, {}
         for name, reward, weight in self.parts:
             scores = reward(batch, finished).float().cpu()
             judged = torch.isfinite(scores)
             self.last[name] = scores[judged].mean().item() if judged.any() else math.nan
+            for key, count in getattr(reward, "counts", {}).items():
+                self.counts[key] = self.counts.get(key, 0.0) + count
             total = weight * scores if total is None else total + weight * scores
         return total
 

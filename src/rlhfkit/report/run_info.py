@@ -16,7 +16,7 @@ from pathlib import Path
 
 import yaml
 
-from rlhfkit.config.ppo_schema import is_function_spec
+from rlhfkit.config.ppo_schema import reward_kind
 from rlhfkit.registry.estimators import ESTIMATORS
 from rlhfkit.registry.preference import PREFERENCE_LOSSES
 from rlhfkit.report.metrics import series
@@ -158,13 +158,16 @@ def _with_lora(cfg: dict, model: str) -> str:
     return f"{model} with its LoRA adapter disabled" if _get(cfg, "lora.rank") else model
 
 
+REWARD_KINDS = {"function": "a Python function", "url": "a reward server", "model": "a reward model"}
+
+
 def _reward(spec) -> str:
     if isinstance(spec, list):  # a weighted sum: [{reward, weight, name}, ...]
         return SEP.join(f"{_reward(p.get('reward'))} × {_value(p.get('weight', 1))}" if isinstance(p, dict)
                         else _reward(p) for p in spec)
     if not isinstance(spec, str):
         return _value(spec)
-    return f"{spec} (a Python function)" if is_function_spec(spec) else f"{spec} (a reward model)"
+    return f"{spec} ({REWARD_KINDS[reward_kind(spec)]})"
 
 
 def _critic(cfg: dict, name: str, estimator) -> str:
@@ -174,7 +177,7 @@ def _critic(cfg: dict, name: str, estimator) -> str:
         return _value(cfg["critic"])
     specs = cfg.get("reward") if isinstance(cfg.get("reward"), list) else [cfg.get("reward")]
     specs = [s.get("reward") if isinstance(s, dict) else s for s in specs]
-    if all(isinstance(s, str) and is_function_spec(s) for s in specs):
+    if all(isinstance(s, str) and reward_kind(s) != "model" for s in specs):
         return "the actor with a fresh value head (default)"
     return "the reward model if it reads the actor's tokens, else the actor with a fresh value head (default)"
 

@@ -19,9 +19,10 @@ from rlhfkit.errors import ModelError, RunError
 from rlhfkit.models import load_causal_lm, load_scalar_model, load_tokenizer
 from rlhfkit.models.loading import causal_lm_config, load_generation_config
 from rlhfkit.models.lora import apply_lora
-from rlhfkit.config.ppo_schema import is_function_spec
+from rlhfkit.config.ppo_schema import reward_kind
 from rlhfkit.models.reward_fn import (CombinedReward, FunctionReward, ModelReward,
                                      load_reward_function, same_tokenization)
+from rlhfkit.remote.client import RemoteReward
 from rlhfkit.rollout.episodes import EnvironmentReward
 from rlhfkit.rollout.generate import ignored_generation_settings
 from rlhfkit.speed.registry import Target, plan_line, plan_model
@@ -54,20 +55,25 @@ def _check_vocab(name: str, role: str, actor_tok, opts) -> None:
 
 def load_reward(cfg: PPOConfig, actor_tok, engine, prompt_fields: list[dict] | None = None
                 ) -> tuple[CombinedReward, list]:
-    """-> (the weighted sum of every `reward` part, the tokenizer of each part: None for a Python function).
-    `prompt_fields`: the prompt rows' dataset fields, checked against what each reward function takes before any
-    reward model loads."""
+    """-> (the weighted sum of every `reward` part, the tokenizer of each part: None for a Python function or a
+    reward server). `prompt_fields`: the prompt rows' dataset fields, checked against what each reward function
+    takes before any reward model loads."""
     if cfg.env:  # the environment judges its episodes (rollout/episodes.py)
         return CombinedReward([("env", EnvironmentReward(), 1.0)]), [None]
     functions = {part.name: FunctionReward(load_reward_function(part.spec), part.spec)
-                 for part in cfg.reward_parts() if is_function_spec(part.spec)}
+                 for part in cfg.reward_parts() if reward_kind(part.spec) == "function"}
     if prompt_fields is not None:
         for function in functions.values():
             function.check_fields(prompt_fields)
+    loaders = {  # reward kind -> (the part's reward, its tokenizer)
+        "function": lambda part: (functions[part.name], None),
+        # each rank asks the server for its own rows; only the failure count is pooled over ranks
+        "url": lambda part: (RemoteReward(part.spec, cfg.remote, engine.reduce_sum), None),
+        "model": lambda part: load_reward_model(part.spec, cfg, actor_tok, engine),
+    }
     parts, tokenizers = [], []
     for part in cfg.reward_parts():
-        reward, tok = (functions[part.name], None) if part.name in functions else \
-            load_reward_model(part.spec, cfg, actor_tok, engine)
+        reward, tok = loaders[reward_kind(part.spec)](part)
         parts.append((part.name, reward, part.weight))
         tokenizers.append(tok)
     return CombinedReward(parts), tokenizers
@@ -170,7 +176,7 @@ def load_ppo_models(cfg: PPOConfig, tokenizer, engine, total_updates: int,
                     prompt_fields: list[dict] | None = None) -> PPOModels:
     """Reward, critic, actor and reference, in that order, each with its speed plan (`speed.registry`)."""
     causal_lm_config(cfg.actor, cfg.load)  # a reward-model folder given as the actor: said first, as itself
-    if cfg.ppo.normalize_reward and is_function_spec(cfg.reward_parts()[0].spec):
+    if cfg.ppo.normalize_reward and reward_kind(cfg.reward_parts()[0].spec) == "function":
         raise RunError("ppo.normalize_reward needs a reward-model folder (its stored mean/std); the reward is a "
                        "Python function")
     reward, reward_toks = load_reward(cfg, tokenizer, engine, prompt_fields)

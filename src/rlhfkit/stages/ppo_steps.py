@@ -71,7 +71,7 @@ def updates_per_iteration(cfg: PPOConfig) -> int:
 
 
 # the rollout metrics that count responses or groups (the others are means and fractions)
-COUNTS = frozenset({"reward/unjudged", "group/filtered", "response/masked_truncated"})
+COUNTS = frozenset({"reward/unjudged", "reward/remote_failed", "group/filtered", "response/masked_truncated"})
 
 
 def moments(name: str, values: torch.Tensor, squares: bool = False) -> dict:
@@ -280,7 +280,8 @@ class PPOSteps:
         # kl_coef: the reward's KL coefficient, none where the estimator keeps the KL in the loss
         coef = {} if self.cfg.ppo.estimator().kl_in == "loss" else {"kl_coef": self.kl_ctl.value}
         return {**moments("reward", scored.raw[judged], squares=True), **named,
-                "reward/unjudged": float((~judged).sum()), **scored.dropped,
+                "reward/unjudged": float((~judged).sum()), **getattr(self.models.reward, "counts", {}),
+                **scored.dropped,
                 "score/mean": scored.scores.mean().item(), **coef,
                 "response_length": scored.lengths.float().mean().item(),
                 "response/finished": scored.finished.float().mean().item(), **episode_metrics(scored.rollout)}
