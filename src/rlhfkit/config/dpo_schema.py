@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from rlhfkit.config.fields import option
-from rlhfkit.config.schema import SFTConfig, check_lora_dropout
+from rlhfkit.config.schema import StepConfig, check_lora_dropout
 from rlhfkit.errors import ConfigError
 from rlhfkit.registry.preference import LOSS_SETTINGS, PREFERENCE_LOSSES
 
@@ -92,7 +92,7 @@ class DPOSection:
 
 
 @dataclass
-class DPOConfig(SFTConfig):
+class DPOConfig(StepConfig):
     """The SFT sections (same meaning) plus `reference` and `dpo`; validation is inherited and extended."""
 
     model: Optional[str] = option(None, "the policy's starting model (an SFT output folder or hub id); also the "

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import itertools
+import os
 import re
 import types
 import typing
@@ -103,6 +104,19 @@ def _coerce(value: Any, tp: Any, key: str, root: tuple | None = None) -> Any:
     raise ConfigError(f"config key '{key}': expected {_type_name(tp)}, got {value!r}")
 
 
+def home_expanded(value):
+    """`value` with every string that starts with `~/` made a full path (`~/models/x` -> `/home/me/models/x`), in
+    lists and mappings too: paths in a config file mean what they mean in a shell, for every library that opens
+    them."""
+    if isinstance(value, str) and value.startswith("~/"):
+        return os.path.expanduser(value)
+    if isinstance(value, list):
+        return [home_expanded(v) for v in value]
+    if isinstance(value, dict):
+        return {k: home_expanded(v) for k, v in value.items()}
+    return value
+
+
 def from_dict(cls, data: dict, prefix: str = "", root: tuple | None = None):
     """Build dataclass `cls` from a nested dict; unknown keys and wrong types raise ConfigError."""
     if data is None:
@@ -116,7 +130,7 @@ def from_dict(cls, data: dict, prefix: str = "", root: tuple | None = None):
     kwargs = {}
     for f in dataclasses.fields(cls):
         if f.name in data:
-            value = _coerce(data[f.name], hints[f.name], prefix + f.name, root)
+            value = _coerce(home_expanded(data[f.name]), hints[f.name], prefix + f.name, root)
             choices = f.metadata.get("choices")
             if choices is not None and value not in choices:
                 raise ConfigError(f"config key '{prefix}{f.name}': expected one of {tuple(choices)}, got {value!r}")

@@ -16,6 +16,8 @@ step's config, so a wrong key is reported as `rm.train.lrr`. Chaining (unless th
 output_dir/sft/final is PPO's actor (and, by PPO's default, its reference) and the RM's starting model; output_dir/
 rm/final is PPO's reward (and, by PPO's default, its critic). The optional `dpo` step (`steps: [sft, dpo]`) starts
 from output_dir/sft/final (its policy and reference) and reads the preference share of `dataset`, the RM's (index 1).
+With `task` (a reasoning-gym task by name) instead of `dataset`, steps [sft, ppo] need no RM: sft trains on the
+task's question -> answer rows and ppo on its questions, scored by the task's own scorer (docs/tasks.md).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from rlhfkit.config.dpo_schema import DPOConfig
 from rlhfkit.config.fields import deep_merge, from_dict, option, to_dict
 from rlhfkit.config.ppo_schema import PPOConfig
 from rlhfkit.errors import ConfigError
+from rlhfkit.config.task_schema import TaskConfig
 from rlhfkit.config.schema import EngineConfig, LoadConfig, LogConfig, LoraConfig, RMConfig, SFTConfig, TrainConfig
 
 STEPS = ("sft", "rm", "ppo", "dpo")
@@ -49,6 +52,10 @@ class PipelineConfig:
                                          "passed to each step as data.split_fractions / data.split_index (dpo "
                                          "reads the rm share; with steps [sft, dpo], e.g. [2, 8, 0] gives it the "
                                          "ppo share too)")
+    task: TaskConfig = option(TaskConfig(), "a reasoning-gym task for sft (its question -> answer rows) and ppo (its "
+                                            "questions, scored by its own scorer): steps [sft, ppo] train on it "
+                                            "from this one key (docs/tasks.md); a section's own data or reward "
+                                            "wins")
     steps: list = option(list(DEFAULT_STEPS), "the steps to run, in order, of sft, rm, ppo, dpo (a complete step is "
                                               "skipped unless --force or --rerun STEP, or a step it is built on "
                                               "runs again); [sft, dpo]: DPO instead of RM + PPO")
@@ -67,6 +74,9 @@ class PipelineConfig:
                 or sum(self.data_split) <= 0:
             raise ConfigError(f"config key '{prefix}data_split': expected three shares >= 0 for sft, rm, ppo, "
                               f"got {self.data_split!r}")
+        if self.task.name and self.dataset is not None:
+            raise ConfigError(f"config key '{prefix}task': the steps read the task's rows; unset `dataset` (or give "
+                              f"a step its own data in its section and leave the task out)")
         unknown = [s for s in self.steps if s not in STEPS]
         if unknown or not self.steps:
             raise ConfigError(f"config key '{prefix}steps': expected a non-empty list of {list(STEPS)}, "
@@ -102,12 +112,16 @@ def _chained(cfg: PipelineConfig, step: str) -> dict:
         # the loader cuts the same seeded partition in every step and keeps share `split_index`
         chained["data"] = {source_key: cfg.dataset, "split_fractions": list(cfg.data_split),
                            "split_index": SPLIT_INDEX[step]}
+    if cfg.task.name and step in ("sft", "ppo"):  # one task for both: the same rows (one folder)
+        chained["task"] = to_dict(cfg.task)
     if step == "sft":
         chained["model"] = cfg.model
     elif step in ("rm", "dpo"):
         chained["model"] = str(out / "sft" / "final")
     else:
-        chained.update(actor=str(out / "sft" / "final"), reward=str(out / "rm" / "final"))
+        chained.update(actor=str(out / "sft" / "final"))
+        if not cfg.task.name:  # a task's own scorer judges (PPOConfig.reward_parts)
+            chained["reward"] = str(out / "rm" / "final")
     return deep_merge(shared, chained)
 
 

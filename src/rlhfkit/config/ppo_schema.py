@@ -14,6 +14,7 @@ from typing import Any, Callable, Optional
 from rlhfkit.config.fields import option
 from rlhfkit.config.schema import (DataConfig, EngineConfig, LoadConfig, LogConfig, LoraConfig, SourceOptions,
                                    TrainConfig, check_lora_dropout, source_options)
+from rlhfkit.config.task_schema import TaskConfig
 from rlhfkit.errors import ConfigError
 from rlhfkit.registry.estimators import ESTIMATORS, Estimator
 
@@ -360,6 +361,39 @@ class EpisodeSection:
 
 
 @dataclass
+class RemoteSection:
+    """Rewards served over HTTP (`reward: http://host:port/path`; remote/client.py, docs/remote.md)."""
+
+    batch_size: int = option(64, "samples per request to the server")
+    concurrency: int = option(4, "requests in flight at once (threads)")
+    timeout: float = option(30.0, "seconds one request may take before it counts as failed (and is retried)")
+    retries: int = option(3, "retries of a failed request (connection refused, timeout, HTTP 5xx, 408, 429), "
+                             "with exponential back-off; then its samples are left unjudged "
+                             "(reward/remote_failed). Other 4xx answers stop the run: a contract error")
+    backoff: float = option(1.0, "seconds before the first retry, doubled before each next one")
+    token_env: str = option("RLHFKIT_REWARD_TOKEN", "the environment variable holding the server's token, sent as "
+                                                    "Authorization: Bearer (the token itself never goes in the "
+                                                    "config); unset or empty = no token")
+    max_failed: float = option(0.25, "stop the run when more than this share of an iteration's samples could not be "
+                                     "judged because the server failed; 1 = never")
+
+    def validate(self, prefix: str = "") -> None:
+        for key in ("batch_size", "concurrency"):
+            if getattr(self, key) < 1:
+                raise ConfigError(f"config key '{prefix}{key}': must be >= 1, got {getattr(self, key)}")
+        if not self.timeout > 0:
+            raise ConfigError(f"config key '{prefix}timeout': must be > 0, got {self.timeout}")
+        if self.retries < 0 or not self.backoff >= 0:
+            key = "retries" if self.retries < 0 else "backoff"
+            raise ConfigError(f"config key '{prefix}{key}': must be >= 0, got {getattr(self, key)}")
+        if not self.token_env or not self.token_env.replace("_", "a").isalnum():
+            raise ConfigError(f"config key '{prefix}token_env': the name of an environment variable (letters, "
+                              f"digits, _), not the token itself (not repeated here, in case it is one)")
+        if not 0 <= self.max_failed <= 1:
+            raise ConfigError(f"config key '{prefix}max_failed': a share in [0, 1], got {self.max_failed}")
+
+
+@dataclass
 class PtxConfig:
     coef: float = option(0.0, "weight of the causal-LM loss on data.ptx in the actor loss (InstructGPT's gamma)")
     batch_size: int = option(4, "pretraining texts per actor optimizer step, over all ranks")
@@ -384,7 +418,7 @@ class EMAConfig:
 
 @dataclass(frozen=True)
 class RewardPart:
-    spec: str  # a reward-model folder or module:function / file.py:function
+    spec: str  # a reward-model folder, module:function / file.py:function, or an http(s):// URL (`reward_kind`)
     weight: float
     name: str  # metrics: reward/<name>
 
@@ -393,7 +427,8 @@ class RewardPart:
 class PPOConfig:
     actor: Optional[str] = option(None, "the policy to train: an SFT output folder or hub id")
     reward: Any = option(None, "a reward-model folder, or a Python function module:function or path/file.py:function "
-                               "taking (prompts, responses[, dataset columns]) -> list[float | None]; or a list "
+                               "taking (prompts, responses[, dataset columns]) -> list[float | None], or the URL of "
+                               "a reward server http(s)://host:port/path (remote.*; docs/remote.md); or a list "
                                "of {reward: one of those, weight: w, name: n} summed with their weights")
     env: Optional[str] = option(None, "a multi-turn environment, module:Class or path/file.py:Class (a subclass of "
                                       "rlhfkit.envs.Environment): each prompt row becomes an episode it judges "
@@ -409,6 +444,10 @@ class PPOConfig:
     gen: GenConfig = option(GenConfig(), "generation")
     rollout: RolloutSection = option(RolloutSection(), "the rollout engine (native or vLLM)")
     episode: EpisodeSection = option(EpisodeSection(), "multi-turn episodes (with env)")
+    task: TaskConfig = option(TaskConfig(), "a reasoning-gym task's questions as the prompts (when data.prompts is "
+                                            "unset), scored by the task's own scorer (when reward is unset; "
+                                            "docs/tasks.md)")
+    remote: RemoteSection = option(RemoteSection(), "rewards served over HTTP (reward: http://...)")
     ppo: PPOSection = option(PPOSection(), "PPO")
     ptx: PtxConfig = option(PtxConfig(), "PPO-ptx")
     ema: EMAConfig = option(EMAConfig(), "EMA of the actor")
@@ -422,6 +461,10 @@ class PPOConfig:
         run has none: its environment judges (`stages/ppo_setup.load_reward`)."""
         if self.env:
             return []
+        if self.reward is None and self.task.name:  # the task's own scorer (rlhfkit.tasks.reasoning_gym)
+            from rlhfkit.tasks.reasoning_gym import SCORE
+
+            return [RewardPart(SCORE, 1.0, self.task.name)]
         items = self.reward if isinstance(self.reward, list) else [{"reward": self.reward}]
         parts = []
         for i, item in enumerate(items):
@@ -436,7 +479,9 @@ class PPOConfig:
             if isinstance(weight, bool) or not isinstance(weight, (int, float)):
                 raise ConfigError(f"config key '{key}.weight': expected a number, got {weight!r}")
             spec = item["reward"]
-            name = str(item.get("name") or spec.rstrip("/").split(":")[-1].split("/")[-1])
+            if reward_kind(spec) == "url":
+                check_url(spec, key)
+            name = str(item.get("name") or default_reward_name(spec))
             parts.append(RewardPart(spec, float(weight), name))
         names = [p.name for p in parts]
         if len(set(names)) != len(names):
@@ -445,10 +490,11 @@ class PPOConfig:
         return parts
 
     def validate(self, prefix: str = "") -> None:
-        for key in ("actor",) + (() if self.env else ("reward",)):
+        for key in ("actor",) + (() if self.env or self.task.name else ("reward",)):
             if not getattr(self, key):
                 raise ConfigError(f"config key '{prefix}{key}': required" + (
-                    " (or env: a multi-turn environment that judges its episodes)" if key == "reward" else ""))
+                    " (or env: a multi-turn environment that judges its episodes; or task.name: a reasoning-gym "
+                    "task, scored by its own scorer)" if key == "reward" else ""))
         if self.env:
             if self.reward:
                 raise ConfigError(f"config key '{prefix}reward': the environment (env={self.env}) judges its "
@@ -465,8 +511,12 @@ class PPOConfig:
         if self.ppo.normalize_reward and len(parts) > 1:
             raise ConfigError(f"config key '{prefix}ppo.normalize_reward': needs a single reward model (its stored "
                               f"mean/std), not {len(parts)} rewards")
-        if self.data.prompts is None:
-            raise ConfigError(f"config key '{prefix}data.prompts': required (a prompt file, folder or hub name)")
+        if self.ppo.normalize_reward and parts and reward_kind(parts[0].spec) == "url":
+            raise ConfigError(f"config key '{prefix}ppo.normalize_reward': needs a reward-model folder (its stored "
+                              f"mean/std); the reward is served over HTTP ({parts[0].spec})")
+        if self.data.prompts is None and not self.task.name:
+            raise ConfigError(f"config key '{prefix}data.prompts': required (a prompt file, folder or hub name; or "
+                              f"task.name: a reasoning-gym task)")
         if self.ptx.coef > 0 and not self.data.ptx:
             raise ConfigError(f"config key '{prefix}data.ptx': required when ptx.coef > 0")
         if self.critic and not self.ppo.estimator().critic:
@@ -499,3 +549,45 @@ def is_function_spec(spec: str) -> bool:
         return False
     target, name = spec.rsplit(":", 1)
     return bool(target) and name.isidentifier()
+
+
+URL_SCHEMES = ("http://", "https://")
+
+
+def reward_kind(spec: str) -> str:
+    """What a `reward` spec names: "url" (a reward server, remote/client.py), "function" (`is_function_spec`) or
+    "model" (a reward-model folder or hub id)."""
+    if spec.lower().startswith(URL_SCHEMES):
+        return "url"
+    return "function" if is_function_spec(spec) else "model"
+
+
+def check_url(url: str, key: str) -> None:
+    """ConfigError naming `key` when `url` is not a usable http(s) URL: a host, a valid port, no credentials (a
+    token goes in the environment variable remote.token_env, so that it never lands in the saved config.yaml)."""
+    from urllib.parse import urlsplit
+
+    try:
+        parts = urlsplit(url)
+        port = parts.port  # ValueError when it is not a number in 0..65535
+    except ValueError as exc:
+        raise ConfigError(f"config key '{key}': malformed URL {url!r}: {exc}") from None
+    if not parts.hostname or any(c.isspace() for c in url):
+        raise ConfigError(f"config key '{key}': malformed URL {url!r}: expected http(s)://host[:port]/path")
+    if port == 0:
+        raise ConfigError(f"config key '{key}': malformed URL {url!r}: port 0")
+    if parts.username is not None or parts.password is not None:
+        raise ConfigError(f"config key '{key}': the URL carries credentials, which would be saved in config.yaml: "
+                          f"put the server's token in the environment variable remote.token_env names "
+                          f"(default RLHFKIT_REWARD_TOKEN) instead")
+
+
+def default_reward_name(spec: str) -> str:
+    """A reward part's metric name when it has no `name`: a function's name, a folder's last part, a URL's last
+    path segment (else its host)."""
+    if reward_kind(spec) == "url":
+        from urllib.parse import urlsplit
+
+        parts = urlsplit(spec)
+        return parts.path.rstrip("/").rsplit("/", 1)[-1] or parts.hostname or spec
+    return spec.rstrip("/").split(":")[-1].split("/")[-1]

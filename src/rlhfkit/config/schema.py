@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from rlhfkit.config.fields import option
+from rlhfkit.config.task_schema import TaskConfig
 from rlhfkit.errors import ConfigError
 
 
@@ -255,7 +256,9 @@ class LogConfig:
 
 
 @dataclass
-class SFTConfig:
+class StepConfig:
+    """The sections of the steps that train on a dataset (sft, rm, dpo); `SFTConfig` adds `task`."""
+
     model: Optional[str] = option(None, "the starting model: a local folder or a hub id")
     output_dir: str = option("runs/sft", "where final/, checkpoints/, metrics.jsonl and config.yaml go")
     data: DataConfig = option(DataConfig(), "data")
@@ -282,11 +285,18 @@ class SFTConfig:
     def validate(self, prefix: str = "") -> None:
         if not self.model:
             raise ConfigError(f"config key '{prefix}model': required (a model folder or hub id)")
-        if self.data.train is None:
-            raise ConfigError(f"config key '{prefix}data.train': required (a data file, folder or hub name)")
+        if self.data.train is None and not getattr(getattr(self, "task", None), "name", None):
+            raise ConfigError(f"config key '{prefix}data.train': required (a data file, folder or hub name"
+                              f"{'; or task.name: a reasoning-gym task' if hasattr(self, 'task') else ''})")
         if self.train.batch_size % self.train.micro_batch_size:  # ppo counts samples, checked in PPOConfig
             raise ConfigError(f"config key '{prefix}train.batch_size': {self.train.batch_size} is not a multiple of "
                               f"micro_batch_size {self.train.micro_batch_size}")
+
+
+@dataclass
+class SFTConfig(StepConfig):
+    task: TaskConfig = option(TaskConfig(), "a reasoning-gym task's question -> answer rows, when data.train is "
+                                            "unset (docs/tasks.md)")
 
 
 @dataclass
@@ -305,7 +315,7 @@ class RewardOptions:
 
 
 @dataclass
-class RMConfig(SFTConfig):
+class RMConfig(StepConfig):
     """The SFT sections (same meaning) plus `rm`; validation is inherited."""
 
     model: Optional[str] = option(None, "the backbone: a causal LM folder or hub id (usually the SFT output's "

@@ -28,7 +28,7 @@ RUN_FOLDERS = ("checkpoints", "tensorboard", "final", "final-critic", "final-ema
 # settings that make a checkpoint another run's: the models and the data
 IDENTITY = ("model", "actor", "critic", "reward", "reference", "load.tokenizer", "data.train", "data.eval",
             "data.prompts", "data.eval_prompts", "data.ptx", "data.format", "data.fields", "lora.rank",
-            "lora.alpha", "lora.target_modules")
+            "lora.alpha", "lora.target_modules", "task")
 # settings a resumed run changes routinely (more steps, other logging): not worth a line
 QUIET = ("output_dir", "train.max_steps", "train.epochs", "train.log_every", "train.eval_every", "train.save_every",
          "train.keep_checkpoints", "log.", "data.cache", "data.cache_dir", "engine.collective_timeout_s")

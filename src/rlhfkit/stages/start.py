@@ -10,6 +10,7 @@ a model that fails to load leaves no folder behind either.
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -19,9 +20,10 @@ from rlhfkit.engine.backends import make_engine
 from rlhfkit.engine.protocol import Engine
 from rlhfkit.models import load_tokenizer
 from rlhfkit.models.loading import check_model_source, load_generation_config
-from rlhfkit.config.ppo_schema import is_function_spec
+from rlhfkit.config.ppo_schema import reward_kind
 from rlhfkit.stages.common import set_seed, with_trained_template
 from rlhfkit.stages.run_dir import check_output_dir
+from rlhfkit.tasks import task_rows
 
 # the config keys that name a model folder or hub id, in any stage's config (PPO's `reward` parts: `model_settings`)
 MODEL_KEYS = ("model", "actor", "critic", "reference")
@@ -39,10 +41,10 @@ class StageStart:
 
 def model_settings(cfg) -> list[tuple[str, str]]:
     """(config key, folder or hub id) of every model the stage's config names: its models, PPO's reward models
-    (not its Python functions) and `load.tokenizer`."""
+    (not its Python functions or reward servers) and `load.tokenizer`."""
     named = [(key, getattr(cfg, key, None)) for key in MODEL_KEYS]
     if hasattr(cfg, "reward_parts"):
-        named += [("reward", part.spec) for part in cfg.reward_parts() if not is_function_spec(part.spec)]
+        named += [("reward", part.spec) for part in cfg.reward_parts() if reward_kind(part.spec) == "model"]
     return [(key, name) for key, name in named + [("load.tokenizer", cfg.load.tokenizer)] if name]
 
 
@@ -68,5 +70,7 @@ def start_stage(cfg, model: str, data_kind: str, padding_side: str = "right",
         end_ids, data_cfg = None, cfg.data.as_prompt_data()
     else:  # responses end where PPO rollouts will stop: EOS or the folder's generation_config end-of-turn ids
         end_ids, data_cfg = end_token_ids(tokenizer, load_generation_config(model, cfg.load)), cfg.data
-    data = load_stage_data(data_kind, data_cfg, tokenizer, cfg.train.seed, end_ids=end_ids, main=engine.is_main)
+    rows = task_rows(cfg, data_kind, lambda line: print(f"data: {line}", file=sys.stderr) if engine.is_main else None)
+    data = load_stage_data(data_kind, data_cfg, tokenizer, cfg.train.seed, train_spec=rows, end_ids=end_ids,
+                           main=engine.is_main)
     return StageStart(engine, cfg, tokenizer, end_ids, data)
