@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from rlhfkit.config.fields import option
+from rlhfkit.config.monitor_schema import MonitorSection
 from rlhfkit.config.schema import StepConfig, check_lora_dropout
 from rlhfkit.errors import ConfigError
 from rlhfkit.registry.preference import LOSS_SETTINGS, PREFERENCE_LOSSES
@@ -101,6 +102,7 @@ class DPOConfig(StepConfig):
                                             "its adapter disabled, no second copy)")
     output_dir: str = option("runs/dpo", "where final/, checkpoints/, metrics.jsonl and config.yaml go")
     dpo: DPOSection = option(DPOSection(), "preference optimisation")
+    monitor: MonitorSection = option(MonitorSection(), "run-time alarms on the logged metrics (docs/monitors.md)")
 
     def validate(self, prefix: str = "") -> None:
         super().validate(prefix)

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 from rlhfkit.config.fields import option
+from rlhfkit.config.monitor_schema import MonitorSection
 from rlhfkit.config.schema import (DataConfig, EngineConfig, LoadConfig, LogConfig, LoraConfig, SourceOptions,
                                    TrainConfig, check_lora_dropout, source_options)
 from rlhfkit.config.task_schema import TaskConfig
@@ -451,6 +452,7 @@ class PPOConfig:
     ppo: PPOSection = option(PPOSection(), "PPO")
     ptx: PtxConfig = option(PtxConfig(), "PPO-ptx")
     ema: EMAConfig = option(EMAConfig(), "EMA of the actor")
+    monitor: MonitorSection = option(MonitorSection(), "run-time alarms on the logged metrics (docs/monitors.md)")
     load: LoadConfig = option(LoadConfig(), "model loading")
     lora: LoraConfig = option(LoraConfig(), "LoRA (actor and critic)")
     engine: EngineConfig = option(EngineConfig(), "backend")

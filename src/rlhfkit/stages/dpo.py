@@ -450,7 +450,7 @@ def run_dpo(cfg: DPOConfig, resume: bool = False, force: bool = False) -> dict:
 
         # 3. the loop: each step sees batch_size pairs over all ranks, in micro-batches
         with TrainLoop(engine, out, "dpo", total, cfg.train, log, {"model": policy}, evaluate=evaluate,
-                       resumed=resumed, show=("loss", "accuracy", "eval/accuracy")) as loop:
+                       resumed=resumed, show=("loss", "accuracy", "eval/accuracy"), monitor=cfg.monitor) as loop:
             for step, epoch, rows in loop.steps(data.train, start, length=pair_length):
                 tick = time.perf_counter()
                 metrics = train_step(policy, rows, accum, micro_size, cfg.train.batch_size, pad_id, engine, loss_fn,
@@ -465,5 +465,5 @@ def run_dpo(cfg: DPOConfig, resume: bool = False, force: bool = False) -> dict:
     engine.export_hf(policy.module, tokenizer, out / "final")
     write_run_report(out, cfg.log, engine.is_main)
     return {"output_dir": str(out), "steps": total, "loss_type": cfg.dpo.loss, "reference": reference.note,
-            **final_eval, **data.info}
+            **loop.outcome(), **final_eval, **data.info}
 

@@ -1,5 +1,5 @@
 """The loop every stage shares: this rank's rows of each step, and the tail of a step (skipped-step count,
-evaluation, logging, checkpoint, clean stop on a signal).
+run-time alarms, evaluation, logging, checkpoint, clean stop on a signal).
 
     with TrainLoop(engine, out, "sft", total, cfg.train, log, {"model": model}, evaluate=...) as loop:
         for step, epoch, rows in loop.steps(data.train, start):
@@ -11,10 +11,13 @@ from __future__ import annotations
 
 import array
 import hashlib
+import json
 from pathlib import Path
 from typing import Callable, Optional
 
+from rlhfkit.config.monitor_schema import MonitorSection
 from rlhfkit.config.schema import TrainConfig
+from rlhfkit.monitors import Alarm, Monitor
 from rlhfkit.stages.advice import learned_line
 from rlhfkit.stages.common import MetricsLogger, batches, longest_first
 from rlhfkit.stages.guard import RunGuard
@@ -23,11 +26,13 @@ from rlhfkit.stages.guard import RunGuard
 class TrainLoop:
     """`trainables` and `state()` are what a checkpoint holds (with the guard's count of skipped steps);
     `resumed` is the state a resumed run loaded; `evaluate()` (None: no eval data) returns the eval metrics, run
-    every `train.eval_every` steps and after the last; `show` are the metrics on the bar."""
+    every `train.eval_every` steps and after the last; `show` are the metrics on the bar; `monitor` (None: not
+    watched) the alarms on the logged metrics (docs/monitors.md)."""
 
     def __init__(self, engine, out: Path, stage: str, total: int, train: TrainConfig, log: MetricsLogger,
                  trainables: dict, state: Callable[[], dict] = dict, evaluate: Optional[Callable[[], dict]] = None,
-                 show: tuple[str, ...] = (), resumed: Optional[dict] = None):
+                 show: tuple[str, ...] = (), resumed: Optional[dict] = None,
+                 monitor: Optional[MonitorSection] = None):
         self.engine, self.total, self.train, self.log = engine, total, train, log
         self.trainables, self.evaluate, self.show = trainables, evaluate, show
         self.guard = RunGuard(engine, out, stage)
@@ -40,6 +45,13 @@ class TrainLoop:
         self.state = lambda: {**state(), "guard": {**self.guard.state_dict(), "rows": self.rows,
                                                    "rows_digest": self.digest}}
         self.last_eval: dict = {}
+        # the main rank watches the logged rows and decides; with action=stop every rank learns of it by a reduce
+        watched = monitor is not None and monitor.enabled
+        self.monitor = Monitor(monitor.limits()) if watched and engine.is_main else None
+        self.stop_on_alarm = watched and monitor.action == "stop"
+        if self.monitor is not None and resumed:  # the rows the checkpointed run logged: their alarms are up again
+            self.monitor.replay(logged_rows(out / "metrics.jsonl", stage))
+        self.stopped: Optional[tuple[int, str]] = None  # (step, alarm line) where an alarm ended the run
 
     def __enter__(self) -> "TrainLoop":
         return self
@@ -61,7 +73,7 @@ class TrainLoop:
                 self.engine.say(f"resume: the training data's {self.rows} rows are not the checkpointed run's (as "
                                 f"many, other contents): from here on the steps see other rows than that run's")
         for step, epoch, idx in batches(len(rows), self.train.batch_size, self.train.seed, start):
-            if step >= self.total:
+            if step >= self.total or self.stopped:
                 return
             if length is not None:
                 idx = longest_first(idx, rows, length)
@@ -74,21 +86,56 @@ class TrainLoop:
         """After optimizer step `done` (1-based): count a skipped step, evaluate, log, checkpoint, and stop
         cleanly when a signal asked for it (RunStopped after saving)."""
         self.guard.check_step(done, {"skipped": skipped or bool(metrics.get("skipped"))}, self.log)
-        last = done == self.total
+        logged = done % self.train.log_every == 0 or done == self.total
+        last = done == self.total or (logged and self.watch(done, metrics))
         if self.evaluate is not None and (self.due(self.train.eval_every, done) or last):
             self.last_eval = self.evaluate()
             metrics.update(self.last_eval)
-        if done % self.train.log_every == 0 or last or self.last_eval.keys() & metrics.keys():
+        if logged or last or self.last_eval.keys() & metrics.keys():
             self.log.log(done, metrics, show=self.show)
         self.log.advance()
         if last and (line := learned_line(self.guard.stage, done, self.log.seen, self.show)):
             self.log.write(line)  # what the run changed, or why it may not have
+        if self.stopped:
+            self.log.write(f"{self.guard.stage}: stopped after step {done} of {self.total} on an alarm "
+                           f"(monitor.action=stop); final/ is this step's model")
         keep = self.train.keep_checkpoints
         saved = self.due(self.train.save_every, done) and not last
         if saved:
             self.guard.save(done, self.trainables, self.state(), keep)
         if self.guard.stop_requested() and not last:  # a step just saved is not written a second time
             self.guard.stop(done, self.trainables, self.state(), keep, saved=saved)
+
+    def watch(self, done: int, metrics: dict) -> bool:
+        """Feed the monitor a logged step's metrics: each new alarm prints its line and sets alarm/<rule> = 1 in
+        `metrics`. True, on every rank, when an alarm ends the run (monitor.action=stop)."""
+        raised: list[Alarm] = self.monitor.observe({"step": done, **metrics}) if self.monitor else []
+        for alarm in raised:
+            metrics[f"alarm/{alarm.rule}"] = 1
+            self.log.write(alarm.line())
+        if not self.stop_on_alarm or done == self.total or self.engine.reduce_sum(1.0 if raised else 0.0) == 0:
+            return False
+        self.stopped = (done, raised[0].line() if raised else "an alarm on the main rank")
+        return True
+
+    def outcome(self) -> dict:
+        """For the run's summary: where and why an alarm stopped it (nothing when it ran to its last step)."""
+        if not self.stopped:
+            return {}
+        return {"stopped_at_step": self.stopped[0], "stopped_by": self.stopped[1]}
+
+
+def logged_rows(path: Path, stage: str) -> list[dict]:
+    """The rows of `stage` in a metrics.jsonl (none when it is missing; a line cut by a kill is skipped)."""
+    rows = []
+    for line in path.read_text(encoding="utf-8").splitlines() if path.is_file() else []:
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if row.get("stage") == stage:
+            rows.append(row)
+    return rows
 
 
 def rows_digest(rows: list) -> str:

@@ -65,7 +65,7 @@ def run_ppo(cfg: PPOConfig, resume: bool = False, force: bool = False) -> dict:
             if first_eval:  # the starting point, so the curves show what PPO changed
                 log.log(0, first_eval, show=SHOW)
             with TrainLoop(engine, out, "ppo", iters, cfg.train, log, rl.trainables(), rl.checkpoint_state, evaluate,
-                           show=SHOW, resumed=resumed) as loop:
+                           show=SHOW, resumed=resumed, monitor=cfg.monitor) as loop:
                 for it, epoch, rows in loop.steps(data.train, start):
                     tick, timer, lrs = time.perf_counter(), PhaseTimer(engine.device), rl.lrs()
                     rollout = rl.generate(rows, timer, it + 1)  # 1. responses to the prompts, with their log-probs
@@ -88,7 +88,7 @@ def run_ppo(cfg: PPOConfig, resume: bool = False, force: bool = False) -> dict:
     record_template(rl.actor.module, data.info["template"])
     rl.export(out)
     write_run_report(out, cfg.log, engine.is_main)
-    result = {"output_dir": str(out), "iterations": iters, **data.info}
+    result = {"output_dir": str(out), "iterations": iters, **loop.outcome(), **data.info}
     last_eval = loop.last_eval or first_eval
     if first_eval:
         result["eval/reward_start"] = first_eval["eval/reward"]

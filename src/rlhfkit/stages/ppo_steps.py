@@ -26,6 +26,7 @@ from rlhfkit.config.ppo_schema import PPOConfig
 from rlhfkit.data.templates import Template, encode_prompt
 from rlhfkit.errors import ConfigError
 from rlhfkit.models.ema import EMA
+from rlhfkit.monitors.signals import repeated_ngram_share
 from rlhfkit.rollout.batch import RolloutBatch
 from rlhfkit.rollout.engines import make_rollout_engine
 from rlhfkit.rollout.episodes import EpisodeRollout, episode_metrics
@@ -143,6 +144,16 @@ def equal_group_rows(scores: torch.Tensor, group: torch.Tensor, n: int) -> torch
     return alike
 
 
+def response_shape(ids: torch.Tensor, lengths: torch.Tensor) -> dict:
+    """The length tail (90th percentile) and the share of repeated 4-grams of an iteration's responses, for the
+    monitors (docs/monitors.md); `ids` (B, R), `lengths` (B,) as sampled. Averaged over ranks like the mean length
+    (exact on one rank)."""
+    ids, lengths = ids.cpu(), lengths.cpu()  # one copy, not one per row
+    sequences = [row[:int(n)].tolist() for row, n in zip(ids, lengths)]
+    return {"response_length/p90": torch.quantile(lengths.float(), 0.9).item(),
+            "response/repeated_4grams": repeated_ngram_share(sequences, 4)}
+
+
 @dataclass
 class Scored:
     rollout: RolloutBatch  # rows sorted by length
@@ -257,7 +268,9 @@ class PPOSteps:
         batch = add_rewards(batch, scored.scores, self.kl_ctl.value, cfg.ppo)
         if not scored.judged.all():  # the group statistics leave the unjudged rows out
             batch = replace(batch, judged=scored.judged.to(batch.scores.device))
-        metrics = {**self.rollout_metrics(scored), **moments("kl", kl_rows(batch, scored.kept))}
+        kl_each = kl_rows(batch, scored.kept)  # (K,) nats per kept response
+        metrics = {**self.rollout_metrics(scored), **response_shape(scored.rollout.response_ids, scored.lengths),
+                   **moments("kl", kl_each)}
         if not self.fused:
             batch, advantage_metrics = finish_advantages(batch, *self.estimator.advantages(batch, cfg.ppo), cfg.ppo,
                                                          self.estimator.whiten, engine)
@@ -266,6 +279,8 @@ class PPOSteps:
             alike = equal_group_rows(batch.scores, batch.group.to(batch.scores.device), cfg.ppo.n_samples_per_prompt)
             metrics["group/all_equal"] = alike.float().mean().item()
         metrics = pool_moments(engine.reduce_mean(metrics), engine.world_size)
+        # the batch's largest KL of one response: a few runaway responses hide in the mean (monitor: kl_max_blowup)
+        metrics["kl/max"] = engine.reduce_max(kl_each.max().item() if kl_each.numel() else 0.0)
         for key in COUNTS.intersection(metrics):  # counts of the whole batch: the sum over ranks
             metrics[key] *= engine.world_size
         metrics.update(sampler_metrics)  # pooled over ranks already
