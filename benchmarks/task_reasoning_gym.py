@@ -10,7 +10,10 @@
    sampling seed for every policy;
 3. the exact rate of each (the share of samples the task's own scorer gives 1.0) and its mean score, each with its
    standard error over the samples, and the KL of ppo/final to sft/final; written to OUTPUT/measured.json and
-   printed as a table.
+   printed as a table;
+4. with `--remote N`: the ppo step again for N iterations twice from the same seed, once with the task's scorer
+   as a local function and once served by `rlhfkit serve-reward` on this machine (`reward=http://...`): the two
+   reward curves side by side, and their largest difference.
 """
 
 from __future__ import annotations
@@ -31,6 +34,8 @@ def main() -> int:
     parser.add_argument("--config", default=str(ROOT / "configs" / "task-chain-sum.yaml"))
     parser.add_argument("--output", help="the pipeline's output_dir (default: the config's)")
     parser.add_argument("--samples", type=int, default=4, help="samples per held-out question (default 4)")
+    parser.add_argument("--remote", type=int, default=0, metavar="N",
+                        help="also N ppo iterations with the scorer local and served over HTTP (default 0: not)")
     parser.add_argument("overrides", nargs="*", help="KEY=VALUE overrides for the pipeline config")
     args = parser.parse_args()
 
@@ -75,6 +80,8 @@ def main() -> int:
               "pipeline_seconds": round(seconds, 1), "exact": rates, "score": scores, "kl_grpo_to_sft": kl,
               "examples": [{"question": p, **{name: texts[name][i] for name in policies}}
                            for i, p in enumerate(prompts[:8])]}
+    if args.remote:
+        result["remote"] = local_against_served(out, args.remote)
     (out / "measured.json").write_text(json.dumps(result, indent=2), encoding="utf-8")
     print(f"{ppo.task.name} {ppo.task.args}: {len(heldout)} held-out questions x {args.samples} samples "
           f"(pipeline {seconds:.0f} s)")
@@ -82,7 +89,38 @@ def main() -> int:
         print(f"  {name:6s} exact {rates[name]['mean']:.3f} ± {rates[name]['stderr']:.3f}   "
               f"score {scores[name]['mean']:.3f} ± {scores[name]['stderr']:.3f}")
     print(f"  KL(grpo || sft) {kl['mean']:.3f} ± {kl['stderr']:.3f} nats per response")
+    if args.remote:
+        remote = result["remote"]
+        print(f"  reward, local vs served, {args.remote} iterations: {remote['local']} vs {remote['served']} "
+              f"(largest difference {remote['largest_difference']:.2g}; {remote['seconds']})")
     return 0
+
+
+def local_against_served(out: Path, iterations: int) -> dict:
+    """The ppo step's first `iterations` iterations from its own config.yaml twice: the task's scorer as a local
+    function, then served by `rlhfkit serve-reward` on a free port; both reward curves."""
+    from rlhfkit.tasks.reasoning_gym import SCORE
+
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    base = ["--config", str(out / "ppo" / "config.yaml"), f"train.max_steps={iterations}", "train.save_every=0",
+            "train.eval_every=0", "ppo.sample_every=0", "--force"]
+    server = subprocess.Popen([sys.executable, "-m", "rlhfkit", "serve-reward", SCORE, "--port", "0"], env=env,
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        url = server.stdout.readline().strip()  # the ready line: the URL it serves
+        curves, seconds = {}, {}
+        for name, reward in (("local", SCORE), ("served", url)):
+            tick = time.perf_counter()
+            subprocess.run([sys.executable, "-m", "rlhfkit", "ppo", *base, f"reward={reward}",
+                            f"output_dir={out / ('ppo-' + name)}"], env=env, check=True)
+            seconds[name] = round(time.perf_counter() - tick, 1)
+            rows = [json.loads(line) for line in open(out / f"ppo-{name}" / "metrics.jsonl", encoding="utf-8")]
+            curves[name] = [round(r["reward/mean"], 6) for r in rows if "reward/mean" in r]
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+    gap = max(abs(a - b) for a, b in zip(curves["local"], curves["served"]))
+    return {**curves, "largest_difference": gap, "seconds": seconds, "url": url}
 
 
 if __name__ == "__main__":
