@@ -29,6 +29,8 @@ RUN_FOLDERS = ("checkpoints", "tensorboard", "final", "final-critic", "final-ema
 IDENTITY = ("model", "actor", "critic", "reward", "reference", "load.tokenizer", "data.train", "data.eval",
             "data.prompts", "data.eval_prompts", "data.ptx", "data.format", "data.fields", "lora.rank",
             "lora.alpha", "lora.target_modules", "task")
+# ... where the task is read at all: the task keys of two runs that name none are not data (rm and dpo have none)
+TASK_KEYS = "task."
 # settings a resumed run changes routinely (more steps, other logging): not worth a line
 QUIET = ("output_dir", "train.max_steps", "train.epochs", "train.log_every", "train.eval_every", "train.save_every",
          "train.keep_checkpoints", "log.", "data.cache", "data.cache_dir", "engine.collective_timeout_s")
@@ -173,7 +175,10 @@ def listed(changes: list[tuple[str, object, object]]) -> str:
 def _check_resume(cfg, out: Path, is_main: bool) -> None:
     previous = out / "config.yaml"
     changes = changes_since(out, cfg)
-    foreign = [c for c in changes if any(c[0] == k or c[0].startswith(k + ".") for k in IDENTITY)]
+    named = any(key == "task.name" and (old or new) for key, old, new in changes) or \
+        bool(getattr(getattr(cfg, "task", None), "name", None))
+    foreign = [c for c in changes if any(c[0] == k or c[0].startswith(k + ".") for k in IDENTITY)
+               and (named or not c[0].startswith(TASK_KEYS))]
     if foreign:
         raise RunError(f"--resume: the checkpoints in '{out / 'checkpoints'}' belong to a run with another model "
                        f"or data ({listed(foreign)}); resume with the settings in '{previous}', or pass --force to "
