@@ -59,3 +59,31 @@ def test_the_same_run_with_a_sane_recipe_stays_quiet(ppo_world):
     assert rows[-1]["step"] == 12 and "stopped_at_step" not in result
     # the monitors' own signals are logged every iteration
     assert {"response_length/p90", "response/repeated_4grams", "kl/max"} <= rows[-1].keys()
+
+
+def test_dpo_likelihood_displacement_raises_its_alarm(tiny_model_dir, tmp_path):
+    """DPO at a learning rate that drives both the chosen and the rejected log-probs down (the margin grows by
+    pushing the rejected down faster): the displacement alarm fires, naming both; the same data at the test_dpo
+    learning rate stays quiet."""
+    from test_dpo import dpo_args
+    from test_rm import rule_rows
+    from conftest import write_jsonl
+
+    data = write_jsonl(tmp_path / "train.jsonl", rule_rows(256, 0)), write_jsonl(tmp_path / "eval.jsonl",
+                                                                                 rule_rows(64, 1))
+    results = {}
+    for name, lr in (("displaced", "5e-2"), ("healthy", "1e-2")):
+        proc = run_cli("dpo", *dpo_args(tiny_model_dir, data, tmp_path / name, f"train.lr={lr}", "train.save_every=0",
+                                        "train.eval_every=0", "log.tensorboard=false"),
+                       env={"RLHFKIT_NO_REPORT": "1"})
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        results[name] = proc, read_metrics(tmp_path / name / "metrics.jsonl")
+    proc, rows = results["displaced"]
+    assert ("alarm/likelihood_displacement" in {key for _, key in alarms(rows)}), proc.stderr[-2000:]
+    line = next(line for line in proc.stderr.splitlines() if line.startswith("alarm: logps/chosen"))
+    assert "logps/rejected" in line and "since step" in line
+    first = next(r for r in rows if "logps/chosen" in r)
+    last = [r for r in rows if "logps/chosen" in r][-1]
+    assert last["logps/chosen"] < first["logps/chosen"] and last["logps/rejected"] < first["logps/rejected"]
+    proc, rows = results["healthy"]
+    assert "likelihood_displacement" not in {key for _, key in alarms(rows)}, proc.stderr[-2000:]
