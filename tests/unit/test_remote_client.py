@@ -70,11 +70,18 @@ def scripted(answer):
         def log_message(self, *args):
             pass
 
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    with listening(Handler) as url:
+        yield url, hits
+
+
+@contextlib.contextmanager
+def listening(handler):
+    """A threaded server on a free loopback port answering with `handler`; yields its /score URL."""
+    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
     server.daemon_threads = True
     threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
     try:
-        yield f"http://127.0.0.1:{server.server_address[1]}/score", hits
+        yield f"http://127.0.0.1:{server.server_address[1]}/score"
     finally:
         server.shutdown()
         server.server_close()
@@ -239,17 +246,10 @@ def test_a_server_that_trickles_its_answer_is_abandoned_at_the_bound():
         def log_message(self, *args):
             pass
 
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Trickle)
-    server.daemon_threads = True
-    threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
-    try:
-        reward = RemoteReward(f"http://127.0.0.1:{server.server_address[1]}/score",
-                              RemoteSection(max_failed=1.0, **QUICK))
+    with listening(Trickle) as url:
+        reward = RemoteReward(url, RemoteSection(max_failed=1.0, **QUICK))
         start = time.monotonic()
         assert torch.isnan(reward(world_batch())).all()
         assert time.monotonic() - start < reward.request_bound() + 1.5
         with pytest.raises(RunError, match=r"first: no answer within 0.65 s"):
             RemoteReward(reward.url, RemoteSection(**QUICK))(world_batch())
-    finally:
-        server.shutdown()
-        server.server_close()
