@@ -65,6 +65,19 @@ def test_quick_demo_learns_what_the_gold_reward_stands_for(tmp_path):
     samples = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
     assert samples and set(samples[0]) == {"prompt", "before", "after", "before_reward", "after_reward"}
 
+    # reward hacking in view (docs/monitors.md): the healthy default raises no alarm; PPO's held-out judge is the
+    # hidden gold (eval/gold beside eval/reward), and best/ is the policy of the best validation gold
+    ppo_rows = read_metrics(out / "ppo" / "metrics.jsonl")
+    assert not [k for r in ppo_rows for k in r if k.startswith("alarm/")] and "alarm: " not in res.stderr
+    golds = {r["step"]: r["eval/gold"] for r in ppo_rows if "eval/gold" in r}
+    best_record = json.loads((out / "ppo" / "best.json").read_text())
+    assert sorted(golds) == [0, 20, 40, 60, 80, 100] and best_record["value"] == max(golds.values())
+    assert golds[best_record["step"]] == best_record["value"] and best_record["metric"] == "eval/gold"
+    AutoModelForCausalLM.from_pretrained(out / "ppo" / "best")
+    assert "Proxy and truth: ppo" in html and (out / "plots" / "proxy_truth_ppo.png").is_file()
+
+    overoptimising_recipe_alarms_and_best_beats_final(out)
+
     # a second run reuses every complete step and re-measures (seeded: the same curve); with --early-stop the bar
     # evaluates the checkpoint of best validation gold, and says the wall time was not measured
     # ... and with --algos the arena trains GRPO (against the same RM, PPO's sample budget) and DPO (on the RM's
@@ -98,6 +111,42 @@ def test_quick_demo_learns_what_the_gold_reward_stands_for(tmp_path):
     AutoModelForCausalLM.from_pretrained(folder)
     for other in weights[1:]:
         assert any(not torch.equal(weights[0][k], other[k]) for k in weights[0])
+
+
+def overoptimising_recipe_alarms_and_best_beats_final(out):
+    """The demo world with an over-optimising recipe: twice the default lr and no KL penalty, 40 iterations. The proxy
+    (the RM) keeps rising while the validation gold peaks early and falls: the proxy-truth gap alarm fires, and best/
+    (kept by validation gold) beats final/ on the untouched test prompts by standard errors. Measured: gold 0.63 at
+    iteration 5 -> -0.25 at 40 on validation, the alarm at 15; test gold best/ 0.68 ± 0.07, final/ -0.05 ± 0.09."""
+    from rlhfkit.config.ppo_schema import GenConfig
+    from rlhfkit.demo import world as W
+    from rlhfkit.demo.evaluate import gold_of_policies
+
+    data, run = out / "data", out / "overoptimised"
+    proc = run_cli("ppo", f"actor={out / 'sft' / 'final'}", f"reward={out / 'rm' / 'final'}",
+                   f"data.prompts={data / 'ppo_prompts.jsonl'}", f"data.eval_prompts={data / 'validation_prompts.jsonl'}",
+                   "data.max_prompt_length=32", "eval.judge=rlhfkit.demo.world:gold_scores", "gen.max_new_tokens=24",
+                   "train.batch_size=32", "train.micro_batch_size=16", "ppo.mini_batch_size=16",
+                   "ppo.normalize_reward=true", "ppo.kl_coef=0", "train.lr=4e-4", "train.max_steps=40",
+                   "train.eval_every=5", "train.save_every=0", "log.tensorboard=false", "ppo.sample_every=0",
+                   f"output_dir={run}", env={"RLHFKIT_NO_REPORT": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    rows = read_metrics(run / "metrics.jsonl")
+    gaps = [r["step"] for r in rows if "alarm/proxy_truth_gap" in r]
+    assert gaps and gaps[0] < 40, proc.stderr[-3000:]
+    line = next(x for x in proc.stderr.splitlines() if x.startswith("alarm: eval/gold"))
+    assert "while eval/reward rose" in line and "SE)" in line
+    evals = [r for r in rows if "eval/gold" in r]
+    assert evals[-1]["eval/reward"] > evals[0]["eval/reward"] and evals[-1]["eval/gold"] < max(r["eval/gold"]
+                                                                                              for r in evals)
+    assert result["best_by"] == "eval/gold" and result["best_step"] < 40
+    assert f"best/ is step {result['best_step']}" in proc.stderr and "final/ is step 40" in proc.stderr
+    prompts = [json.loads(x)["prompt"] for x in (data / "heldout_prompts.jsonl").read_text().splitlines()] * 2
+    gold, _, _ = gold_of_policies({"best": run / "best", "final": run / "final"}, prompts,
+                                  GenConfig(max_new_tokens=24, generation_batch_size=256), W.gold_reward, 2)
+    best, final = gold["best"], gold["final"]
+    assert best["mean"] - final["mean"] >= 3 * (best["stderr"] ** 2 + final["stderr"] ** 2) ** 0.5, gold
 
 
 def test_a_stopped_demo_says_one_line_and_that_rerunning_it_continues(tmp_path):

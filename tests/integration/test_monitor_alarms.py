@@ -36,7 +36,7 @@ def alarms(rows: list[dict]) -> list[tuple[int, str]]:
 
 
 def test_a_bad_recipe_raises_an_alarm_and_stop_ends_the_run_cleanly(ppo_world):
-    proc, rows, result = run(ppo_world, "monitor_bad", *BAD, "monitor.action=stop")
+    proc, rows, result = run(ppo_world, "monitor_bad", *BAD, "monitor.action=stop_best")
     raised = alarms(rows)
     assert raised, (proc.stderr[-3000:], rows[-1])
     step, key = raised[0]
@@ -44,9 +44,15 @@ def test_a_bad_recipe_raises_an_alarm_and_stop_ends_the_run_cleanly(ppo_world):
     assert len(lines) >= 1 and lines[0].endswith("see docs/monitors.md") and f"since step" in lines[0]
     # stopped at the alarm's step, the way a normal end does: final/ exported and loadable, the summary says why
     assert rows[-1]["step"] == step < 12
-    assert f"ppo: stopped after step {step} of 12 on an alarm (monitor.action=stop)" in proc.stderr
+    assert f"ppo: stopped after step {step} of 12 on an alarm (monitor.action=stop_best); final/ is this step's " \
+           f"model; best/ (step {result['best_step']}) is the run's model" in proc.stderr
     assert result["stopped_at_step"] == step and result["stopped_by"] == lines[0]
     AutoModelForCausalLM.from_pretrained(ppo_world / "monitor_bad" / "final")
+    # stop_best: the run's model is best/, the policy of the best held-out reward (no judge here: the training
+    # reward's, which the summary says), evaluated at the start and at the stop
+    assert result["model"] == str(ppo_world / "monitor_bad" / "best") and result["best_step"] in (0, step)
+    assert result["best_by"].startswith("eval/reward (no eval.judge")
+    AutoModelForCausalLM.from_pretrained(ppo_world / "monitor_bad" / "best")
     # the log.txt the run keeps has the line too, where there is one
     log = ppo_world / "monitor_bad" / "log.txt"
     if log.is_file():

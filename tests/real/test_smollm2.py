@@ -541,3 +541,7 @@ def test_a_reasoning_gym_task_trains_by_name_from_one_config(smollm2, tmp_path):
     ppo = [r for r in read_metrics(tmp_path / "run" / "ppo" / "metrics.jsonl")]
     assert [r["step"] for r in ppo if "eval/reward" in r] == [0, 2]  # the held-out questions, by the task's scorer
     assert sum(1 for r in ppo if "reward/mean" in r) == 2
+    # quiet (docs/monitors.md: the 60-iteration runs of benchmarks/task_reasoning_gym.py were too), and best/ kept by
+    # the task's scorer on the held-out questions, the run's only judge
+    assert not [k for r in ppo for k in r if k.startswith("alarm/")] and "alarm: " not in proc.stderr
+    assert (tmp_path / "run" / "ppo" / "best" / "config.json").is_file()

@@ -176,10 +176,47 @@ def test_monitor_section_defaults_and_validation():
     assert cfg.monitor.limits() == {name: limit.default for name, limit in LIMITS.items()}
     dpo = load_config(DPOConfig, None, ["model=m", "data.train=t", "monitor.action=stop", "monitor.kl_nats=5"])
     assert dpo.monitor.action == "stop" and dpo.monitor.limits()["kl_nats"] == 5
-    for override, message in [("monitor.action=halt", "monitor.action': expected one of ('warn', 'stop')"),
+    for override, message in [("monitor.action=halt", "monitor.action': expected one of ('warn', 'stop', 'stop_best')"),
                               ("monitor.baseline=0", "monitor.baseline': a whole number >= 1, got 0"),
                               ("monitor.entropy_drop=1.5", "monitor.entropy_drop': in (0, 1), got 1.5"),
                               ("monitor.kl_nats=0", "monitor.kl_nats': > 0, got 0"),
                               ("monitor.reward_shift=-1", "monitor.reward_shift': > 0, got -1")]:
         with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
             load_config(DPOConfig, None, ["model=m", "data.train=t", override])
+
+
+def evals(gold, proxy, se=0.04, every=10) -> list[dict]:
+    """Held-out evaluation rows at steps 0, every, ... between training rows that log no eval metric."""
+    rows = []
+    for i, (g, p) in enumerate(zip(gold, proxy)):
+        rows.append({"step": i * every, "eval/gold": g, "eval/gold_se": se, "eval/reward": p})
+        rows.append({"step": i * every + 1, "reward/mean": p})
+    return rows
+
+
+def test_proxy_truth_gap_fires_when_gold_leaves_its_best_by_standard_errors_while_the_proxy_rises():
+    rows = evals([0.2, 0.5, 0.6, 0.45, 0.30], [0.1, 0.5, 0.9, 1.3, 1.6])
+    # up to step 20 the gold only rose
+    assert check_rule("proxy_truth_gap", rows[:6], LIMITS_) is None
+    # step 30: 0.6 -> 0.45 is 0.15 below its best, 2.65 standard errors of the difference (0.04 x sqrt 2)
+    alarm = check_rule("proxy_truth_gap", rows[:8], LIMITS_)
+    assert (alarm.level, alarm.value, alarm.since, alarm.metric) == (0.6, 0.45, 30, "eval/gold")
+    last = check_rule("proxy_truth_gap", rows, LIMITS_)
+    assert last.since == 30 and last.line() == (
+        "alarm: eval/gold 0.6 (step 20) -> 0.3 (-5.3 SE) while eval/reward rose 0.9 -> 1.6 since step 30: proxy up, "
+        "truth down: the policy games its reward (best/ keeps the judge's best); see docs/monitors.md")
+
+
+def test_proxy_truth_gap_stays_quiet_within_noise_when_the_proxy_falls_too_and_without_a_judge():
+    assert check_rule("proxy_truth_gap", evals([0.2, 0.6, 0.45], [0.1, 0.9, 1.3], se=0.1), LIMITS_) is None
+    assert check_rule("proxy_truth_gap", evals([0.2, 0.6, 0.3], [0.1, 0.9, 0.5]), LIMITS_) is None  # both fell
+    no_judge = [{k: v for k, v in row.items() if not k.startswith("eval/gold")}
+                for row in evals([0.2, 0.6, 0.3], [0.1, 0.9, 1.5])]
+    assert check_rule("proxy_truth_gap", no_judge, LIMITS_) is None
+    # a tighter limit makes the same small drop an alarm; the gold recovering clears it
+    tight = {**LIMITS_, "gap_se": 1.0}
+    assert check_rule("proxy_truth_gap", evals([0.2, 0.6, 0.45], [0.1, 0.9, 1.3], se=0.1), tight) is not None
+    monitor = Monitor(LIMITS_)
+    raised = [a.rule for row in evals([0.2, 0.6, 0.3, 0.62, 0.2], [0.1, 0.9, 1.3, 1.4, 1.8]) for a in
+              monitor.observe(row)]
+    assert raised == ["proxy_truth_gap", "proxy_truth_gap"]

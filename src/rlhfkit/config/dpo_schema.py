@@ -107,6 +107,9 @@ class DPOConfig(StepConfig):
     def validate(self, prefix: str = "") -> None:
         super().validate(prefix)
         check_lora_dropout(self.load, self.lora, prefix)
+        if self.monitor.action == "stop_best":
+            raise ConfigError(f"config key '{prefix}monitor.action': stop_best keeps best/, the policy of the best "
+                              f"held-out reward, which rlhfkit ppo keeps; a DPO run has none: use stop")
         if self.reference and not self.dpo.uses_reference():
             why = "dpo.reference_free is true" if self.dpo.reference_free else f"loss {self.dpo.loss} uses none"
             raise ConfigError(f"config key '{prefix}reference': no reference model is used ({why}); unset it")

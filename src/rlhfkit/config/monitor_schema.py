@@ -9,7 +9,7 @@ from rlhfkit.config.fields import option
 from rlhfkit.errors import ConfigError
 from rlhfkit.monitors.rules import LIMITS
 
-MONITOR_ACTIONS = ("warn", "stop")
+MONITOR_ACTIONS = ("warn", "stop", "stop_best")
 
 
 def limit(name: str):
@@ -24,8 +24,10 @@ class MonitorSection:
     metrics.jsonl when a rule fires; with action=stop the run ends there as at its last step (final/ exported)."""
 
     enabled: bool = option(True, "watch the logged metrics and raise alarms (docs/monitors.md)")
-    action: str = option("warn", "on an alarm: warn (one line in the log, the run goes on) or stop (the run ends "
-                                 "at that step as at its last: final/ exported, the summary names the alarm)",
+    action: str = option("warn", "on an alarm: warn (one line in the log, the run goes on), stop (the run ends "
+                                 "at that step as at its last: final/ exported, the summary names the alarm) or "
+                                 "stop_best (as stop, and the run's model is best/, the policy of the best held-out "
+                                 "score: rlhfkit ppo with eval.keep_best)",
                          choices=MONITOR_ACTIONS)
     baseline: int = limit("baseline")
     window: int = limit("window")
@@ -41,6 +43,7 @@ class MonitorSection:
     reward_std_drop: float = limit("reward_std_drop")
     reward_shift: float = limit("reward_shift")
     displacement_share: float = limit("displacement_share")
+    gap_se: float = limit("gap_se")
 
     def limits(self) -> dict[str, float]:
         """The rules' limits by name (`monitors.Monitor(limits)`)."""

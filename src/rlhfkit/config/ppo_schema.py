@@ -417,6 +417,25 @@ class EMAConfig:
             raise ConfigError(f"config key '{prefix}beta': must be in (0, 1)")
 
 
+@dataclass
+class EvalSection:
+    """The held-out evaluation (every train.eval_every iterations, on data.eval_prompts): a second judge beside the
+    training reward, and best/ (docs/monitors.md)."""
+
+    judge: Optional[str] = option(None, "a second judge for evaluation only, never trained on: a gold reward function "
+                                        "module:function or path/file.py:function, a verifier, a reward-model folder "
+                                        "or a reward server URL; it scores the held-out responses as eval/gold "
+                                        "beside eval/reward, and the monitor watches the gap between them")
+    keep_best: bool = option(True, "export best/ beside final/: the policy of the best held-out eval/gold (without a "
+                                   "judge: eval/reward, the training reward on held-out prompts), written again "
+                                   "whenever it improves")
+
+    def validate(self, prefix: str = "") -> None:
+        if self.judge is not None and (not isinstance(self.judge, str) or not self.judge.strip()):
+            raise ConfigError(f"config key '{prefix}judge': expected a reward folder, module:function or URL, got "
+                              f"{self.judge!r}")
+
+
 @dataclass(frozen=True)
 class RewardPart:
     spec: str  # a reward-model folder, module:function / file.py:function, or an http(s):// URL (`reward_kind`)
@@ -452,11 +471,16 @@ class PPOConfig:
     ppo: PPOSection = option(PPOSection(), "PPO")
     ptx: PtxConfig = option(PtxConfig(), "PPO-ptx")
     ema: EMAConfig = option(EMAConfig(), "EMA of the actor")
+    eval: EvalSection = option(EvalSection(), "held-out evaluation: a second judge (eval/gold) and best/")
     monitor: MonitorSection = option(MonitorSection(), "run-time alarms on the logged metrics (docs/monitors.md)")
     load: LoadConfig = option(LoadConfig(), "model loading")
     lora: LoraConfig = option(LoraConfig(), "LoRA (actor and critic)")
     engine: EngineConfig = option(EngineConfig(), "backend")
     log: LogConfig = option(LogConfig(), "logging")
+
+    def judge_part(self) -> Optional[RewardPart]:
+        """eval.judge as a reward part (weight 1, metrics eval/gold), or None."""
+        return RewardPart(self.eval.judge, 1.0, "gold") if self.eval.judge else None
 
     def reward_parts(self, prefix: str = "") -> list[RewardPart]:
         """`reward` as a list of (spec, weight, name); a single spec has weight 1 and its own name. An `env` run's
@@ -508,7 +532,13 @@ class PPOConfig:
             if self.ppo.normalize_reward:
                 raise ConfigError(f"config key '{prefix}ppo.normalize_reward': needs a reward model's stored "
                                   f"mean/std; an environment judges this run")
+            if self.eval.judge:
+                raise ConfigError(f"config key '{prefix}eval.judge': an environment's episodes are judged by the "
+                                  f"environment alone; unset eval.judge")
         check_lora_dropout(self.load, self.lora, prefix)
+        if self.monitor.action == "stop_best" and not self.eval.keep_best:
+            raise ConfigError(f"config key '{prefix}monitor.action': stop_best ends the run with best/ as its model; "
+                              f"set eval.keep_best=true (or use monitor.action=stop)")
         parts = self.reward_parts(prefix)
         if self.ppo.normalize_reward and len(parts) > 1:
             raise ConfigError(f"config key '{prefix}ppo.normalize_reward': needs a single reward model (its stored "

@@ -87,6 +87,8 @@ def pipeline_dict(out: Path, size: dict, seed: int) -> dict:
                           "max_steps": size["ppo_steps"], "batch_size": 32, "micro_batch_size": 16,
                           "lr": 2.0e-4, "eval_every": 20},
                 "gen": {"max_new_tokens": MAX_NEW_TOKENS},
+                # the hidden gold as the held-out judge: eval/gold beside eval/reward, and best/ by it
+                "eval": {"judge": "rlhfkit.demo.world:gold_scores"},
                 # normalised RM scores: kl_coef then means the same whatever scale the RM happened to learn
                 "ppo": {"kl_coef": 0.2, "normalize_reward": True, "mini_batch_size": 16, "sample_every": 20}},
     }

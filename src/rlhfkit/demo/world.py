@@ -109,6 +109,12 @@ def gold_reward(prompt: str, response: str) -> float:
     return judge(prompt, response).gold
 
 
+def gold_scores(prompts: list[str], responses: list[str]) -> list[float]:
+    """The gold reward as a reward function (`eval.judge: rlhfkit.demo.world:gold_scores`): PPO's held-out judge in
+    the demo, never trained on. A rendered prompt reads as its text: the template adds no topic or mood word."""
+    return [gold_reward(p, r) for p, r in zip(prompts, responses)]
+
+
 # Flaws the gold reward punishes, each a predicate on a Judgement. The demo counts them in SFT's and PPO's samples:
 # one that PPO makes more frequent is a proxy exploit (the reward model pays for something the gold does not).
 FLAWS = {

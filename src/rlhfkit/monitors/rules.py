@@ -91,6 +91,9 @@ LIMITS: dict[str, Limit] = {
     "displacement_share": Limit(0.5, "DPO likelihood displacement: logps/chosen and logps/rejected both fall by more "
                                      "than this share of their levels (0.5: -9 nats to below -13.5) while the margin "
                                      "grows", lambda x: x > 0, "> 0"),
+    "gap_se": Limit(2.0, "proxy up, truth down: eval/gold (the held-out judge, eval.judge) falls below its best so far "
+                         "by more than this many standard errors of the difference while eval/reward (the training "
+                         "reward on the same responses) is above its value at that best", lambda x: x > 0, "> 0"),
 }
 DEFAULT_LIMITS = {name: limit.default for name, limit in LIMITS.items()}
 
@@ -281,6 +284,35 @@ def likelihood_displacement(rows: list[dict], limits: dict) -> Optional[Finding]
                    f"{_fmt(margin.level)} -> {_fmt(margin.value)}")
 
 
+def proxy_truth_gap(rows: list[dict], limits: dict) -> Optional[Finding]:
+    """Gao et al. 2022: the held-out judge's eval/gold below its best so far by more than `gap_se` standard errors
+    of the difference (eval/gold_se at both evaluations) while eval/reward, the proxy on the same responses, is
+    above its value at that best. Evaluations are few, so each one counts (no level or window)."""
+    gold, se, proxy = series(rows, "eval/gold"), dict(series(rows, "eval/gold_se")), dict(series(rows, "eval/reward"))
+
+    def parted(i: int) -> Optional[tuple]:
+        step, value = gold[i]
+        best_step, best = max(gold[:i + 1], key=lambda p: (p[1], -p[0]))  # the highest, the earliest among equals
+        spread = (se.get(best_step, 0.0) ** 2 + se.get(step, 0.0) ** 2) ** 0.5
+        if best - value <= limits["gap_se"] * spread or best <= value or step not in proxy or best_step not in proxy \
+                or proxy[step] <= proxy[best_step]:
+            return None
+        return best_step, best, value, spread
+
+    found = parted(len(gold) - 1) if len(gold) >= 2 else None
+    if found is None:
+        return None
+    start = len(gold) - 1
+    while start > 1 and parted(start - 1):
+        start -= 1
+    best_step, best, value, spread = found
+    step = gold[-1][0]
+    drop = f"{(value - best) / spread:+.1f} SE" if spread > 0 else "every response judged alike"
+    return Finding("eval/gold", best, value, gold[start][0],
+                   f"eval/gold {_fmt(best)} (step {best_step}) -> {_fmt(value)} ({drop}) while eval/reward rose "
+                   f"{_fmt(proxy[best_step])} -> {_fmt(proxy[step])}")
+
+
 @dataclass(frozen=True)
 class Rule:
     title: str  # what an alarm usually means, in a few words: the end of its line
@@ -311,6 +343,8 @@ RULES: dict[str, Rule] = {
                         ("reward/mean", "reward/std"), reward_jump),
     "likelihood_displacement": Rule("DPO likelihood displacement: chosen and rejected both made unlikely",
                                     ("logps/chosen", "logps/rejected", "margin"), likelihood_displacement),
+    "proxy_truth_gap": Rule("proxy up, truth down: the policy games its reward (best/ keeps the judge's best)",
+                            ("eval/gold", "eval/gold_se", "eval/reward"), proxy_truth_gap),
 }
 
 

@@ -9,7 +9,8 @@ from html import escape
 from pathlib import Path
 
 from rlhfkit.report.metrics import StageRun, find_stage_runs, is_number, last_value, numeric_keys, read_jsonl
-from rlhfkit.report.plots import plot_arena, plot_gold, plot_overoptimisation, plot_stage
+from rlhfkit.report.plots import plot_arena, plot_gold, plot_proxy_truth, plot_stage
+from rlhfkit.report.proxy_truth import points_table, proxy_truth_section
 from rlhfkit.report.run_info import WhatRan, what_ran
 
 PLOTS_DIR = "plots"
@@ -110,14 +111,7 @@ def _overoptimisation_section(path: Path, plots: Path) -> str:
         raise ValueError(f"{path}: expected {{'points': [{{'step', 'kl', 'proxy', 'gold', ...}}, ...]}}")
     chosen = data.get("chosen_step") if is_number(data.get("chosen_step")) else None
     png = plots / "overoptimisation.png"
-    plot_overoptimisation(points, png, chosen)
-    flaws = list(points[0].get("flaws", {}))
-    head = "".join(f"<th>{escape(h)}</th>" for h in ("iteration", "KL", "proxy", "gold", "± stderr", *flaws))
-    rows = "\n".join(
-        f"<tr>{_cell(p['step'])}{_cell(p['kl'])}{_cell(p['proxy'])}{_cell(p['gold'])}{_cell(p.get('gold_stderr', ''))}"
-        + "".join(_cell(p.get("flaws", {}).get(name, "")) for name in flaws) + "</tr>"
-        for p in points
-    )
+    plot_proxy_truth(points, png, chosen)
     split, samples = escape(str(data.get("split", "held-out"))), escape(str(data.get("samples", "")))
     kept = (f" Early stopping kept iteration {escape(str(chosen))} (best {split} gold)." if data.get("early_stop")
             else f" Best {split} gold at iteration {escape(str(data.get('best_step', '')))}; the bar evaluates the "
@@ -127,8 +121,7 @@ def _overoptimisation_section(path: Path, plots: Path) -> str:
         f'<p class="meta">Every saved policy of the RL run, sampled on the {split} prompts ({samples} samples each): '
         "the reward model's score (the proxy it climbed), the hidden gold reward (what the proxy stands for), KL to "
         f"the SFT policy, and the share of samples with each flaw the gold punishes.{kept}</p>\n"
-        f'<img src="{PLOTS_DIR}/{png.name}" alt="proxy and gold reward against KL">\n'
-        f"<table><tr>{head}</tr>\n{rows}\n</table>"
+        f'<img src="{PLOTS_DIR}/{png.name}" alt="proxy and gold reward against KL">\n' + points_table(points)
     )
 
 
@@ -191,6 +184,8 @@ def _stage_section(run: StageRun, ran: WhatRan | None, run_dir: Path, plots: Pat
         parts.append(f'<img src="{PLOTS_DIR}/{png.name}" alt="{escape(run.stage)} training curves">')
     else:
         parts.append("<p>No numeric metrics logged yet.</p>")
+    if section := proxy_truth_section(run, plots):  # an RL run's held-out evaluations: proxy, truth, alarms
+        parts.append(section)
     keys = numeric_keys(run.rows)
     if keys:
         rows = "\n".join(f"<tr><td>{escape(k)}</td>{_cell(last_value(run.rows, k))}</tr>" for k in keys)

@@ -193,52 +193,67 @@ def plot_gold(policies: dict[str, dict], best: float | None, out_path: Path) -> 
     fig.savefig(out_path)
 
 
-def plot_overoptimisation(points: list[dict], out_path: Path, chosen_step: int | None = None) -> None:
-    """Proxy and gold reward against KL to the start, one point per saved policy (the picture of Gao et al. 2022,
-    fig. 1), and the rate of each flaw against the iteration.
+def plot_proxy_truth(points: list[dict], out_path: Path, chosen_step: int | None = None,
+                     alarms: list[tuple[int, str]] = ()) -> None:
+    """Proxy and truth against KL and against the iteration (the picture of Gao et al. 2022, fig. 1), with the
+    alarms raised on the run's timeline and, where the points have them, the rate of each flaw the truth punishes.
+    The demo's over-optimisation curve and a run's held-out evaluations (report/proxy_truth.py) are both drawn here.
 
-    `points`: [{"step", "kl", "proxy", "gold", "gold_stderr", "flaws": {name: rate}}, ...] in step order. Gold (left
-    axis, ± stderr) and proxy (right axis: the reward model's own scale) share the KL axis; a faint line joins the
-    points in training order, since the KL penalty can pull a policy back. Where the proxy keeps rising and the
-    gold does not, the policy is buying proxy reward the gold does not pay for.
+    `points`: [{"step", "kl", "proxy", "gold" (optional: no judge), "gold_stderr", "flaws": {name: rate}}, ...] in
+    step order; `alarms`: (step, rule) of each alarm raised. Gold (left axis, ± stderr) and proxy (right axis: the
+    reward's own scale) share each x axis; in the KL panel a faint line joins the points in training order, since
+    the KL penalty can pull a policy back. Where the proxy keeps rising and the gold does not, the policy is buying
+    proxy reward the gold does not pay for.
     """
-    kl = [float(p["kl"]) for p in points]
-    gold = [float(p["gold"]) for p in points]
-    proxy = [float(p["proxy"]) for p in points]
-    fig = Figure(figsize=(11.0, 4.0), dpi=DPI, layout="constrained")
-    left, right = fig.subplots(1, 2)
-    twin = left.twinx()
-    left.plot(kl, gold, color=COLORS[2], alpha=0.3, linewidth=0.8)
-    twin.plot(kl, proxy, color=COLORS[1], alpha=0.3, linewidth=0.8, linestyle="--")
-    left.errorbar(kl, gold, yerr=[float(p.get("gold_stderr", 0.0)) for p in points], color=COLORS[2], marker="o",
-                  markersize=5, capsize=3, linestyle="none", label="gold (hidden)")
-    twin.plot(kl, proxy, color=COLORS[1], marker="s", markersize=5, linestyle="none", label="proxy (reward model)")
-    for p, x, y in zip(points, kl, gold):
-        left.annotate(str(p["step"]), (x, y), textcoords="offset points", xytext=(4, -10), fontsize=6, color="#555")
-    chosen = [(x, y) for p, x, y in zip(points, kl, gold) if p["step"] == chosen_step]
-    if chosen:
-        left.plot(*chosen[0], marker="*", markersize=14, color="black", linestyle="none", label="evaluated policy")
-    left.set_xlabel("KL(policy || SFT), nats per response")
-    left.set_ylabel("gold reward")
-    twin.set_ylabel("proxy reward (RM score)")
-    left.set_title("Proxy and gold against KL (labels: iteration)", fontsize=10)
-    left.grid(alpha=0.3)
-    handles, labels = [], []
-    for ax in (left, twin):
-        h, lab = ax.get_legend_handles_labels()
-        handles, labels = handles + h, labels + lab
-    left.legend(handles, labels, fontsize=7, loc="lower right")
     steps = [p["step"] for p in points]
+    kl = [float(p["kl"]) for p in points]
+    proxy = [float(p["proxy"]) for p in points]
+    judged = all(is_number(p.get("gold")) for p in points)
+    gold = [float(p["gold"]) for p in points] if judged else []
+    gold_err = [float(p.get("gold_stderr") or 0.0) for p in points]
     names = list(points[0].get("flaws", {})) if points else []
-    for i, name in enumerate(names):
-        right.plot(steps, [float(p["flaws"][name]) for p in points], color=COLORS[i % len(COLORS)], marker="o",
-                   markersize=3, linewidth=1.4, label=name)
-    right.set_xlabel("iteration")
-    right.set_ylabel("share of samples")
-    right.set_title("Flaws the gold punishes", fontsize=10)
-    right.grid(alpha=0.3)
+    fig = Figure(figsize=(5.5 * (3 if names else 2), 4.0), dpi=DPI, layout="constrained")
+    axes = fig.subplots(1, 3 if names else 2)
+    for ax, xs, label in ((axes[0], kl, "KL(policy || start), nats per response"), (axes[1], steps, "iteration")):
+        twin = ax.twinx()
+        if judged:
+            ax.plot(xs, gold, color=COLORS[2], alpha=0.3, linewidth=0.8)
+            ax.errorbar(xs, gold, yerr=gold_err, color=COLORS[2], marker="o", markersize=5, capsize=3,
+                        linestyle="none", label="gold (held-out judge)")
+            ax.set_ylabel("gold reward")
+        twin.plot(xs, proxy, color=COLORS[1], alpha=0.3, linewidth=0.8, linestyle="--")
+        twin.plot(xs, proxy, color=COLORS[1], marker="s", markersize=5, linestyle="none",
+                  label="proxy (training reward)")
+        twin.set_ylabel("proxy reward")
+        chosen = [i for i, step in enumerate(steps) if step == chosen_step]
+        if chosen and judged:
+            ax.plot(xs[chosen[0]], gold[chosen[0]], marker="*", markersize=14, color="black", linestyle="none",
+                    label="kept policy")
+        ax.set_xlabel(label)
+        ax.grid(alpha=0.3)
+        handles, labels = [], []
+        for one in (ax, twin):
+            h, lab = one.get_legend_handles_labels()
+            handles, labels = handles + h, labels + lab
+        ax.legend(handles, labels, fontsize=7, loc="lower right")
+    for p, x, y in zip(points, kl, gold or proxy):
+        axes[0].annotate(str(p["step"]), (x, y), textcoords="offset points", xytext=(4, -10), fontsize=6,
+                         color="#555")
+    axes[0].set_title("Proxy and gold against KL (labels: iteration)", fontsize=10)
+    axes[1].set_title("... against the iteration, alarms as dashed lines", fontsize=10)
+    for step, rule in alarms:
+        axes[1].axvline(step, color="#b3261e", linestyle=":", linewidth=1)
+        axes[1].annotate(rule, (step, 1.0), xycoords=("data", "axes fraction"), rotation=90, fontsize=6,
+                         color="#b3261e", va="top", ha="right")
     if names:
-        right.legend(fontsize=7, loc="best")
+        for i, name in enumerate(names):
+            axes[2].plot(steps, [float(p["flaws"][name]) for p in points], color=COLORS[i % len(COLORS)], marker="o",
+                         markersize=3, linewidth=1.4, label=name)
+        axes[2].set_xlabel("iteration")
+        axes[2].set_ylabel("share of samples")
+        axes[2].set_title("Flaws the gold punishes", fontsize=10)
+        axes[2].grid(alpha=0.3)
+        axes[2].legend(fontsize=7, loc="best")
     out_path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out_path)
 

@@ -50,12 +50,31 @@ def sequence_kl(actor, reference, plans, batch: RolloutBatch, temperature: float
     return torch.cat(out)
 
 
+def pooled(name: str, values: torch.Tensor, engine) -> dict:
+    """`name` (the mean), `name`_std and `name`_se (the standard error of the mean) of every rank's `values` (0
+    where there are none), from the count, sum and sum of squares summed over ranks, in float64."""
+    v = values.double()
+    n, total, squares = (engine.reduce_sum(float(x)) for x in (v.numel(), v.sum(), (v * v).sum()))
+    mean = total / n if n > 0 else 0.0
+    std = (max(0.0, squares - total * mean) / (n - 1)) ** 0.5 if n > 1 else 0.0
+    return {name: mean, f"{name}_std": std, f"{name}_se": std / n ** 0.5 if n > 0 else 0.0}
+
+
+def judged_scores(reward, batch: RolloutBatch, finished: torch.Tensor, engine) -> torch.Tensor:
+    """(B,) the reward's scores on the CPU; NaN where it left a response unjudged."""
+    with reward_on_device(engine, reward):
+        return reward(batch, finished).float().cpu()
+
+
 @torch.no_grad()
 def evaluate_policy(actor, reference, reward, tokenizer, rows: list[dict], cfg: GenConfig, engine, micro: int,
-                    seed: int, eos_ids: list[int], plans, sampler=None) -> tuple[dict, RolloutBatch]:
-    """eval/reward (raw reward of one response per held-out prompt), eval/kl, eval/response_length; `plans`: the
-    speed plans of "actor" and "reference"; `sampler`: the run's rollout engine (rollout/engines.py, its weights
-    synced), None = the native decoder on `actor`.
+                    seed: int, eos_ids: list[int], plans, sampler=None, judge=None) -> tuple[dict, RolloutBatch, dict]:
+    """eval/reward (raw reward of one response per held-out prompt; its _std and _se over the judged responses),
+    eval/kl, eval/response_length; with `judge` (eval.judge) eval/gold (_std, _se), the judge's scores of the same
+    responses. `plans`: the speed plans of "actor" and "reference"; `sampler`: the run's rollout engine
+    (rollout/engines.py, its weights synced), None = the native decoder on `actor`. Returns (the metrics averaged
+    over ranks, this rank's responses, this rank's per-response scores: "reward" and "gold" tensors, NaN where
+    unjudged).
 
     Sampling uses a fixed seed in a forked RNG: every evaluation draws with the same noise, so a change in
     eval/reward is the policy's, and the training RNG stream is untouched.
@@ -66,13 +85,14 @@ def evaluate_policy(actor, reference, reward, tokenizer, rows: list[dict], cfg: 
         batch = generate_all(actor, engine, tokenizer, rows, cfg, plans["actor"], greedy=cfg.eval_greedy) \
             if sampler is None else sampler.generate(rows, cfg, greedy=cfg.eval_greedy)
     finished = ended_with_eos(batch, eos_ids)
-    with reward_on_device(engine, reward):
-        scores = reward(batch, finished).float().cpu()
-    judged = torch.isfinite(scores)  # a reward function may leave a response unjudged (None)
-    scores = scores[judged] if judged.any() else torch.zeros(1)
+    scores = {"reward": judged_scores(reward, batch, finished, engine)}
+    if judge is not None:
+        scores["gold"] = judged_scores(judge, batch, finished, engine)
     with engine.on_device(reference):
         kl = sequence_kl(actor, reference, plans, batch.to(engine.device), cfg.temperature, micro)
-    metrics = {"eval/reward": scores.mean().item(), "eval/reward_std": scores.std().item() if len(scores) > 1 else 0.0,
-               "eval/kl": kl.mean().item(), "eval/response_length": batch.response_lengths.float().mean().item(),
-               "eval/finished": finished.float().mean().item()}
-    return engine.reduce_mean(metrics), batch
+    metrics = engine.reduce_mean({"eval/kl": kl.mean().item(),
+                                  "eval/response_length": batch.response_lengths.float().mean().item(),
+                                  "eval/finished": finished.float().mean().item()})
+    for name, values in scores.items():  # a reward function may leave a response unjudged (None)
+        metrics.update(pooled(f"eval/{name}", values[torch.isfinite(values)], engine))
+    return metrics, batch, scores

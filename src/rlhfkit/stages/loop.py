@@ -19,6 +19,7 @@ from rlhfkit.config.monitor_schema import MonitorSection
 from rlhfkit.config.schema import TrainConfig
 from rlhfkit.monitors import Alarm, Monitor
 from rlhfkit.stages.advice import learned_line
+from rlhfkit.stages.best import BestKeeper
 from rlhfkit.stages.common import MetricsLogger, batches, longest_first
 from rlhfkit.stages.guard import RunGuard
 
@@ -27,14 +28,15 @@ class TrainLoop:
     """`trainables` and `state()` are what a checkpoint holds (with the guard's count of skipped steps);
     `resumed` is the state a resumed run loaded; `evaluate()` (None: no eval data) returns the eval metrics, run
     every `train.eval_every` steps and after the last; `show` are the metrics on the bar; `monitor` (None: not
-    watched) the alarms on the logged metrics (docs/monitors.md)."""
+    watched) the alarms on the logged metrics (docs/monitors.md); `best` (None: none kept) exports best/ when an
+    evaluation improves on the best so far (stages/best.py)."""
 
     def __init__(self, engine, out: Path, stage: str, total: int, train: TrainConfig, log: MetricsLogger,
                  trainables: dict, state: Callable[[], dict] = dict, evaluate: Optional[Callable[[], dict]] = None,
                  show: tuple[str, ...] = (), resumed: Optional[dict] = None,
-                 monitor: Optional[MonitorSection] = None):
+                 monitor: Optional[MonitorSection] = None, best: Optional[BestKeeper] = None):
         self.engine, self.total, self.train, self.log = engine, total, train, log
-        self.trainables, self.evaluate, self.show = trainables, evaluate, show
+        self.trainables, self.evaluate, self.show, self.best = trainables, evaluate, show, best
         self.guard = RunGuard(engine, out, stage)
         saved = (resumed or {}).get("guard") or {}
         self.guard.load_state_dict(saved)
@@ -48,7 +50,8 @@ class TrainLoop:
         # the main rank watches the logged rows and decides; with action=stop every rank learns of it by a reduce
         watched = monitor is not None and monitor.enabled
         self.monitor = Monitor(monitor.limits()) if watched and engine.is_main else None
-        self.stop_on_alarm = watched and monitor.action == "stop"
+        self.stop_on_alarm = watched and monitor.action in ("stop", "stop_best")
+        self.stop_best = watched and monitor.action == "stop_best"
         if self.monitor is not None and resumed:  # the rows the checkpointed run logged: their alarms are up again
             self.monitor.replay(logged_rows(out / "metrics.jsonl", stage))
         self.stopped: Optional[tuple[int, str]] = None  # (step, alarm line) where an alarm ended the run
@@ -82,29 +85,52 @@ class TrainLoop:
     def due(self, every: int, done: int) -> bool:
         return every > 0 and done % every == 0
 
+    def start(self, metrics: dict) -> None:
+        """The starting policy's evaluation (logged as step 0 by the stage): the monitor's first held-out point and
+        best/'s first candidate."""
+        if self.monitor is not None:
+            self.monitor.observe({"step": 0, **metrics})
+        if self.best is not None:
+            self.best.consider(0, metrics)
+
     def end_step(self, done: int, metrics: dict, skipped: bool = False) -> None:
-        """After optimizer step `done` (1-based): count a skipped step, evaluate, log, checkpoint, and stop
-        cleanly when a signal asked for it (RunStopped after saving)."""
+        """After optimizer step `done` (1-based): count a skipped step, evaluate (best/), watch, log, checkpoint,
+        and stop cleanly when a signal or an alarm asked for it (RunStopped after saving)."""
         self.guard.check_step(done, {"skipped": skipped or bool(metrics.get("skipped"))}, self.log)
         logged = done % self.train.log_every == 0 or done == self.total
-        last = done == self.total or (logged and self.watch(done, metrics))
-        if self.evaluate is not None and (self.due(self.train.eval_every, done) or last):
-            self.last_eval = self.evaluate()
-            metrics.update(self.last_eval)
-        if logged or last or self.last_eval.keys() & metrics.keys():
+        evaluated = self.evaluate is not None and (self.due(self.train.eval_every, done) or done == self.total)
+        if evaluated:
+            self.evaluated(done, metrics)
+        stop = (logged or evaluated) and self.watch(done, metrics)  # the last step is watched, never stopped
+        last = done == self.total or stop
+        if last and not evaluated and self.evaluate is not None:  # an alarm ended the run: its last policy too
+            self.evaluated(done, metrics)
+        if logged or last or evaluated:
             self.log.log(done, metrics, show=self.show)
         self.log.advance()
         if last and (line := learned_line(self.guard.stage, done, self.log.seen, self.show)):
             self.log.write(line)  # what the run changed, or why it may not have
         if self.stopped:
+            kept = f"; best/ (step {self.best.record['step']}) is the run's model" if self.stop_best and \
+                self.best is not None and self.best.record else ""
             self.log.write(f"{self.guard.stage}: stopped after step {done} of {self.total} on an alarm "
-                           f"(monitor.action=stop); final/ is this step's model")
+                           f"(monitor.action={'stop_best' if self.stop_best else 'stop'}); final/ is this step's "
+                           f"model{kept}")
+        if last and self.best is not None and (line := self.best.line(done, self.last_eval)):
+            self.log.write(line)
         keep = self.train.keep_checkpoints
         saved = self.due(self.train.save_every, done) and not last
         if saved:
             self.guard.save(done, self.trainables, self.state(), keep)
         if self.guard.stop_requested() and not last:  # a step just saved is not written a second time
             self.guard.stop(done, self.trainables, self.state(), keep, saved=saved)
+
+    def evaluated(self, done: int, metrics: dict) -> None:
+        """Evaluate after step `done` into `metrics`; best/ when it improved."""
+        self.last_eval = self.evaluate()
+        metrics.update(self.last_eval)
+        if self.best is not None:
+            self.best.consider(done, self.last_eval)
 
     def watch(self, done: int, metrics: dict) -> bool:
         """Feed the monitor a logged step's metrics: each new alarm prints its line and sets alarm/<rule> = 1 in
@@ -119,10 +145,14 @@ class TrainLoop:
         return True
 
     def outcome(self) -> dict:
-        """For the run's summary: where and why an alarm stopped it (nothing when it ran to its last step)."""
-        if not self.stopped:
-            return {}
-        return {"stopped_at_step": self.stopped[0], "stopped_by": self.stopped[1]}
+        """For the run's summary: where and why an alarm stopped it (nothing when it ran to its last step), and
+        which step best/ is."""
+        out = self.best.summary() if self.best is not None else {}
+        if self.stopped:
+            out.update({"stopped_at_step": self.stopped[0], "stopped_by": self.stopped[1]})
+            if self.stop_best and out.get("best_step") is not None:
+                out["model"] = str(self.best.out / "best")
+        return out
 
 
 def logged_rows(path: Path, stage: str) -> list[dict]:

@@ -11,10 +11,12 @@ import time
 
 from rlhfkit.config.ppo_schema import PPOConfig
 from rlhfkit.data.loader import skipped_rows
+from rlhfkit.errors import ConfigError
 from rlhfkit.envs.load import load_environment
 from rlhfkit.models.loading import record_template
 from rlhfkit.rollout.vllm_server import check_server
 from rlhfkit.stages.advice import kl_note, lora_rate_note, pace_line
+from rlhfkit.stages.best import BestKeeper
 from rlhfkit.stages.common import MetricsLogger, write_run_report
 from rlhfkit.stages.run_dir import prepare_output_dir, resumed_from, undone_if_bad_input_at_start
 from rlhfkit.stages.loop import TrainLoop
@@ -39,18 +41,28 @@ def run_ppo(cfg: PPOConfig, resume: bool = False, force: bool = False) -> dict:
     setup = start_stage(cfg, cfg.actor, "prompts", padding_side="left", resume=resume, force=force,
                         check_ranks=lambda world_size: check_ranks(cfg, world_size))
     cfg, engine, tokenizer, data = setup.cfg, setup.engine, setup.tokenizer, setup.data
+    if cfg.monitor.action == "stop_best" and not data.eval:  # before the models load
+        raise ConfigError("config key 'monitor.action': stop_best ends the run with best/, the policy of the best "
+                          "held-out score, but this run has no held-out prompts (data.eval_prompts, "
+                          "data.eval_max_rows)")
+    if cfg.eval.judge and not data.eval:
+        raise ConfigError("config key 'eval.judge': the judge scores the held-out prompts, and this run has none "
+                          "(data.eval_prompts, data.eval_max_rows)")
     seed, iters = cfg.train.seed, cfg.train.max_steps
     ptx = PtxText(cfg.data.ptx, tokenizer, cfg.ptx.max_length, seed) if cfg.ptx.coef > 0 else None
     served = check_server(cfg, tokenizer) if cfg.rollout.server else None  # another model's server: before loading
     environment = load_environment(cfg) if cfg.env else None  # the user's environment class and tools, likewise
     models = load_ppo_models(cfg, tokenizer, engine, iters * updates_per_iteration(cfg),
                              prompt_fields=[row.get("fields") or {} for row in data.train])
+    record_template(models.actor.module, data.info["template"])  # into final/ and best/ config.json
     rl = PPOSteps(cfg, models, tokenizer, engine, ptx, served, environment)
     try:  # the sampler (a vLLM engine) stops on every way out: the end, an error, a stop request
         out = prepare_output_dir(cfg, resume, force, engine.is_main)
         resumed = rl.restore(out) if resume else {}
         start = resumed_from(cfg, out, resumed["step"], engine.is_main) if resume else 0
-        evaluate = (lambda: rl.evaluate(data.eval)) if data.eval else None
+        evaluate = (lambda: rl.evaluate(data.eval, out)) if data.eval else None
+        best = BestKeeper(out, models.judge is not None, rl.export_best, engine, resume) \
+            if data.eval and cfg.eval.keep_best else None
 
         with undone_if_bad_input_at_start(out, not resume, engine.is_main), \
                 MetricsLogger(out, "ppo", iters, cfg.log, engine.is_main, initial=start) as log:
@@ -65,7 +77,9 @@ def run_ppo(cfg: PPOConfig, resume: bool = False, force: bool = False) -> dict:
             if first_eval:  # the starting point, so the curves show what PPO changed
                 log.log(0, first_eval, show=SHOW)
             with TrainLoop(engine, out, "ppo", iters, cfg.train, log, rl.trainables(), rl.checkpoint_state, evaluate,
-                           show=SHOW, resumed=resumed, monitor=cfg.monitor) as loop:
+                           show=SHOW, resumed=resumed, monitor=cfg.monitor, best=best) as loop:
+                if first_eval:
+                    loop.start(first_eval)
                 for it, epoch, rows in loop.steps(data.train, start):
                     tick, timer, lrs = time.perf_counter(), PhaseTimer(engine.device), rl.lrs()
                     rollout = rl.generate(rows, timer, it + 1)  # 1. responses to the prompts, with their log-probs
@@ -85,7 +99,6 @@ def run_ppo(cfg: PPOConfig, resume: bool = False, force: bool = False) -> dict:
     finally:
         rl.close()
 
-    record_template(rl.actor.module, data.info["template"])
     rl.export(out)
     write_run_report(out, cfg.log, engine.is_main)
     result = {"output_dir": str(out), "iterations": iters, **loop.outcome(), **data.info}
@@ -94,4 +107,9 @@ def run_ppo(cfg: PPOConfig, resume: bool = False, force: bool = False) -> dict:
         result["eval/reward_start"] = first_eval["eval/reward"]
     if last_eval:
         result.update({"eval/reward_end": last_eval["eval/reward"], "eval/kl_end": last_eval["eval/kl"]})
+    for key in ("eval/gold",):  # the judge's, where there is one
+        if key in first_eval:
+            result[f"{key}_start"] = first_eval[key]
+        if key in last_eval:
+            result[f"{key}_end"] = last_eval[key]
     return result

@@ -19,7 +19,7 @@ from rlhfkit.errors import ModelError, RunError
 from rlhfkit.models import load_causal_lm, load_scalar_model, load_tokenizer
 from rlhfkit.models.loading import causal_lm_config, load_generation_config
 from rlhfkit.models.lora import apply_lora
-from rlhfkit.config.ppo_schema import reward_kind
+from rlhfkit.config.ppo_schema import RewardPart, reward_kind
 from rlhfkit.models.reward_fn import (CombinedReward, FunctionReward, ModelReward,
                                      load_reward_function, same_tokenization)
 from rlhfkit.remote.client import RemoteReward
@@ -35,6 +35,7 @@ class PPOModels:
     #                           estimator needs none (grpo, rloo, reinforce_pp): nothing loaded, trained or saved
     reference: Optional[torch.nn.Module]  # frozen; None = the actor with its LoRA adapter disabled
     reward: CombinedReward  # the weighted reward parts: rollout batch -> (B,) scores (NaN: unjudged)
+    judge: Optional[CombinedReward]  # eval.judge: the held-out evaluation's second judge (eval/gold), or None
     notes: list  # which model each role got, for the log
     plans: dict  # role -> the model's speed plan: "actor", "critic" (with a critic), "reference" (the actor's own
     #              where the reference is the actor with its adapter disabled), and each reward model's by part name
@@ -60,23 +61,42 @@ def load_reward(cfg: PPOConfig, actor_tok, engine, prompt_fields: list[dict] | N
     takes before any reward model loads."""
     if cfg.env:  # the environment judges its episodes (rollout/episodes.py)
         return CombinedReward([("env", EnvironmentReward(), 1.0)]), [None]
-    functions = {part.name: FunctionReward(load_reward_function(part.spec), part.spec)
+    functions = {part.name: function_reward(part, prompt_fields)
                  for part in cfg.reward_parts() if reward_kind(part.spec) == "function"}
-    if prompt_fields is not None:
-        for function in functions.values():
-            function.check_fields(prompt_fields)
-    loaders = {  # reward kind -> (the part's reward, its tokenizer)
-        "function": lambda part: (functions[part.name], None),
-        # each rank asks the server for its own rows; only the failure count is pooled over ranks
-        "url": lambda part: (RemoteReward(part.spec, cfg.remote, engine.reduce_sum), None),
-        "model": lambda part: load_reward_model(part.spec, cfg, actor_tok, engine),
-    }
     parts, tokenizers = [], []
     for part in cfg.reward_parts():
-        reward, tok = loaders[reward_kind(part.spec)](part)
+        reward, tok = (functions[part.name], None) if part.name in functions else \
+            load_reward_part(part, cfg, actor_tok, engine)
         parts.append((part.name, reward, part.weight))
         tokenizers.append(tok)
     return CombinedReward(parts), tokenizers
+
+
+def function_reward(part: RewardPart, prompt_fields: list[dict] | None) -> FunctionReward:
+    """A reward function, checked against the prompt rows' fields (when given) before any model loads."""
+    function = FunctionReward(load_reward_function(part.spec), part.spec)
+    if prompt_fields is not None:
+        function.check_fields(prompt_fields)
+    return function
+
+
+def load_reward_part(part: RewardPart, cfg: PPOConfig, actor_tok, engine, prompt_fields: list[dict] | None = None):
+    """-> (one reward: a function, a reward server or a reward-model folder; its tokenizer, None but for a folder)."""
+    kind = reward_kind(part.spec)
+    if kind == "function":
+        return function_reward(part, prompt_fields), None
+    if kind == "url":  # each rank asks the server for its own rows; only the failure count is pooled over ranks
+        return RemoteReward(part.spec, cfg.remote, engine.reduce_sum), None
+    return load_reward_model(part.spec, cfg, actor_tok, engine)
+
+
+def load_judge(cfg: PPOConfig, actor_tok, engine, prompt_fields: list[dict] | None = None
+               ) -> Optional[CombinedReward]:
+    """eval.judge, the held-out evaluation's second judge (eval/gold), or None."""
+    part = cfg.judge_part()
+    if part is None:
+        return None
+    return CombinedReward([(part.name, load_reward_part(part, cfg, actor_tok, engine, prompt_fields)[0], 1.0)])
 
 
 def load_reward_model(spec: str, cfg: PPOConfig, actor_tok, engine):
@@ -180,7 +200,9 @@ def load_ppo_models(cfg: PPOConfig, tokenizer, engine, total_updates: int,
         raise RunError("ppo.normalize_reward needs a reward-model folder (its stored mean/std); the reward is a "
                        "Python function")
     reward, reward_toks = load_reward(cfg, tokenizer, engine, prompt_fields)
-    notes = reward_notes(cfg, reward) + estimator_notes(cfg)
+    judge = load_judge(cfg, tokenizer, engine, prompt_fields)
+    notes = reward_notes(cfg, reward) + ([f"eval.judge: {cfg.eval.judge} (eval/gold)"] if judge else []) \
+        + estimator_notes(cfg)
     critic_name, critic = critic_source(cfg, tokenizer, reward_toks), None
     if critic_name is not None:
         critic, note = load_critic(cfg, critic_name, tokenizer)
@@ -208,4 +230,4 @@ def load_ppo_models(cfg: PPOConfig, tokenizer, engine, total_updates: int,
         Target(reference, "reference", "ppo", cfg, engine))
     plans.update({"reward" if len(reward.parts) == 1 else f"reward {name}": one.plan
                   for name, one, _ in reward.parts if isinstance(one, ModelReward)})
-    return PPOModels(actor, critic, reference, reward, notes, plans)
+    return PPOModels(actor, critic, reference, reward, judge, notes, plans)

@@ -154,6 +154,19 @@ def response_shape(ids: torch.Tensor, lengths: torch.Tensor) -> dict:
             "response/repeated_4grams": repeated_ngram_share(sequences, 4)}
 
 
+EVAL_SAMPLES = "eval_samples.jsonl"  # each evaluation's held-out responses and their scores (report/proxy_truth.py)
+
+
+def write_eval_samples(path, step: int, batch: RolloutBatch, scores: dict) -> None:
+    """One line per held-out response of an evaluation after iteration `step` (0: the starting policy): prompt,
+    response, and each judge's score ("reward", "gold"; null where it left the response unjudged)."""
+    with open(path, "a", encoding="utf-8") as f:
+        for i in range(batch.size):
+            judged = {name: (float(v[i]) if torch.isfinite(v[i]) else None) for name, v in scores.items()}
+            f.write(json.dumps({"step": step, "prompt": batch.prompt_texts[i], "response": batch.response_texts[i],
+                                **judged}) + "\n")
+
+
 @dataclass
 class Scored:
     rollout: RolloutBatch  # rows sorted by length
@@ -326,12 +339,17 @@ class PPOSteps:
         return {"lr": self.actor.lr, **({"critic_lr": self.critic.lr} if self.critic is not None else {})}
 
     # -- around the steps ------------------------------------------------------------------------------------
-    def evaluate(self, rows: list[dict]) -> dict:
-        """Held-out eval/reward (one sampled response per prompt, fixed seed) and eval/kl."""
+    def evaluate(self, rows: list[dict], out=None) -> dict:
+        """Held-out eval/reward (one sampled response per prompt, fixed seed), eval/kl, and eval/gold with a
+        judge (eval.judge). With `out`, the main rank's responses and their scores go to eval_samples.jsonl (the
+        report's proxy-against-truth samples)."""
         self.sync_sampler()
-        metrics, _ = evaluate_policy(self.actor.module, self.models.reference, self.models.reward, self.tokenizer,
-                                     rows, self.cfg.gen, self.engine, self.cfg.train.micro_batch_size,
-                                     self.cfg.train.seed, self.eos_ids, self.models.plans, self.sampler)
+        metrics, batch, scores = evaluate_policy(
+            self.actor.module, self.models.reference, self.models.reward, self.tokenizer, rows, self.cfg.gen,
+            self.engine, self.cfg.train.micro_batch_size, self.cfg.train.seed, self.eos_ids, self.models.plans,
+            self.sampler, self.models.judge)
+        if out is not None and self.engine.is_main:
+            write_eval_samples(out / EVAL_SAMPLES, self.iteration, batch, scores)
         return metrics
 
     def close(self) -> None:
@@ -381,6 +399,11 @@ class PPOSteps:
             else:  # switched on at the resume: the average starts from the resumed weights, not the initial ones
                 self.ema = EMA(self.actor.module, self.engine, self.ema.beta)
         return state
+
+    def export_best(self, target) -> None:
+        """best/ (stages/best.py): the actor as it is now, a plain transformers folder like final/ (LoRA merged into
+        a copy: training goes on)."""
+        self.engine.export_hf(self.actor.module, self.tokenizer, target, in_place=False)
 
     def export(self, out) -> None:
         """Plain transformers folders (LoRA merged); final/ last, since its presence marks a finished run."""

@@ -22,8 +22,8 @@ from rlhfkit.errors import USER_ERRORS, RunError
 from rlhfkit.registry.estimators import ESTIMATORS
 
 # what the stages write into output_dir (log.txt, the pipeline's copy of stderr, is appended to and kept)
-RUN_FILES = ("metrics.jsonl", "samples.jsonl", "result.json", "report.html")
-RUN_FOLDERS = ("checkpoints", "tensorboard", "final", "final-critic", "final-ema", "plots")
+RUN_FILES = ("metrics.jsonl", "samples.jsonl", "eval_samples.jsonl", "best.json", "result.json", "report.html")
+RUN_FOLDERS = ("checkpoints", "tensorboard", "final", "final-critic", "final-ema", "best", "plots")
 
 # settings that make a checkpoint another run's: the models and the data
 IDENTITY = ("model", "actor", "critic", "reward", "reference", "load.tokenizer", "data.train", "data.eval",
@@ -32,7 +32,7 @@ IDENTITY = ("model", "actor", "critic", "reward", "reference", "load.tokenizer",
 # ... where the task is read at all: the task keys of two runs that name none are not data (rm and dpo have none)
 TASK_KEYS = "task."
 # settings a resumed run changes routinely (more steps, other logging): not worth a line
-QUIET = ("output_dir", "train.max_steps", "train.epochs", "train.log_every", "train.eval_every", "train.save_every",
+QUIET = ("output_dir", "eval.keep_best", "train.max_steps", "train.epochs", "train.log_every", "train.eval_every", "train.save_every",
          "train.keep_checkpoints", "log.", "data.cache", "data.cache_dir", "engine.collective_timeout_s")
 
 
