@@ -80,7 +80,7 @@ def test_a_served_reward_gives_the_same_run_as_the_function_itself(world, tiny_m
         served = ppo(world, tiny_model_dir, "served", url)
         assert served.returncode == 0, served.stderr[-3000:]
         server.send_signal(signal.SIGINT)  # Ctrl-C: a clean stop
-        assert server.wait(10) == 0 and server.stderr.read().strip().endswith("rlhfkit serve-reward: stopped")
+        assert server.wait(30) == 0 and server.stderr.read().strip().endswith("rlhfkit serve-reward: stopped")
 
     expected, got = curves(world / "local" / "metrics.jsonl"), curves(world / "served" / "metrics.jsonl")
     assert len(expected["reward/mean"]) == 4 and len(expected["eval/reward"]) == 3

@@ -402,8 +402,11 @@ class PPOSteps:
 
     def export_best(self, target) -> None:
         """best/ (stages/best.py): the actor as it is now, a plain transformers folder like final/ (LoRA merged into
-        a copy: training goes on)."""
-        self.engine.export_hf(self.actor.module, self.tokenizer, target, in_place=False)
+        a copy: training goes on). In a forked RNG: the ZeRO-3 export builds a twin of the model, whose LoRA adapters
+        draw their initial weights, and the run's random stream must not depend on when best/ improved."""
+        devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
+        with torch.random.fork_rng(devices=devices):
+            self.engine.export_hf(self.actor.module, self.tokenizer, target, in_place=False)
 
     def export(self, out) -> None:
         """Plain transformers folders (LoRA merged); final/ last, since its presence marks a finished run."""
