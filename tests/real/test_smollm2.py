@@ -485,6 +485,11 @@ def test_task_demo_quick_learns_arithmetic(tmp_path):
     assert_bars_passed(proc, summary)  # every bar but its time (measured in benchmarks/)
     assert rows["held-out accuracy gain"]["value"] >= 0.2
     assert (tmp_path / "demo" / "report.html").is_file() and (tmp_path / "demo" / "samples.jsonl").is_file()
+    # a healthy default run stays quiet from start to end (10 logged iterations: the drift rules watch from the 8th;
+    # the full demo's 32 were quiet too, docs/monitors.md)
+    ppo = read_metrics(tmp_path / "demo" / "ppo" / "metrics.jsonl")
+    assert sum(1 for r in ppo if "reward/mean" in r) == 10
+    assert not [k for r in ppo for k in r if k.startswith("alarm/")] and "alarm: " not in proc.stderr
 
 
 def test_agent_demo_quick_learns_to_call_the_calculator(tmp_path):
