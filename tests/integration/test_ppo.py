@@ -151,9 +151,15 @@ def test_ppo_end_to_end_on_stories260k_with_sft_and_reward_model_outputs(tmp_pat
                    f"data.prompts={HH}", "data.max_rows=48", "data.eval_max_rows=8", "data.max_prompt_length=64",
                    "gen.max_new_tokens=16", "train.max_steps=3", "train.micro_batch_size=4",
                    "ppo.normalize_reward=true", "ppo.sample_every=1", f"output_dir={tmp_path / 'ppo'}",
-                   "log.tensorboard=false", "train.batch_size=8")
+                   "log.tensorboard=false", "train.batch_size=8", f"eval.judge={tmp_path / 'rm' / 'final'}")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert f"critic: {tmp_path / 'rm' / 'final'}" in proc.stderr  # critic starts from the RM
+    # an RM folder as the held-out judge, here the reward model itself: its eval/gold is the raw eval/reward of the
+    # same responses at every evaluation, and best/ follows it
+    evals = [r for r in read_metrics(tmp_path / "ppo" / "metrics.jsonl") if "eval/gold" in r]
+    assert [r["step"] for r in evals] == [0, 3]
+    assert all(r["eval/gold"] == pytest.approx(r["eval/reward"], abs=1e-6) for r in evals), evals
+    assert json.loads((tmp_path / "ppo" / "best.json").read_text())["metric"] == "eval/gold"
     rows = [r for r in read_metrics(tmp_path / "ppo" / "metrics.jsonl") if "reward/mean" in r]
     assert len(rows) == 3 and all(key in rows[-1] for key in PPO_KEYS)
     assert all(abs(r["kl"]) < KL_BUDGET for r in rows)
