@@ -192,6 +192,7 @@ def run_score(args) -> dict:
     from rlhfkit.data.presets import read_source, resolve_source
     from rlhfkit.data.templates import Template
     from rlhfkit.models import ModelError, load_scalar_model, load_tokenizer
+    from rlhfkit.models.loading import has_trained_score_head
     from rlhfkit.stages.reward import END_IDS_KEY, MAX_LENGTH_KEY, TEMPLATE_KEY
 
     if args.batch_size < 1:
@@ -225,7 +226,7 @@ def run_score(args) -> dict:
     # 2. the reward model with its own tokenizer; refuse anything without a trained scalar head
     tokenizer = load_tokenizer(args.rm_dir)
     model = load_scalar_model(args.rm_dir, LoadConfig(), tokenizer)
-    if not any("SequenceClassification" in a for a in (model.config.architectures or [])):
+    if not has_trained_score_head(model):
         raise ModelError(f"'{args.rm_dir}' is not a reward model (architectures: {model.config.architectures}); "
                          f"pass an `rlhfkit rm` run's final/ folder")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")

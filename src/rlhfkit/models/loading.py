@@ -230,6 +230,12 @@ def load_causal_lm(name: str, opts: LoadConfig | None = None, tokenizer=None):
     return _prepare(model, opts, tokenizer)
 
 
+def has_trained_score_head(model) -> bool:
+    """The folder `model` came from was a reward model (its config names a sequence-classification architecture),
+    not a causal LM given a fresh head by `load_scalar_model`."""
+    return any("SequenceClassification" in a for a in (model.config.architectures or []))
+
+
 def load_scalar_model(name: str, opts: LoadConfig | None = None, tokenizer=None):
     """An `AutoModelForSequenceClassification` with one output: a reward model, or a critic.
 

@@ -412,11 +412,12 @@ def load_reward_model(folder: str, template: str, forward_batch_size: int):
     from rlhfkit.data.templates import Template
     from rlhfkit.errors import ModelError
     from rlhfkit.models import load_scalar_model, load_tokenizer
+    from rlhfkit.models.loading import has_trained_score_head
     from rlhfkit.models.reward_fn import ModelReward
 
     tokenizer = load_tokenizer(folder)
     model = load_scalar_model(folder, LoadConfig(), tokenizer)
-    if not any("SequenceClassification" in a for a in (model.config.architectures or [])):
+    if not has_trained_score_head(model):
         raise ModelError(f"'{folder}' is not a reward model (no trained score head in its config.json): serve an "
                          f"`rlhfkit rm` run's final/ folder, or a Python function module:function")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")

@@ -17,7 +17,7 @@ from rlhfkit.config.ppo_schema import PPOConfig
 from rlhfkit.data.templates import Template, end_token_ids
 from rlhfkit.errors import ModelError, RunError
 from rlhfkit.models import load_causal_lm, load_scalar_model, load_tokenizer
-from rlhfkit.models.loading import causal_lm_config, load_generation_config
+from rlhfkit.models.loading import causal_lm_config, has_trained_score_head, load_generation_config
 from rlhfkit.models.lora import apply_lora
 from rlhfkit.config.ppo_schema import RewardPart, reward_kind
 from rlhfkit.models.reward_fn import (CombinedReward, FunctionReward, ModelReward,
@@ -104,7 +104,7 @@ def load_reward_model(spec: str, cfg: PPOConfig, actor_tok, engine):
     frozen_opts = dataclasses.replace(cfg.load, tokenizer=None, gradient_checkpointing=False)
     rm_tok = load_tokenizer(spec, frozen_opts)
     model = load_scalar_model(spec, frozen_opts, rm_tok)
-    if not any("SequenceClassification" in a for a in (model.config.architectures or [])):
+    if not has_trained_score_head(model):
         raise ModelError(f"reward '{spec}' is not a reward model (no trained score head in its config.json); "
                          f"train one with `rlhfkit rm` or pass a Python function module:function")
     model = engine.prepare_frozen(model, role="reward")
