@@ -236,3 +236,19 @@ def test_a_finished_output_folder_is_refused_before_the_data_is_read(tmp_path, t
     assert sorted(p.name for p in (tmp_path / "out").rglob("*")) == ["final", "model.safetensors"]
     code, _, _ = run(capsys, "sft", sft_args(tmp_path, tiny_model_dir) + ["--force"])  # --force still replaces it
     assert code == 0 and (tmp_path / "out" / "final" / "config.json").is_file()
+
+
+def test_eval_judge_mistakes_fail_before_any_model_loads(tmp_path, tiny_model_dir, capsys):
+    """A misspelt judge function is named as the judge, before the actor loads; a judge with no held-out prompts
+    to judge is refused as well (ppo_args' data.eval_fraction=0: no evaluation)."""
+    reward = tmp_path / "my_reward.py"
+    reward.write_text("def score(prompts, responses):\n    return [0.0 for _ in prompts]\n")
+    code, line, seconds = run(capsys, "ppo", ppo_args(tmp_path, tiny_model_dir, f"{reward}:score")
+                              + [f"eval.judge={reward}:gold", "data.eval_fraction=0.2"])
+    assert code == 2 and seconds < 5 and not (tmp_path / "out").exists()
+    assert line == f"rlhfkit ppo: error: eval.judge '{reward}:gold': '{reward}' has no function 'gold'"
+    code, line, _ = run(capsys, "ppo", ppo_args(tmp_path, tiny_model_dir, f"{reward}:score")
+                        + [f"eval.judge={reward}:score"])
+    assert code == 2 and not (tmp_path / "out").exists()
+    assert line == ("rlhfkit ppo: error: config key 'eval.judge': the judge scores the held-out prompts, and this run "
+                    "has none (data.eval_prompts, data.eval_max_rows)")

@@ -72,19 +72,21 @@ def load_reward(cfg: PPOConfig, actor_tok, engine, prompt_fields: list[dict] | N
     return CombinedReward(parts), tokenizers
 
 
-def function_reward(part: RewardPart, prompt_fields: list[dict] | None) -> FunctionReward:
-    """A reward function, checked against the prompt rows' fields (when given) before any model loads."""
-    function = FunctionReward(load_reward_function(part.spec), part.spec)
+def function_reward(part: RewardPart, prompt_fields: list[dict] | None, what: str = "reward") -> FunctionReward:
+    """A reward function, checked against the prompt rows' fields (when given) before any model loads; `what` names
+    it in an error ("reward", "eval.judge")."""
+    function = FunctionReward(load_reward_function(part.spec, what), part.spec)
     if prompt_fields is not None:
         function.check_fields(prompt_fields)
     return function
 
 
-def load_reward_part(part: RewardPart, cfg: PPOConfig, actor_tok, engine, prompt_fields: list[dict] | None = None):
+def load_reward_part(part: RewardPart, cfg: PPOConfig, actor_tok, engine, prompt_fields: list[dict] | None = None,
+                     what: str = "reward"):
     """-> (one reward: a function, a reward server or a reward-model folder; its tokenizer, None but for a folder)."""
     kind = reward_kind(part.spec)
     if kind == "function":
-        return function_reward(part, prompt_fields), None
+        return function_reward(part, prompt_fields, what), None
     if kind == "url":  # each rank asks the server for its own rows; only the failure count is pooled over ranks
         return RemoteReward(part.spec, cfg.remote, engine.reduce_sum), None
     return load_reward_model(part.spec, cfg, actor_tok, engine)
@@ -96,7 +98,8 @@ def load_judge(cfg: PPOConfig, actor_tok, engine, prompt_fields: list[dict] | No
     part = cfg.judge_part()
     if part is None:
         return None
-    return CombinedReward([(part.name, load_reward_part(part, cfg, actor_tok, engine, prompt_fields)[0], 1.0)])
+    judge, _ = load_reward_part(part, cfg, actor_tok, engine, prompt_fields, "eval.judge")
+    return CombinedReward([(part.name, judge, 1.0)])
 
 
 def load_reward_model(spec: str, cfg: PPOConfig, actor_tok, engine):
@@ -199,8 +202,8 @@ def load_ppo_models(cfg: PPOConfig, tokenizer, engine, total_updates: int,
     if cfg.ppo.normalize_reward and reward_kind(cfg.reward_parts()[0].spec) == "function":
         raise RunError("ppo.normalize_reward needs a reward-model folder (its stored mean/std); the reward is a "
                        "Python function")
+    judge = load_judge(cfg, tokenizer, engine, prompt_fields)  # a judge function's mistakes before any model loads
     reward, reward_toks = load_reward(cfg, tokenizer, engine, prompt_fields)
-    judge = load_judge(cfg, tokenizer, engine, prompt_fields)
     notes = reward_notes(cfg, reward) + ([f"eval.judge: {cfg.eval.judge} (eval/gold)"] if judge else []) \
         + estimator_notes(cfg)
     critic_name, critic = critic_source(cfg, tokenizer, reward_toks), None
