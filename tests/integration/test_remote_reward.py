@@ -55,10 +55,12 @@ def curves(path: Path) -> dict:
 
 @contextlib.contextmanager
 def serve_reward(world: Path, target: str):
-    """`rlhfkit serve-reward TARGET --port 0` in a subprocess; yields the URL it printed."""
+    """`rlhfkit serve-reward TARGET --port 0` in a subprocess; yields the URL it printed. Started with SIGINT
+    ignored, as a script's background job starts it (`rlhfkit serve-reward ... &`): Ctrl-C must stop it anyway."""
     proc = subprocess.Popen([sys.executable, "-m", "rlhfkit", "serve-reward", target, "--port", "0"], cwd=world,
                             env={**os.environ, "PYTHONPATH": str(ROOT / "src"), "RLHFKIT_REWARD_TOKEN": ""},
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
     try:
         url = proc.stdout.readline().strip()
         assert url.startswith("http://127.0.0.1:") and url.endswith("/score"), (url, proc.poll())
@@ -80,7 +82,7 @@ def test_a_served_reward_gives_the_same_run_as_the_function_itself(world, tiny_m
         served = ppo(world, tiny_model_dir, "served", url)
         assert served.returncode == 0, served.stderr[-3000:]
         server.send_signal(signal.SIGINT)  # Ctrl-C: a clean stop
-        assert server.wait(30) == 0 and server.stderr.read().strip().endswith("rlhfkit serve-reward: stopped")
+        assert server.wait(10) == 0 and server.stderr.read().strip().endswith("rlhfkit serve-reward: stopped")
 
     expected, got = curves(world / "local" / "metrics.jsonl"), curves(world / "served" / "metrics.jsonl")
     assert len(expected["reward/mean"]) == 4 and len(expected["eval/reward"]) == 3

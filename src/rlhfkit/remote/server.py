@@ -478,6 +478,9 @@ def main(args) -> int:
     print(server.url, flush=True)  # the one line on stdout: what to put in `reward:`
     print(f"rlhfkit serve-reward: {about['serves']} ({about['kind']}), up to {args.max_batch} samples per batch, "
           f"{'token required' if token else 'no token'}; Ctrl-C stops", file=sys.stderr, flush=True)
+    # Ctrl-C and SIGTERM stop it cleanly, even where SIGINT came in ignored (a background job of a script, a test
+    # runner's worker): Python leaves an inherited SIG_IGN in place, and the server would not stop
+    signal.signal(signal.SIGINT, _stop)
     signal.signal(signal.SIGTERM, _stop)
     try:
         server.serve_forever(poll_interval=0.2)
