@@ -107,9 +107,7 @@ def run_ppo(cfg: PPOConfig, resume: bool = False, force: bool = False) -> dict:
         result["eval/reward_start"] = first_eval["eval/reward"]
     if last_eval:
         result.update({"eval/reward_end": last_eval["eval/reward"], "eval/kl_end": last_eval["eval/kl"]})
-    for key in ("eval/gold",):  # the judge's, where there is one
-        if key in first_eval:
-            result[f"{key}_start"] = first_eval[key]
-        if key in last_eval:
-            result[f"{key}_end"] = last_eval[key]
+    if "eval/gold" in last_eval:  # the judge's (eval.judge)
+        result.update({"eval/gold_end": last_eval["eval/gold"],
+                       **({"eval/gold_start": first_eval["eval/gold"]} if first_eval else {})})
     return result
