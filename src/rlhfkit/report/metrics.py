@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 
 METRICS_FILE = "metrics.jsonl"
+EVAL_SAMPLES = "eval_samples.jsonl"  # an RL run's held-out answers and their scores, each evaluation (report/proxy_truth.py)
 STAGE_ORDER = {"pretrain": -1, "sft": 0, "rm": 1, "ppo": 2}  # pretrain: the demo's base model
 
 

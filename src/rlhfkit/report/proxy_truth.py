@@ -11,10 +11,9 @@ import math
 from html import escape
 from pathlib import Path
 
-from rlhfkit.report.metrics import StageRun, is_number, read_jsonl
+from rlhfkit.report.metrics import EVAL_SAMPLES, StageRun, is_number, read_jsonl
 from rlhfkit.report.plots import plot_proxy_truth
 
-EVAL_SAMPLES = "eval_samples.jsonl"  # written by stages/ppo_steps.py
 SHOWN = 5  # disagreeing samples in the table
 
 

@@ -70,10 +70,11 @@ class BestKeeper:
         if self.record is None:
             return None
         r = self.record
-        score = f"{self.key} {r['value']:.4g}" + (f" ± {r['se']:.2g}" if r.get("se") is not None else "")
-        end = final.get(self.key)
-        end_score = f"{self.key} {end:.4g}" + (f" ± {final[self.key + '_se']:.2g}" if f"{self.key}_se" in final
-                                                else "") if end is not None else "not evaluated"
+        score = self.score(r["value"], r.get("se"))
+        end = self.score(final[self.key], final.get(f"{self.key}_se")) if self.key in final else "not evaluated"
         note = "" if self.key == "eval/gold" else " (no eval.judge: best by the training reward, which the policy " \
                                                   "can game)"
-        return f"best/ is step {r['step']} ({score}); final/ is step {final_step} ({end_score}){note}"
+        return f"best/ is step {r['step']} ({score}); final/ is step {final_step} ({end}){note}"
+
+    def score(self, value: float, se: Optional[float]) -> str:
+        return f"{self.key} {value:.4g}" + (f" ± {se:.2g}" if se is not None else "")

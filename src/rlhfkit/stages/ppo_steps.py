@@ -27,6 +27,7 @@ from rlhfkit.data.templates import Template, encode_prompt
 from rlhfkit.errors import ConfigError
 from rlhfkit.models.ema import EMA
 from rlhfkit.monitors.signals import repeated_ngram_share
+from rlhfkit.report.metrics import EVAL_SAMPLES
 from rlhfkit.rollout.batch import RolloutBatch
 from rlhfkit.rollout.engines import make_rollout_engine
 from rlhfkit.rollout.episodes import EpisodeRollout, episode_metrics
@@ -152,9 +153,6 @@ def response_shape(ids: torch.Tensor, lengths: torch.Tensor) -> dict:
     sequences = [row[:int(n)].tolist() for row, n in zip(ids, lengths)]
     return {"response_length/p90": torch.quantile(lengths.float(), 0.9).item(),
             "response/repeated_4grams": repeated_ngram_share(sequences, 4)}
-
-
-EVAL_SAMPLES = "eval_samples.jsonl"  # each evaluation's held-out responses and their scores (report/proxy_truth.py)
 
 
 def write_eval_samples(path, step: int, batch: RolloutBatch, scores: dict) -> None:

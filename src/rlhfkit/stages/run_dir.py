@@ -20,9 +20,10 @@ import yaml
 from rlhfkit.config.fields import dump_yaml, to_dict
 from rlhfkit.errors import USER_ERRORS, RunError
 from rlhfkit.registry.estimators import ESTIMATORS
+from rlhfkit.report.metrics import EVAL_SAMPLES, METRICS_FILE
 
 # what the stages write into output_dir (log.txt, the pipeline's copy of stderr, is appended to and kept)
-RUN_FILES = ("metrics.jsonl", "samples.jsonl", "eval_samples.jsonl", "best.json", "result.json", "report.html")
+RUN_FILES = (METRICS_FILE, "samples.jsonl", EVAL_SAMPLES, "best.json", "result.json", "report.html")
 RUN_FOLDERS = ("checkpoints", "tensorboard", "final", "final-critic", "final-ema", "best", "plots")
 
 # settings that make a checkpoint another run's: the models and the data
