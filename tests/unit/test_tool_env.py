@@ -121,8 +121,23 @@ def test_the_environment_and_its_tools_load_before_any_model(tmp_path):
     (["episode.max_turns=0"], "config key 'episode.max_turns': must be >= 1"),
     (["episode.max_failed=2"], "config key 'episode.max_failed': a share in [0, 1]"),
     (["episode.timeout=0"], "config key 'episode.timeout': must be > 0"),
+    (["episode.code_sandbox=none"], "config key 'episode.code_sandbox': expected one of kernel, hook, got 'none'"),
 ])
 def test_episode_settings_that_cannot_work_are_config_errors(tmp_path, overrides, message):
     with pytest.raises(ConfigError) as raised:
         config(tmp_path, *overrides)
     assert message in str(raised.value)
+
+
+def test_without_namespaces_the_python_tool_is_a_config_error_naming_the_opt_out(tmp_path, monkeypatch):
+    from rlhfkit.envs.load import load_environment
+    from rlhfkit.tools import sandbox
+
+    # as a kernel without unprivileged user namespaces answers the boundary's trial run
+    monkeypatch.setattr(sandbox, "kernel_boundary_problem",
+                        lambda: "unshare (the kernel refuses unprivileged namespaces here): [Errno 1] Operation not "
+                                "permitted")
+    with pytest.raises(ConfigError, match="episode.tools.*cannot build: unshare.*Set episode.code_sandbox=hook"):
+        load_environment(config(tmp_path, "episode.tools=[python]"))
+    loaded = load_environment(config(tmp_path, "episode.tools=[python]", "episode.code_sandbox=hook"))
+    assert loaded.tools[1]({"code": "print(6 * 7)"}) == "42"

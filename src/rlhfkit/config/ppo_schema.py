@@ -329,6 +329,9 @@ class PPOSection:
                               f"critic; unset ppo.critic_lr and ppo.critic_warmup_iters")
 
 
+CODE_SANDBOXES = ("kernel", "hook")  # tools/sandbox.py: SANDBOXES
+
+
 @dataclass
 class EpisodeSection:
     """Multi-turn episodes against an environment (`env`; rollout/episodes.py, docs/agents.md)."""
@@ -345,8 +348,15 @@ class EpisodeSection:
                              "(model-written code in a sandboxed process; off unless listed), module:function or "
                              "path/file.py:function (a Python function with a docstring)")
     env_args: dict = option({}, "keyword arguments for the environment class")
+    code_sandbox: str = option("kernel", "where the python tool runs model-written code: kernel (its own user, mount, "
+                                         "PID and network namespaces, a read-only view, seccomp, kernel limits; "
+                                         "refused where the kernel offers no unprivileged namespaces) or hook (an "
+                                         "in-process audit hook only: NOT a security boundary; docs/agents.md)")
 
     def validate(self, prefix: str = "") -> None:
+        if self.code_sandbox not in CODE_SANDBOXES:
+            raise ConfigError(f"config key '{prefix}code_sandbox': expected one of {', '.join(CODE_SANDBOXES)}, got "
+                              f"{self.code_sandbox!r}")
         for key in ("max_turns", "max_tokens", "workers"):
             if getattr(self, key) < 1:
                 raise ConfigError(f"config key '{prefix}{key}': must be >= 1, got {getattr(self, key)}")

@@ -46,8 +46,8 @@ def load_environment(cfg) -> LoadedEnvironment:
         if specs:
             from rlhfkit.tools import resolve_tools
 
-            tools = resolve_tools(specs)
-    except (ValueError, ImportError, AttributeError) as exc:
+            tools = resolve_tools(specs, code_sandbox=cfg.episode.code_sandbox)
+    except (ValueError, ImportError, AttributeError, OSError) as exc:
         raise ConfigError(f"config key 'episode.tools': {exc}") from None
     if tools and not issubclass(env_class, ToolEnvironment) and not getattr(env_class, "tools", None):
         # tools described to the model that nothing would run: a ToolEnvironment runs them (or a class of the

@@ -9,22 +9,25 @@ from collections.abc import Callable
 from rlhfkit.tools.calculator import calculator
 from rlhfkit.tools.format import ToolCall, format_tool_call, parse_tool_calls, tools_system_prompt
 from rlhfkit.tools.function import Tool, function_tool, load_tool
-from rlhfkit.tools.sandbox import SandboxResult, code_tool, network_isolation_available, run_sandboxed
+from rlhfkit.tools.sandbox import SANDBOXES, SandboxResult, code_tool, kernel_boundary_problem, run_sandboxed
 
-# the tools a spec names by a word; "python" runs model-written code (in the sandbox) and is never on by default
-BUILT_IN: dict[str, Callable[[], Tool]] = {"calculator": lambda: calculator, "python": code_tool}
+# the tools a spec names by a word, made with the code sandbox's kind; "python" runs model-written code (in the
+# sandbox) and is never on by default
+BUILT_IN: dict[str, Callable[[str], Tool]] = {"calculator": lambda sandbox: calculator,
+                                             "python": lambda sandbox: code_tool(sandbox=sandbox)}
 
 
-def resolve_tools(specs: list) -> list[Tool]:
+def resolve_tools(specs: list, code_sandbox: str = "kernel") -> list[Tool]:
     """Tools from specs, each a Tool, a plain function (made a tool by `function_tool`), a built-in's name
-    ("calculator", "python"), or an import spec "module:function" / "path/to/file.py:function" naming a function
-    or a Tool. Two tools with one name are a ValueError."""
+    ("calculator", "python": its sandbox is `code_sandbox`, tools/sandbox.py), or an import spec "module:function" /
+    "path/to/file.py:function" naming a function or a Tool. Two tools with one name are a ValueError; "python"
+    where the kernel boundary cannot be built is an OSError saying so."""
     tools = []
     for spec in specs:
         if isinstance(spec, Tool):
             tools.append(spec)
         elif isinstance(spec, str) and spec in BUILT_IN:
-            tools.append(BUILT_IN[spec]())
+            tools.append(BUILT_IN[spec](code_sandbox))
         elif isinstance(spec, str) and ":" in spec:
             tools.append(load_tool(spec))
         elif callable(spec) and not isinstance(spec, str):
@@ -39,6 +42,6 @@ def resolve_tools(specs: list) -> list[Tool]:
     return tools
 
 
-__all__ = ["SandboxResult", "Tool", "ToolCall", "calculator", "code_tool", "format_tool_call", "function_tool",
-           "load_tool", "network_isolation_available", "parse_tool_calls", "resolve_tools", "run_sandboxed",
-           "tools_system_prompt"]
+__all__ = ["SANDBOXES", "SandboxResult", "Tool", "ToolCall", "calculator", "code_tool", "format_tool_call",
+           "function_tool", "kernel_boundary_problem", "load_tool", "parse_tool_calls", "resolve_tools",
+           "run_sandboxed", "tools_system_prompt"]
