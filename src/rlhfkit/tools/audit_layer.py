@@ -1,8 +1,8 @@
 """The code tool's layers inside the child Python, before the model's code runs (the kernel boundary around it is
 tools/boundary.py; tools/sandbox.py starts both).
 
-`BOOTSTRAP` runs `PRELUDE` in the child (`python -I -S -B -X utf8 -c BOOTSTRAP folder limits... bpf hook`), which
-sets up, in this order:
+`BOOTSTRAP` runs `PRELUDE` in the child (`python -I -S -B -X utf8 -c BOOTSTRAP folder limits... bpf hook native`);
+it sets up, in this order:
 
 1. kernel limits: address space (memory_mb), file size (files_mb), CPU seconds (the timeout + 1), 64 open files,
    16 processes or threads, no core dumps;
@@ -24,7 +24,7 @@ The hook is a second layer only: an audit hook is not a security boundary (PEP 5
 from __future__ import annotations
 
 # Runs in the child with the arguments folder, memory_bytes, file_bytes, cpu_s, open_files, processes, bpf_hex,
-# hook (1 or 0), before the code in folder/main.py. Everything the audit hook and its helpers use is bound as a
+# hook (1 or 0), native (the standard library's folder of extension modules), before the code in folder/main.py. Everything the audit hook and its helpers use is bound as a
 # default argument (immutable), so code which patches modules or builtins cannot change what the hook checks.
 PRELUDE = r'''
 import os, sys, resource
@@ -263,15 +263,13 @@ def _check_paths(event, args, folder, roots, hidden, native, devices, write_flag
 def _sandbox_main():
     folder = sys.argv[1]
     memory, files, cpu, open_files, processes = (int(a) for a in sys.argv[2:7])
-    bpf, with_hook = bytes.fromhex(sys.argv[7]), sys.argv[8] == "1"
+    bpf, with_hook, native = bytes.fromhex(sys.argv[7]), sys.argv[8] == "1", os.path.realpath(sys.argv[9])
     # 1. kernel limits, 2. the seccomp filter, 3. what no audit event guards
     _set_limits(memory, files, cpu, open_files, processes)
     if bpf:
         _load_seccomp(bpf)
     _remove_unaudited()
-    import sysconfig
     stdlib = os.path.realpath(os.path.dirname(os.__file__))
-    native = os.path.realpath(sysconfig.get_config_var("DESTSHARED") or stdlib + "/lib-dynload")
     roots = (stdlib,)
     hidden = tuple(p for p in (stdlib + "/site-packages", stdlib + "/dist-packages"))
     with open(os.path.join(folder, "main.py"), "rb") as f:

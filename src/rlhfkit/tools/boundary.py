@@ -33,7 +33,7 @@ from __future__ import annotations
 import errno
 import functools
 import glob
-import json
+import marshal
 import os
 import sys
 import sysconfig
@@ -131,6 +131,12 @@ def interpreter() -> str:
     return os.path.realpath(getattr(sys, "_base_executable", None) or sys.executable)
 
 
+def extension_folder() -> str:
+    """The standard library's folder of extension modules (lib-dynload): the only native code the hook lets in."""
+    return os.path.realpath(sysconfig.get_config_var("DESTSHARED") or os.path.join(os.path.dirname(os.__file__),
+                                                                                   "lib-dynload"))
+
+
 def _expose(path: str, links: list, binds: list) -> None:
     """Record what shows `path` inside: each symbolic link on the way (as a link), then the real place (a bind)."""
     parts = [p for p in path.split("/") if p]
@@ -193,16 +199,17 @@ def launcher_command(mount_point: str, child: list, env: dict, status_fd: int, s
     config = {"parent": os.getpid(), "status_fd": status_fd, "mount_point": mount_point, "steps": plan.steps,
               "pivot_root": plan.pivot_root, "id": UNPRIVILEGED_ID, "sandbox": SANDBOX_DIR,
               "sandbox_bytes": sandbox_bytes, "inodes": MAX_INODES, "child": child, "env": env}
-    return [plan.python, "-I", "-S", "-B", "-c", LAUNCHER, json.dumps(config)]
+    # marshal: the launcher reads it with no import (json's costs it more time than all its mounts)
+    return [plan.python, "-I", "-S", "-B", "-c", LAUNCHER, marshal.dumps(config).hex()]
 
 
 # The launcher (trusted code, before any of the model's): see the module docstring. It reports on the status
 # file descriptor, one line each: "boundary" (the root is built; the child starts), "error TEXT" (the set-up failed:
 # nothing of the model's ran), "exit STATUS" (the child's wait status). SIGTERM stops the run (`launcher()`).
 LAUNCHER = r'''
-import ctypes, json, os, signal, sys
+import ctypes, marshal, os, signal, sys
 
-cfg = json.loads(sys.argv[1])
+cfg = marshal.loads(bytes.fromhex(sys.argv[1]))
 STATUS = cfg["status_fd"]
 libc = ctypes.CDLL(None, use_errno=True)
 libc.mount.argtypes = (ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong, ctypes.c_char_p)

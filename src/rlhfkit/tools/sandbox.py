@@ -88,7 +88,7 @@ def run_sandboxed(code: str, timeout_s: float = 5.0, memory_mb: int = 256, outpu
         bpf = boundary.seccomp_program() if confined or seccomp_usable() else b""
         limits = [memory_mb << 20, files_mb << 20, math.ceil(timeout_s) + 1, MAX_OPEN_FILES, MAX_PROCESSES]
         child = [boundary.interpreter(), "-I", "-S", "-B", "-X", "utf8", "-c", BOOTSTRAP, inside,
-                 *map(str, limits), bpf.hex(), "1" if audit_hook else "0"]
+                 *map(str, limits), bpf.hex(), "1" if audit_hook else "0", boundary.extension_folder()]
         if confined:
             command = boundary.launcher_command(folder, child, child_environment(inside), status_write,
                                                 files_mb << 20)
