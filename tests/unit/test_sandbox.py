@@ -315,3 +315,14 @@ def test_the_view_holds_the_interpreter_and_hides_every_package_folder():
     assert not any(b.startswith(sys.prefix) for b in binds) or sys.prefix == sys.base_prefix  # no venv
     site = os.path.join(os.path.dirname(os.__file__), "site-packages")
     assert os.path.realpath(site) in hidden
+
+
+def test_concurrent_calls_from_threads_each_see_only_their_own_folder():
+    # as episode.workers run tool calls: one namespace and tmpfs per call
+    from concurrent.futures import ThreadPoolExecutor
+
+    code = ("import os, time\nopen('mine', 'w').write('{n}')\ntime.sleep(0.2)\n"
+            "print(sorted(os.listdir('.')), open('mine').read())")
+    with ThreadPoolExecutor(8) as pool:
+        results = list(pool.map(lambda n: run_sandboxed(code.format(n=n)), range(8)))
+    assert [r.stdout for r in results] == [f"['main.py', 'mine'] {n}\n" for n in range(8)]
