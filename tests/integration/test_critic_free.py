@@ -145,9 +145,15 @@ def test_weighted_rewards_are_logged_by_name_and_unjudged_responses_are_left_out
                       f"  - {{reward: '{tmp_path / 'picky.py'}:picky', weight: 0.5, name: picky}}\n")
     proc = run_cli("ppo", "--config", str(config), f"actor={ppo_world / 'sft' / 'final'}",
                    f"data.prompts={ppo_world / 'prompts.jsonl'}", f"data.eval_prompts={ppo_world / 'eval.jsonl'}",
-                   f"output_dir={tmp_path / 'run'}", *GROUP_RUN, "ppo.advantage_estimator=grpo", "train.max_steps=12")
+                   f"output_dir={tmp_path / 'run'}", *GROUP_RUN, "ppo.advantage_estimator=grpo", "train.max_steps=12",
+                   "ppo.sample_every=1", "ppo.num_samples=16")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "x 0.5 as picky" in proc.stderr
+    # said once, and written as null (never as a number) in samples.jsonl
+    assert proc.stderr.count("were left unjudged (the reward returned None") == 1
+    samples = [json.loads(line) for line in (tmp_path / "run" / "samples.jsonl").read_text().splitlines()]
+    assert any(s["reward"] is None for s in samples) and any(s["reward"] is not None for s in samples)
+    assert all((s["reward"] is None) == (len(s["response"].split()) == 1) for s in samples), samples
     rows = [r for r in read_metrics(tmp_path / "run" / "metrics.jsonl") if "reward/mean" in r]
     assert rows[0]["reward/unjudged"] > 0  # the SFT policy answers with one word about a quarter of the time
     assert rows[0]["reward/picky"] == 1.0 and 0.0 < rows[0]["reward/four_words"] < 1.0

@@ -54,7 +54,7 @@ def test_ppo_raises_held_out_reward_within_kl_budget_and_kl_coef_holds_it_back(w
     assert all(key in train_rows[-1] for key in PPO_KEYS), sorted(train_rows[-1])
     assert rows[0]["step"] == 0 and "eval/reward" in rows[0]
     samples = [json.loads(line) for line in (world / "low_kl" / "samples.jsonl").read_text().splitlines()]
-    assert samples and {"step", "prompt", "response", "score"} <= set(samples[0])
+    assert samples and {"step", "prompt", "response", "reward"} <= set(samples[0])
 
     # beta = 1: the KL term dominates a 0.25-per-word reward, so the policy stays near the reference
     assert high["eval/kl_end"] < 0.5 * low["eval/kl_end"], (high, low)

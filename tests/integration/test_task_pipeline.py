@@ -69,7 +69,7 @@ def test_one_config_trains_a_reasoning_gym_task_sft_then_grpo(task_model, tmp_pa
         question = next(q for q in entries if q in sample["prompt"])
         entry = library[entries[question]["task"]["index"]]
         assert entry["question"] == question
-        assert sample["score"] == pytest.approx(library.score_answer(sample["response"].strip(), entry))
+        assert sample["reward"] == pytest.approx(library.score_answer(sample["response"].strip(), entry))
     ppo = read_metrics(run / "ppo" / "metrics.jsonl")
     assert [m["step"] for m in ppo if "eval/reward" in m] == [0, 2, 4]
     assert all(0.0 <= m["reward/mean"] <= 1.0 for m in ppo if "reward/mean" in m)

@@ -116,4 +116,4 @@ def test_grpo_on_a_textarena_game_learns_its_degenerate_strategy(blackjack_world
     assert len(samples) == 12
     for sample in samples:
         shown, given, reward = replay(sample["prompt"], sample["response"], openings)
-        assert shown == given and sample["score"] == pytest.approx(reward), sample
+        assert shown == given and sample["reward"] == pytest.approx(reward), sample

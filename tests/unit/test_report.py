@@ -153,12 +153,12 @@ def test_ppo_eval_metrics_are_drawn_beside_the_rollouts(tmp_path):
 
 
 def test_a_training_runs_samples_show_their_response_and_score_first_and_last(tmp_path):
-    """PPO's samples.jsonl rows ({step, prompt, response, score}) are a table of what was sampled, not the demo's
+    """PPO's samples.jsonl rows ({step, prompt, response, reward}) are a table of what was sampled, not the demo's
     before/after columns (which showed them empty)."""
     from rlhfkit.report.page import MAX_SAMPLES
 
     _write_metrics(tmp_path / "metrics.jsonl", _ppo_rows())
-    samples = [{"step": s, "prompt": f"prompt {s}", "response": f"answer <{s}>", "score": s / 10}
+    samples = [{"step": s, "prompt": f"prompt {s}", "response": f"answer <{s}>", "reward": s / 10 if s > 1 else None}
                for s in range(1, MAX_SAMPLES + 21)]
     (tmp_path / "samples.jsonl").write_text("".join(json.dumps(s) + "\n" for s in samples))
     html = write_report(tmp_path).read_text()
@@ -166,7 +166,9 @@ def test_a_training_runs_samples_show_their_response_and_score_first_and_last(tm
     assert f"(the first {half} and the last {MAX_SAMPLES - half} of {MAX_SAMPLES + 20})" in html
     assert "answer &lt;1&gt;" in html and f"answer &lt;{MAX_SAMPLES + 20}&gt;" in html
     assert f"answer &lt;{half + 1}&gt;" not in html  # the middle is left out
-    assert "reward 0.1</div>" in html and "<th>before</th>" not in html
+    assert "reward 0.2</div>" in html and "<th>before</th>" not in html
+    # an unjudged response says so (it was once shown as "reward 0")
+    assert '<pre>answer &lt;1&gt;</pre><div class="meta">unjudged</div>' in html
 
 
 def test_title_argument_and_unknown_stage(tmp_path):

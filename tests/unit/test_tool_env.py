@@ -103,6 +103,9 @@ def test_the_environment_and_its_tools_load_before_any_model(tmp_path):
 
     loaded = load_environment(config(tmp_path, "episode.tools=[python]", "episode.env_args={level: 3}"))
     assert [t.name for t in loaded.tools] == ["calculator", "python"] and loaded.env_args == {"level": 3}
+    assert loaded.code_notice().startswith("code tool on: the python tool runs model-written code, each call in its "
+                                           "own namespaces")
+    assert load_environment(config(tmp_path)).code_notice() is None  # the calculator alone runs no model code
     with pytest.raises(ConfigError, match="episode.env_args.*Tools\\(colour\\) cannot be called"):
         load_environment(config(tmp_path, "episode.env_args={colour: red}"))
     with pytest.raises(ConfigError, match="episode.tools.*'abacus'"):
@@ -141,3 +144,4 @@ def test_without_namespaces_the_python_tool_is_a_config_error_naming_the_opt_out
         load_environment(config(tmp_path, "episode.tools=[python]"))
     loaded = load_environment(config(tmp_path, "episode.tools=[python]", "episode.code_sandbox=hook"))
     assert loaded.tools[1]({"code": "print(6 * 7)"}) == "42"
+    assert "WITHOUT a kernel boundary (episode.code_sandbox=hook)" in loaded.code_notice()

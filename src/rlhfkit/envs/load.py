@@ -15,6 +15,18 @@ class LoadedEnvironment:
     env_class: type
     tools: list  # rlhfkit.tools.Tool objects: the class's own `tools`, then episode.tools
     env_args: dict
+    code_sandbox: str = "kernel"  # episode.code_sandbox: where the python tool runs
+
+    def code_notice(self) -> str | None:
+        """One line for the log when model-written code will run (the python tool is on), saying where."""
+        if not any(tool.name == "python" for tool in self.tools):
+            return None
+        if self.code_sandbox == "kernel":
+            return ("code tool on: the python tool runs model-written code, each call in its own namespaces behind "
+                    "seccomp and kernel limits (docs/agents.md#the-code-tool)")
+        return ("code tool on, WITHOUT a kernel boundary (episode.code_sandbox=hook): model-written code runs as "
+                "this user behind an in-process audit hook only, which is not a security boundary "
+                "(docs/agents.md#the-code-tool)")
 
 
 def load_environment(cfg) -> LoadedEnvironment:
@@ -54,4 +66,4 @@ def load_environment(cfg) -> LoadedEnvironment:
         # user's that lists its own tools, and so reads self.tools itself)
         raise ModelError(f"env '{cfg.env}': tools need an environment that runs them (subclass "
                          f"rlhfkit.envs.ToolEnvironment); {env_class.__name__} does not")
-    return LoadedEnvironment(cfg.env, env_class, tools, args)
+    return LoadedEnvironment(cfg.env, env_class, tools, args, cfg.episode.code_sandbox)

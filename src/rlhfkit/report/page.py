@@ -196,15 +196,17 @@ def _stage_section(run: StageRun, ran: WhatRan | None, run_dir: Path, plots: Pat
     return "\n".join(parts)
 
 
-def _text_cell(text, reward=None) -> str:
-    """A cell of escaped, whitespace-preserving text, with the reward under it when there is one."""
-    note = f'<div class="meta">reward {escape(_fmt(reward))}</div>' if is_number(reward) else ""
+def _text_cell(text, reward=None, unjudged=False) -> str:
+    """A cell of escaped, whitespace-preserving text, with the reward under it when there is one ("unjudged" where
+    the reward left it unjudged)."""
+    note = f'<div class="meta">reward {escape(_fmt(reward))}</div>' if is_number(reward) else \
+        '<div class="meta">unjudged</div>' if unjudged else ""
     return f"<td><pre>{escape(str(text))}</pre>{note}</td>"
 
 
 def _samples_section(path: Path) -> str:
     """The demo's before/after table (`before`, `after` and their rewards per prompt), or a training run's samples
-    (`ppo.sample_every`: step, prompt, response, score), the first and the last ones when there are many."""
+    (`ppo.sample_every`: step, prompt, response, reward), the first and the last ones when there are many."""
     samples = [s for s in read_jsonl(path) if isinstance(s, dict)]
     if samples and not any("before" in s or "after" in s for s in samples):
         return _training_samples(samples)
@@ -228,7 +230,8 @@ def _training_samples(samples: list[dict]) -> str:
     note = (f" (the first {first} and the last {MAX_SAMPLES - first} of {len(samples)})"
             if len(samples) > MAX_SAMPLES else "")
     body = [f'<tr><td class="num">{escape(_fmt(s.get("step", "")))}</td>{_text_cell(s.get("prompt", ""))}'
-            f'{_text_cell(s.get("response", ""), s.get("score"))}</tr>' for s in shown]
+            f'{_text_cell(s.get("response", ""), s.get("reward", s.get("score")), "reward" in s and s["reward"] is None)}'
+            '</tr>' for s in shown]
     return (
         f"<h2>Samples{note}</h2>\n<p class=\"meta\">Responses sampled during training (<code>samples.jsonl</code>), "
         "with their reward.</p>\n<table><tr><th>step</th><th>prompt</th><th>response</th></tr>\n"

@@ -71,6 +71,8 @@ def run_ppo(cfg: PPOConfig, resume: bool = False, force: bool = False) -> dict:
             log.write(kl_note(cfg.ppo.kl_estimator))  # why the kl on the bar can be below 0
             if rl.sampler.separate or environment:  # which engine samples, how its weights are kept in step, episodes
                 log.write(rl.sampler.describe())
+            if environment and (notice := environment.code_notice()):  # model-written code runs, and where
+                log.write(notice)
             if note := lora_rate_note(cfg.lora.rank, cfg.train.lr):
                 log.write(note)
             first_eval = evaluate() if evaluate and start == 0 else {}
@@ -90,6 +92,7 @@ def run_ppo(cfg: PPOConfig, resume: bool = False, force: bool = False) -> dict:
                     # samples at a time (train.batch_size prompts x n_samples_per_prompt: kl_horizon counts samples)
                     rl.kl_ctl.update(experience.kl, samples_per_iteration(cfg))
                     rl.write_samples(out, log, it + 1, scored)
+                    rl.note_unjudged(log, it + 1, scored)  # said when the reward first leaves responses unjudged
                     seconds = time.perf_counter() - tick
                     if it == start:  # how long the whole run will take, while it is still cheap to stop and shrink
                         log.write(pace_line("ppo", it + 1, iters, seconds, timer.seconds))

@@ -204,6 +204,7 @@ class PPOSteps:
             self.sampler = EpisodeRollout(self.sampler, environment.env_class, cfg.episode, template, engine,
                                           environment.tools, environment.env_args, environment.spec)
         self.stale = self.sampler.separate
+        self.unjudged_said = 0  # note_unjudged: 1 once some responses were left unjudged, 2 once half or more
         # the old log-probs from a forward after sampling, not from sampling itself (auto: under bf16 autocast;
         # always where another engine sampled: its log-probs are checked against the forward's)
         self.recompute_old = self.sampler.separate or cfg.ppo.old_logprobs == "forward" or (
@@ -355,20 +356,34 @@ class PPOSteps:
         self.sampler.close()
 
     def write_samples(self, out, log, iteration: int, scored: Scored) -> None:
-        """Every ppo.sample_every iterations (and the first): a few (prompt, response, score) triples to
-        samples.jsonl and one line above the bar."""
+        """Every ppo.sample_every iterations (and the first): a few (prompt, response, reward) triples to
+        samples.jsonl (reward null: unjudged, as in eval_samples.jsonl) and one line above the bar."""
         every, n = self.cfg.ppo.sample_every, self.cfg.ppo.num_samples
         if not log.enabled or n <= 0 or every <= 0 or not (iteration % every == 0 or iteration == 1):
             return
         rollout = scored.rollout
         shown = [self.prompt_seen(rollout, i) for i in range(min(n, rollout.size))]
+        # the reward as returned; null where it left the response unjudged (its raw value is only a stand-in)
+        rewards = [float(scored.raw[i]) if scored.judged[i] else None for i in range(len(shown))]
         with open(out / "samples.jsonl", "a", encoding="utf-8") as f:
             for i, (prompt, cut) in enumerate(shown):
                 f.write(json.dumps({"step": iteration, "prompt": prompt, **({"prompt_truncated": True} if cut else {}),
-                                    "response": rollout.response_texts[i], "score": float(scored.raw[i])}) + "\n")
+                                    "response": rollout.response_texts[i], "reward": rewards[i]}) + "\n")
         prompt = prompt_preview(rollout.messages[0] if rollout.messages else None, shown[0][0])
-        log.write(f"[{iteration}] {prompt!r} -> {rollout.response_texts[0][:120]!r} "
-                  f"(score {float(scored.raw[0]):.3g})")
+        verdict = "unjudged" if rewards[0] is None else f"reward {rewards[0]:.3g}"
+        log.write(f"[{iteration}] {prompt!r} -> {rollout.response_texts[0][:120]!r} ({verdict})")
+
+    def note_unjudged(self, log, iteration: int, scored: Scored) -> None:
+        """Say it, once, when the reward first leaves responses unjudged, and again when it first leaves half or
+        more: those responses are out of the update, which can starve the run without the bar showing why."""
+        left, total = int((~scored.judged).sum()), scored.judged.numel()
+        level = 2 if 2 * left >= total else 1 if left else 0
+        if level <= self.unjudged_said:
+            return
+        self.unjudged_said = level
+        log.write(f"reward: {left} of the {total} responses of iteration {iteration} were left unjudged (the reward "
+                  f"returned None or NaN, or could not be reached); they are out of the update. reward/unjudged "
+                  f"counts them every iteration")
 
     def prompt_seen(self, rollout, i: int) -> tuple[str, bool]:
         """(the prompt as the actor saw it, whether data.max_prompt_length cut it): a cut prompt kept its end, so
