@@ -23,7 +23,7 @@ from rlhfkit.models.reward_fn import FunctionReward
 from rlhfkit.remote.client import RemoteReward
 from rlhfkit.rollout.batch import RolloutBatch
 
-from test_remote_server import judge, serving
+from test_remote_server import TOKEN, judge, serving
 
 NAMES = ["apple", "river", "stone", "cloud", "green", "tiger", "music"]
 
@@ -190,7 +190,7 @@ def test_connection_refused_is_retried_then_unjudged_and_named():
 
 def test_a_wrong_or_missing_token_is_a_clear_error_naming_the_variable(monkeypatch):
     batch = world_batch()
-    with serving(FunctionReward(judge, "judge"), token="right") as server:
+    with serving(FunctionReward(judge, "judge"), token=TOKEN) as server:
         monkeypatch.setenv("RLHFKIT_REWARD_TOKEN", "wrong")
         with pytest.raises(RunError, match=r"answered HTTP 401: missing or wrong token.*: it refused the token in "
                                            r"\$RLHFKIT_REWARD_TOKEN \(remote.token_env\)"):
@@ -198,7 +198,7 @@ def test_a_wrong_or_missing_token_is_a_clear_error_naming_the_variable(monkeypat
         monkeypatch.delenv("RLHFKIT_REWARD_TOKEN")
         with pytest.raises(RunError, match=r"it wants a token: set the environment variable RLHFKIT_REWARD_TOKEN"):
             RemoteReward(server.url, RemoteSection(**QUICK))(batch)
-        monkeypatch.setenv("JUDGE_TOKEN", "right")
+        monkeypatch.setenv("JUDGE_TOKEN", TOKEN)
         scores = RemoteReward(server.url, RemoteSection(token_env="JUDGE_TOKEN"))(batch)
     torch.testing.assert_close(scores, FunctionReward(judge, "judge")(batch), rtol=0, atol=0, equal_nan=True)
 

@@ -11,8 +11,14 @@
   errors as in a PPO run. A reward-model folder is scored by `ModelReward` on the prompt's turns and the response
   re-rendered with the RM's own template, as for an actor with another tokenizer.
 - Safe by default: it binds 127.0.0.1; another address needs a token (the environment variable `--token-env`
-  names), and with a token every request must carry `Authorization: Bearer TOKEN` (else 401). Oversized requests
-  get 413, malformed ones 400 naming the field, a wrong path 404, a wrong method 405.
+  names; at least 16 printable characters), and with a token every request must carry `Authorization: Bearer
+  TOKEN` (else 401). Oversized requests get 413, malformed ones 400 naming the field, a wrong path 404, a wrong
+  method 405.
+- Bounded for a hostile peer (docs/remote.md, "Security and limits"): at most `--max-connections` connections are
+  served at once (the rest wait in a listen backlog of 1024); each request, head and body, must arrive within
+  `--request-timeout` seconds in all (remote/deadline.py), before the token is checked too; a body is measured
+  before it is parsed (its count of JSON values and its nesting depth), so that no request costs more than a few
+  times its bytes.
 
 Only the standard library is imported at module level, so that `rlhfkit --help` stays fast.
 """
@@ -21,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import hmac
+import io
 import ipaddress
 import json
 import math
@@ -29,19 +36,26 @@ import signal
 import socket
 import sys
 import threading
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Callable, Optional
 from urllib.parse import urlsplit
 
-from rlhfkit.errors import USER_ERRORS
+from rlhfkit.errors import USER_ERRORS, RunError
+from rlhfkit.remote.deadline import DeadlineReader, ReadLimitExceeded
+from rlhfkit.remote.request import DEFAULT_MAX_JSON_VALUES, ContractError, Samples, content_length, read_request
 
 DEFAULT_PATH = "/score"
 HEALTH_PATH = "/health"
 DEFAULT_MAX_BYTES = 8 * 2 ** 20
+DEFAULT_REQUEST_TIMEOUT = 10.0
+DEFAULT_MAX_CONNECTIONS = 256
 DEFAULT_TOKEN_ENV = "RLHFKIT_REWARD_TOKEN"
-KEYS = ("prompts", "responses", "messages", "finished", "fields")
+LISTEN_BACKLOG = 1024  # connections the kernel holds while every thread is busy (capped by net.core.somaxconn)
+MAX_HEAD_BYTES = 64 * 2 ** 10  # the request line and headers together
+MIN_TOKEN_CHARS = 16
 DESCRIPTION = "serve a reward model or a Python reward function over HTTP for `reward: http://...` (docs/remote.md)"
 EPILOG = """\
 contract (one JSON document each way):
@@ -51,16 +65,24 @@ contract (one JSON document each way):
               turn holding the prompt, finished to true, fields to none
   200         {"rewards": [number | null, ...]}   null: the sample is left unjudged
   GET /health {"status": "ok", "serves": TARGET, ...}
-  errors      {"error": "one line"} with 400 (malformed JSON or contract, naming the field), 401 (token),
-              404 (path), 405 (method), 411 (no Content-Length), 413 (too large), 500 (the reward raised)
+  errors      {"error": "one line"} with 400 (malformed JSON, Content-Length or contract, naming the field),
+              401 (token), 404 (path), 405 (method), 408 (not sent within --request-timeout), 411 (no
+              Content-Length), 413 (too large: bytes, samples or JSON values), 431 (a head over 64 KiB),
+              500 (the reward raised)
 
 security: binds 127.0.0.1 unless --host says otherwise; any other address needs a token in the environment
-variable --token-env names; with a token set every request needs `Authorization: Bearer TOKEN`.
+variable --token-env names (at least 16 printable ASCII characters, no spaces); with a token set every request
+needs `Authorization: Bearer TOKEN`.
+
+limits: --max-connections served at once, the others wait in a listen backlog of 1024; a request (head and body,
+idle time before it included) must arrive within --request-timeout seconds in all, else 408 and closed; its body
+holds at most --max-request-bytes bytes, --max-json-values JSON values, nesting 64 deep, --max-batch samples.
 
 examples:
   rlhfkit serve-reward rewards.py:four_words --port 8000
   rlhfkit serve-reward runs/rm/final --port 8000 --max-batch 64
-  RLHFKIT_REWARD_TOKEN=secret rlhfkit serve-reward runs/rm/final --host 0.0.0.0 --port 8000
+  export RLHFKIT_REWARD_TOKEN=$(python -c "import secrets; print(secrets.token_urlsafe(32))")
+  rlhfkit serve-reward runs/rm/final --host 0.0.0.0 --port 8000
 """
 
 
@@ -82,10 +104,22 @@ def add_serve_reward_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_BYTES,
                    help=f"the largest request body taken; a larger one gets 413 (default {DEFAULT_MAX_BYTES}: "
                         f"8 MiB)")
+    p.add_argument("--max-json-values", type=int, default=DEFAULT_MAX_JSON_VALUES,
+                   help=f"the most JSON values (strings, numbers, lists, objects, keys) a request body may hold, "
+                        f"counted before it is parsed; more get 413 (default {DEFAULT_MAX_JSON_VALUES}: a body of "
+                        f"millions of tiny values would parse into hundreds of MB)")
+    p.add_argument("--request-timeout", type=float, default=DEFAULT_REQUEST_TIMEOUT,
+                   help=f"seconds a connection may take to send one whole request, head and body, idle time "
+                        f"before it included; a slower one gets 408 and is closed (default "
+                        f"{DEFAULT_REQUEST_TIMEOUT:g})")
+    p.add_argument("--max-connections", type=int, default=DEFAULT_MAX_CONNECTIONS,
+                   help=f"connections served at once, a thread each; more wait in the listen backlog "
+                        f"({LISTEN_BACKLOG}) (default {DEFAULT_MAX_CONNECTIONS})")
     p.add_argument("--token-env", default=DEFAULT_TOKEN_ENV, help=f"the environment variable holding the token "
                                                                   f"requests must carry as Authorization: Bearer "
                                                                   f"(default {DEFAULT_TOKEN_ENV}; unset or empty: "
-                                                                  f"no token, loopback only)")
+                                                                  f"no token, loopback only; else at least "
+                                                                  f"{MIN_TOKEN_CHARS} printable characters)")
     p.add_argument("--forward-batch-size", type=int, default=16, help="a reward model's rows per forward "
                                                                       "(default 16)")
     p.add_argument("--template", default="auto", choices=("auto", "chat", "plain"),
@@ -93,91 +127,22 @@ def add_serve_reward_parser(sub) -> argparse.ArgumentParser:
     return p
 
 
-class ContractError(ValueError):
-    """A request the server refuses: `status` (400 or 413) and a one-line message naming the field."""
-
-    def __init__(self, message: str, status: int = 400):
-        super().__init__(message)
-        self.status = status
-
-
-@dataclass
-class Samples:
-    """One request's samples (or several pooled), read as a reward reads a rollout batch (rollout/batch.py)."""
-
-    prompt_texts: list  # B prompts
-    response_texts: list  # B responses
-    messages: list  # B prompt turn lists ([{role, content}]), a reward model re-renders
-    fields: list  # B dicts: the request's columns, row by row
-    finished: list  # B bools: the response ended with EOS
-
-    @property
-    def size(self) -> int:
-        return len(self.prompt_texts)
-
-    @property
-    def columns(self) -> tuple:
-        """The field names: requests pool only with requests of the same columns."""
-        return tuple(sorted(self.fields[0])) if self.fields else ()
-
-
-def read_request(body: bytes, max_samples: int) -> Samples:
-    """The samples of a request body; ContractError naming the field when it breaks the contract."""
-    try:
-        document = json.loads(body)
-    except ValueError as exc:  # UnicodeDecodeError too
-        raise ContractError(f"malformed JSON: {exc}") from None
-    if not isinstance(document, dict):
-        raise ContractError('expected a JSON object {"prompts": [...], "responses": [...]}')
-    unknown = sorted(set(document) - set(KEYS))
-    if unknown:
-        raise ContractError(f"unknown field '{unknown[0]}' (the contract's fields: {', '.join(KEYS)})")
-    prompts, responses = _strings(document, "prompts"), _strings(document, "responses")
-    n = len(prompts)
-    if len(responses) != n:
-        raise ContractError(f"field 'responses': {len(responses)} responses for {n} prompts")
-    if n > max_samples:
-        raise ContractError(f"too many samples: {n}, more than this server's --max-batch {max_samples}", 413)
-    messages = _listed(document, "messages", n, [None] * n)
-    messages = [_messages(m, i) if m is not None else [{"role": "user", "content": p}]
-                for i, (m, p) in enumerate(zip(messages, prompts))]
-    finished = _listed(document, "finished", n, [True] * n)
-    if not all(isinstance(f, bool) for f in finished):
-        raise ContractError("field 'finished': expected true or false per sample")
-    columns = document.get("fields") or {}
-    if not isinstance(columns, dict):
-        raise ContractError("field 'fields': expected an object {column: [one value per sample]}")
-    for name, values in columns.items():
-        if not isinstance(values, list) or len(values) != n:
-            raise ContractError(f"field 'fields.{name}': expected a list of {n} values, one per sample")
-    rows = [{name: values[i] for name, values in columns.items()} for i in range(n)]
-    return Samples(prompts, responses, messages, rows, finished)
-
-
-def _strings(document: dict, key: str) -> list:
-    values = document.get(key)
-    if values is None:
-        raise ContractError(f"field '{key}': required, a list of strings")
-    if not isinstance(values, list) or not all(isinstance(v, str) for v in values):
-        raise ContractError(f"field '{key}': expected a list of strings")
-    return values
-
-
-def _listed(document: dict, key: str, n: int, default: list) -> list:
-    values = document.get(key)
-    if values is None:
-        return default
-    if not isinstance(values, list) or len(values) != n:
-        raise ContractError(f"field '{key}': expected a list of {n} entries, one per sample")
-    return values
-
-
-def _messages(turns, i: int) -> list:
-    ok = isinstance(turns, list) and turns and all(
-        isinstance(t, dict) and isinstance(t.get("role"), str) and isinstance(t.get("content"), str) for t in turns)
-    if not ok:
-        raise ContractError(f"field 'messages'[{i}]: expected a list of {{\"role\": str, \"content\": str}} or null")
-    return turns
+def check_token(token: str | None, token_env: str) -> str | None:
+    """`token` (None when unset or empty), refused with RunError when it is too weak to guard a port: fewer than
+    MIN_TOKEN_CHARS characters, or any whitespace or character outside printable ASCII (a header carries it)."""
+    if not token:
+        return None
+    make = 'python -c "import secrets; print(secrets.token_urlsafe(32))"'
+    if not token.strip():
+        problem = "is only whitespace"
+    elif not all(33 <= ord(c) <= 126 for c in token):
+        problem = "holds whitespace or characters other than printable ASCII"
+    elif len(token) < MIN_TOKEN_CHARS:
+        problem = f"is {len(token)} characters, fewer than {MIN_TOKEN_CHARS}"
+    else:
+        return token
+    raise RunError(f"the token in ${token_env} {problem}: set it to a secret of at least {MIN_TOKEN_CHARS} "
+                   f"printable characters ({make}), or unset it to serve this machine only")
 
 
 # ------------------------------------------------------------------------------------------------ the scorer
@@ -280,19 +245,27 @@ class Scorer:
 # ------------------------------------------------------------------------------------------------ HTTP
 
 class RewardServer(ThreadingHTTPServer):
-    """The HTTP server: `reward` behind POST `path` and GET /health."""
+    """The HTTP server: `reward` behind POST `path` and GET /health, a thread per connection, at most
+    `max_connections` of them; the others wait in the listen backlog until a thread is free."""
 
     daemon_threads = True  # a connection's thread never holds up the exit
+    block_on_close = False  # nor the close: each ends within request_timeout, or when its scoring ends
+    request_queue_size = LISTEN_BACKLOG
 
     def __init__(self, host: str, port: int, reward: Callable, about: dict, *, path: str = DEFAULT_PATH,
-                 max_batch: int = 256, max_request_bytes: int = DEFAULT_MAX_BYTES, token: str | None = None,
+                 max_batch: int = 256, max_request_bytes: int = DEFAULT_MAX_BYTES,
+                 max_json_values: int = DEFAULT_MAX_JSON_VALUES, request_timeout: float = DEFAULT_REQUEST_TIMEOUT,
+                 max_connections: int = DEFAULT_MAX_CONNECTIONS, token: str | None = None,
                  token_env: str = DEFAULT_TOKEN_ENV):
+        self.token, self.token_env = check_token(token, token_env), token_env  # before the port is taken
         if ":" in host:
             self.address_family = socket.AF_INET6
+        self.slots = threading.BoundedSemaphore(max_connections)
+        self.stopping = threading.Event()
         super().__init__((host, port), RewardHandler)
         self.reward, self.about, self.route = reward, about, path
-        self.max_batch, self.max_request_bytes = max_batch, max_request_bytes
-        self.token, self.token_env = token or None, token_env
+        self.max_batch, self.max_request_bytes, self.max_json_values = max_batch, max_request_bytes, max_json_values
+        self.request_timeout, self.max_connections = request_timeout, max_connections
         self.scorer = Scorer(reward, max_batch)
 
     @property
@@ -302,7 +275,36 @@ class RewardServer(ThreadingHTTPServer):
 
     def health(self) -> dict:
         return {"status": "ok", **self.about, "path": self.route, "max_batch": self.max_batch,
-                "max_request_bytes": self.max_request_bytes, "token": self.token is not None}
+                "max_request_bytes": self.max_request_bytes, "max_json_values": self.max_json_values,
+                "request_timeout": self.request_timeout, "max_connections": self.max_connections,
+                "token": self.token is not None}
+
+    def process_request(self, request, client_address) -> None:
+        # a free thread slot first: while none is, this connection and the ones behind it wait (in the backlog)
+        while not self.slots.acquire(timeout=0.2):
+            if self.stopping.is_set():
+                self.shutdown_request(request)
+                return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self.slots.release()
+            raise
+
+    def process_request_thread(self, request, client_address) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self.slots.release()
+
+    def handle_error(self, request, client_address) -> None:
+        # one line, not socketserver's traceback (the handler answers what it can; this is what it could not)
+        print(f"rlhfkit serve-reward: a connection from {client_address[0]} failed: {one_line(sys.exc_info()[1])}",
+              file=sys.stderr, flush=True)
+
+    def shutdown(self) -> None:
+        self.stopping.set()
+        super().shutdown()
 
     def server_close(self) -> None:
         super().server_close()
@@ -312,6 +314,44 @@ class RewardServer(ThreadingHTTPServer):
 class RewardHandler(BaseHTTPRequestHandler):
     server: RewardServer
     server_version = "rlhfkit-serve-reward"
+
+    def setup(self) -> None:
+        super().setup()
+        # the socket read under a deadline per request (remote/deadline.py): `timeout` alone bounds each recv, and
+        # a peer sending a byte a second would hold this thread for ever
+        self.reader = DeadlineReader(self.rfile.detach(), self.connection)
+        self.rfile = io.BufferedReader(self.reader)
+        self.body_pending = False
+
+    def handle_one_request(self) -> None:
+        # this request, head and body, idle time before it included, arrives within --request-timeout seconds,
+        # and its head within MAX_HEAD_BYTES (the buffer may read ahead, hence the limit is on the raw bytes)
+        self.reader.deadline = time.monotonic() + self.server.request_timeout
+        self.reader.limit = self.reader.received + MAX_HEAD_BYTES
+        self.reader.expired, start = False, self.reader.received
+        self.body_pending = False
+        self.requestline, self.request_version, self.command = "", "", ""  # until the request line is parsed
+        super().handle_one_request()  # a read past the deadline ends the request here, closing the connection
+        if self.reader.expired and self.reader.received > start:
+            # part of a request came, too slowly (a head a byte at a time, a body that stopped): dropped, before
+            # its token is looked at when its head was not complete; an idle connection is closed without a word
+            self._refuse(408, f"the request did not arrive within --request-timeout {self.server.request_timeout:g} "
+                              f"s")
+
+    def handle(self) -> None:
+        try:
+            super().handle()
+        except ReadLimitExceeded:
+            self._refuse(431, f"the request's head is over {MAX_HEAD_BYTES} bytes")
+        except ConnectionError:  # the peer went away
+            self.close_connection = True
+
+    def send_error(self, code: int, message: str | None = None, explain: str | None = None) -> None:
+        # http.server's own refusals (a malformed request line, too many headers, an unknown method): one JSON line
+        text = " ".join(str(message or self.responses.get(code, ("error",))[0]).split())
+        if self.request_version == "HTTP/0.9":  # a line that is no request at all: answered with its status line
+            self.request_version = "HTTP/1.0"
+        self._refuse(code, text)
 
     def do_GET(self):  # noqa: N802 - http.server's names
         self._route("GET")
@@ -332,7 +372,18 @@ class RewardHandler(BaseHTTPRequestHandler):
         pass
 
     def _route(self, method: str) -> None:
-        path = urlsplit(self.path).path
+        self.body_pending = "Content-Length" in self.headers or "Transfer-Encoding" in self.headers
+        try:
+            self._dispatch(method, urlsplit(self.path).path)
+        except TimeoutError:
+            raise  # the request came too slowly: 408 (handle_one_request)
+        except OSError:  # the peer went away mid-request
+            self.close_connection = True
+        except Exception as exc:  # noqa: BLE001 - never a traceback and no answer: 500 with the error's line
+            print(f"rlhfkit serve-reward: a request failed: {one_line(exc)}", file=sys.stderr, flush=True)
+            self._answer(500, {"error": f"the server failed: {one_line(exc)}"})
+
+    def _dispatch(self, method: str, path: str) -> None:
         if not self._authorised():
             return self._answer(401, {"error": f"missing or wrong token: send Authorization: Bearer <the token in "
                                                f"${self.server.token_env} on the server>"},
@@ -351,16 +402,19 @@ class RewardHandler(BaseHTTPRequestHandler):
         return hmac.compare_digest(given.encode(), f"Bearer {self.server.token}".encode())
 
     def _score(self) -> None:
-        length, limit = self.headers.get("Content-Length"), self.server.max_request_bytes
-        if length is None or not length.strip().isdigit():
-            self.close_connection = True
-            return self._answer(411, {"error": "a request needs its Content-Length"})
-        if int(length) > limit:  # refused unread
-            self.close_connection = True
-            return self._answer(413, {"error": f"the request is {int(length)} bytes, more than this server's "
-                                               f"--max-request-bytes {limit}"})
         try:
-            samples = read_request(self.rfile.read(int(length)), self.server.max_batch)
+            length = content_length(self.headers, self.server.max_request_bytes)  # refused unread when wrong
+        except ContractError as exc:
+            return self._answer(exc.status, {"error": str(exc)})
+        self.reader.limit = self.reader.received + length
+        body = self.rfile.read(length)  # TimeoutError past the deadline: handle_one_request answers 408
+        if len(body) < length:  # the peer closed before sending it all: no one to answer
+            self.close_connection = True
+            return
+        self.body_pending = False
+        try:
+            samples = read_request(body, self.server.max_batch, self.server.max_json_values)
+            del body  # the parsed samples are what is kept while the request waits for the scorer
             check = getattr(self.server.reward, "check_fields", None)  # a function's parameters against the columns
             if check is not None and samples.size:
                 check(samples.fields)
@@ -373,9 +427,17 @@ class RewardHandler(BaseHTTPRequestHandler):
         job = self.server.scorer.submit(samples)
         self._answer(job.status, {"rewards": job.rewards} if job.status == 200 else {"error": job.error})
 
+    def _refuse(self, status: int, message: str) -> None:
+        """Answer `status` and close: what is left of the request is not read."""
+        self.close_connection = True
+        self._answer(status, {"error": message})
+
     def _answer(self, status: int, document: dict, headers: dict | None = None) -> None:
         body = json.dumps(document).encode()
+        if self.body_pending:  # a body left unread would be read as the next request: close instead
+            self.close_connection = True
         try:
+            self.connection.settimeout(self.server.request_timeout)  # the answer, too, is sent in bounded time
             self.send_response(status)
             self.send_header("Content-Type", "application/json")
             self.send_header("Content-Length", str(len(body)))
@@ -440,17 +502,18 @@ def is_loopback(host: str) -> bool:
 
 def check_args(args) -> str | None:
     """The token (None: none), after the checks that need no model: RunError naming the flag."""
-    from rlhfkit.errors import RunError
-
     if not args.path.startswith("/") or args.path == HEALTH_PATH:
         raise RunError(f"--path must start with / and not be {HEALTH_PATH}, got {args.path!r}")
     for flag, value in (("--max-batch", args.max_batch), ("--max-request-bytes", args.max_request_bytes),
+                        ("--max-json-values", args.max_json_values), ("--max-connections", args.max_connections),
                         ("--forward-batch-size", args.forward_batch_size)):
         if value < 1:
             raise RunError(f"{flag} must be >= 1, got {value}")
+    if not args.request_timeout > 0:
+        raise RunError(f"--request-timeout must be > 0 seconds, got {args.request_timeout}")
     if not 0 <= args.port <= 65535:
         raise RunError(f"--port must be in 0..65535, got {args.port}")
-    token = os.environ.get(args.token_env) or None
+    token = check_token(os.environ.get(args.token_env), args.token_env)
     if token is None and not is_loopback(args.host):
         raise RunError(f"--host {args.host} would serve other machines without a token: set the environment "
                        f"variable {args.token_env} (--token-env) to a secret that clients send as "
@@ -467,7 +530,9 @@ def main(args) -> int:
         token = check_args(args)
         reward, about = load_target(args.target, args.template, args.forward_batch_size)
         server = RewardServer(args.host, args.port, reward, about, path=args.path, max_batch=args.max_batch,
-                              max_request_bytes=args.max_request_bytes, token=token, token_env=args.token_env)
+                              max_request_bytes=args.max_request_bytes, max_json_values=args.max_json_values,
+                              request_timeout=args.request_timeout, max_connections=args.max_connections,
+                              token=token, token_env=args.token_env)
     except USER_ERRORS as exc:
         print(f"rlhfkit serve-reward: error: {exc}", file=sys.stderr)
         return 2
