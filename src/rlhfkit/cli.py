@@ -11,6 +11,10 @@ import sys
 from rlhfkit.config.fields import help_text, load_config, rejoin_words
 from rlhfkit.errors import USER_ERRORS, RunStopped
 
+# the exit code of a run a monitor stopped (monitor.action=stop or stop_best): outputs exported as at a normal end,
+# the JSON summary printed, but fewer steps ran than asked (2: bad input; 128 + N: stopped by signal N)
+MONITOR_STOPPED = 3
+
 # verb -> (config class path, runner path, one-line description); imported lazily so --help stays fast
 TRAIN_VERBS = {
     "sft": ("rlhfkit.config.schema:SFTConfig", "rlhfkit.stages.sft:run_sft",
@@ -155,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
 
     if is_main_process():
         print(json.dumps(result))
-    return 0
+    return MONITOR_STOPPED if "stopped_by" in result else 0
 
 
 def _say(line: str) -> None:

@@ -23,11 +23,11 @@ SANE = ["train.lr=5e-4", "ppo.kl_loss_coef=0.05"]
 BAD = ["train.lr=3e-2", "ppo.kl_loss_coef=0"]
 
 
-def run(world, out, *overrides):
+def run(world, out, *overrides, code=0):
     proc = run_cli("ppo", f"actor={world / 'sft' / 'final'}", "reward=rewards.py:four_words",
                    "data.prompts=prompts.jsonl", f"output_dir={world / out}", *RUN, *overrides, cwd=world,
                    env={"RLHFKIT_NO_REPORT": "1"})
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.returncode == code, proc.stderr[-3000:]
     return proc, read_metrics(world / out / "metrics.jsonl"), json.loads(proc.stdout.strip().splitlines()[-1])
 
 
@@ -36,7 +36,8 @@ def alarms(rows: list[dict]) -> list[tuple[int, str]]:
 
 
 def test_a_bad_recipe_raises_an_alarm_and_stop_ends_the_run_cleanly(ppo_world):
-    proc, rows, result = run(ppo_world, "monitor_bad", *BAD, "monitor.action=stop_best")
+    # a monitor's stop exits with its own code (3), not 0: a script sees that fewer iterations ran than it asked
+    proc, rows, result = run(ppo_world, "monitor_bad", *BAD, "monitor.action=stop_best", code=3)
     raised = alarms(rows)
     assert raised, (proc.stderr[-3000:], rows[-1])
     step, key = raised[0]
@@ -47,6 +48,7 @@ def test_a_bad_recipe_raises_an_alarm_and_stop_ends_the_run_cleanly(ppo_world):
     assert f"ppo: stopped after step {step} of 12 on an alarm (monitor.action=stop_best); final/ is this step's " \
            f"model; best/ (step {result['best_step']}) is the run's model" in proc.stderr
     assert result["stopped_at_step"] == step and result["stopped_by"] == lines[0]
+    assert (result["iterations"], result["iterations_planned"]) == (step, 12)
     AutoModelForCausalLM.from_pretrained(ppo_world / "monitor_bad" / "final")
     # stop_best: the run's model is best/, the policy of the best held-out reward (no judge here: the training
     # reward's, which the summary says), evaluated at the start and at the stop
@@ -62,7 +64,7 @@ def test_a_bad_recipe_raises_an_alarm_and_stop_ends_the_run_cleanly(ppo_world):
 def test_the_same_run_with_a_sane_recipe_stays_quiet(ppo_world):
     proc, rows, result = run(ppo_world, "monitor_sane", *SANE, "monitor.action=stop")
     assert alarms(rows) == [] and "alarm: " not in proc.stderr, proc.stderr[-3000:]
-    assert rows[-1]["step"] == 12 and "stopped_at_step" not in result
+    assert rows[-1]["step"] == 12 and "stopped_at_step" not in result and result["iterations"] == 12
     # the monitors' own signals are logged every iteration
     assert {"response_length/p90", "response/repeated_4grams", "kl/max"} <= rows[-1].keys()
 

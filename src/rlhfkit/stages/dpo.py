@@ -464,6 +464,10 @@ def run_dpo(cfg: DPOConfig, resume: bool = False, force: bool = False) -> dict:
     record_template(policy.module, data.info["template"])
     engine.export_hf(policy.module, tokenizer, out / "final")
     write_run_report(out, cfg.log, engine.is_main)
-    return {"output_dir": str(out), "steps": total, "loss_type": cfg.dpo.loss, "reference": reference.note,
-            **loop.outcome(), **final_eval, **data.info}
+    outcome = loop.outcome()
+    # the steps that ran: a monitor's stop ends the run early (steps_planned says how many were asked)
+    ran = {"steps": outcome["stopped_at_step"], "steps_planned": total} if "stopped_at_step" in outcome \
+        else {"steps": total}
+    return {"output_dir": str(out), **ran, "loss_type": cfg.dpo.loss, "reference": reference.note, **outcome,
+            **final_eval, **data.info}
 

@@ -217,7 +217,9 @@ def run_pipeline(cfg: PipelineConfig, resume: bool = False, force: bool = False,
         if is_main_process():
             _write_atomic(folder / "result.json", json.dumps({**result, "seconds": round(seconds, 1)}, indent=2,
                                                              default=str))
-        steps[step] = {"status": "ran", "seconds": seconds, "result": result}
+        stopped = result.get("stopped_at_step")
+        steps[step] = {"status": "ran" if stopped is None else f"stopped at step {stopped} by a monitor",
+                       "seconds": seconds, "result": result}
 
     # 3. summary.json in the report's format (`rlhfkit report OUTPUT_DIR` renders it) and a table on stdout
     rows = summary_rows(out, steps)
@@ -226,5 +228,7 @@ def run_pipeline(cfg: PipelineConfig, resume: bool = False, force: bool = False,
         _write_atomic(out / "summary.json", json.dumps(summary, indent=2, default=str))
         print_table(summary["title"], rows)
         write_run_report(out, cfg.log, True)  # every step's curves on one page
+    stopped = {step: info["result"]["stopped_by"] for step, info in steps.items()
+               if info["status"] != "skipped (complete)" and "stopped_by" in info["result"]}
     return {"output_dir": str(out), **{step: info["status"] for step, info in steps.items()},
-            "final": {step: str(out / step / "final") for step in steps}}
+            "final": {step: str(out / step / "final") for step in steps}, **({"stopped_by": stopped} if stopped else {})}

@@ -104,7 +104,11 @@ def run_ppo(cfg: PPOConfig, resume: bool = False, force: bool = False) -> dict:
 
     rl.export(out)
     write_run_report(out, cfg.log, engine.is_main)
-    result = {"output_dir": str(out), "iterations": iters, **loop.outcome(), **data.info}
+    outcome = loop.outcome()
+    # the iterations that ran: a monitor's stop ends the run early (iterations_planned says how many were asked)
+    ran = {"iterations": outcome["stopped_at_step"], "iterations_planned": iters} if "stopped_at_step" in outcome \
+        else {"iterations": iters}
+    result = {"output_dir": str(out), **ran, **outcome, **data.info}
     last_eval = loop.last_eval or first_eval
     if first_eval:
         result["eval/reward_start"] = first_eval["eval/reward"]
