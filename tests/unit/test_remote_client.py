@@ -2,6 +2,10 @@
 
 `rlhfkit serve-reward`'s own server for the contract's round trip, the token and contract errors; small scripted
 servers for what a judge elsewhere may do: answer slowly, fail and then succeed, fail always, answer nonsense.
+
+A hostile server's attacks, each measured once against the client before these limits (issue 63) and kept here as a
+test: a redirect to another host (followed, with the token), an answer of 400 MiB (read whole: +400 MB per request
+in flight), an answer dripped a byte at a time (the request's thread ran on after the call gave up).
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ import math
 import socket
 import threading
 import time
+import tracemalloc
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
@@ -20,7 +25,7 @@ import torch
 from rlhfkit.config.ppo_schema import RemoteSection
 from rlhfkit.errors import RunError
 from rlhfkit.models.reward_fn import FunctionReward
-from rlhfkit.remote.client import RemoteReward
+from rlhfkit.remote.client import MAX_ANSWER_BYTES, RemoteReward
 from rlhfkit.rollout.batch import RolloutBatch
 
 from test_remote_server import TOKEN, judge, serving
@@ -216,7 +221,8 @@ def test_contract_errors_stop_at_once_with_what_to_do():
 
 
 @pytest.mark.parametrize("body", [{"rewards": [1.0]}, {"rewards": ["1", 2.0]}, {"scores": [1, 2]}, b"NaN",
-                                  {"rewards": [float("inf"), 1.0]}, b"<html>oops</html>", {"rewards": [True, 1]}])
+                                  {"rewards": [float("inf"), 1.0]}, b"<html>oops</html>", {"rewards": [True, 1]},
+                                  b"[" * 100_000])
 def test_a_malformed_answer_leaves_its_samples_unjudged_said_once(body, capsys):
     batch = rollout(["say apple", "say river"], ["apple", "river"], ["apple", "river"])
     with scripted(lambda document, hit: (200, body, 0)) as (url, hits):
@@ -228,28 +234,129 @@ def test_a_malformed_answer_leaves_its_samples_unjudged_said_once(body, capsys):
     assert len(said) == 1 and said[0].startswith(f"reward server {url}: a malformed answer: ")
 
 
-def test_a_server_that_trickles_its_answer_is_abandoned_at_the_bound():
-    """Each byte within remote.timeout, the answer never complete: the request is given up at its bound."""
+def rlhfkit_threads() -> list[str]:
+    """The client's request threads alive now (envs/calls.py names them)."""
+    return [t.name for t in threading.enumerate() if t.name == "rlhfkit-env"]
 
-    class Trickle(BaseHTTPRequestHandler):
+
+def test_a_server_that_drips_its_answer_is_given_up_with_no_thread_left():
+    """Each byte within remote.timeout, the answer never complete: every try ends at its deadline, on its socket,
+    and the thread that waited ends with it (before, it read on for as long as the server dripped)."""
+    dripped = []
+
+    class Drip(BaseHTTPRequestHandler):
         def do_POST(self):  # noqa: N802
             self.rfile.read(int(self.headers["Content-Length"]))
             self.send_response(200)
             self.send_header("Content-Length", "1000")
             self.end_headers()
-            with contextlib.suppress(OSError):
+            with contextlib.suppress(OSError):  # until the client hangs up (at most 5 s)
                 for _ in range(100):
                     self.wfile.write(b" ")
                     self.wfile.flush()
-                    time.sleep(0.1)
+                    dripped.append(1)
+                    time.sleep(0.05)
 
         def log_message(self, *args):
             pass
 
-    with listening(Trickle) as url:
-        reward = RemoteReward(url, RemoteSection(max_failed=1.0, **QUICK))
+    before = set(threading.enumerate())
+    with listening(Drip) as url:
+        reward = RemoteReward(url, RemoteSection(batch_size=2, concurrency=4, max_failed=1.0, **QUICK))
         start = time.monotonic()
-        assert torch.isnan(reward(world_batch())).all()
-        assert time.monotonic() - start < reward.request_bound() + 1.5
-        with pytest.raises(RunError, match=r"first: no answer within 0.65 s"):
-            RemoteReward(reward.url, RemoteSection(**QUICK))(world_batch())
+        assert torch.isnan(reward(world_batch())).all() and reward.counts == {"reward/remote_failed": 7.0}
+        seconds = time.monotonic() - start
+        deadline = time.monotonic() + 1.0
+        while rlhfkit_threads() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert rlhfkit_threads() == []  # no request thread left running
+        assert seconds < reward.request_bound() + 0.5, seconds  # 2 tries of 0.3 s, 0.05 s between
+        with pytest.raises(RunError, match=r"first: no answer within remote.timeout=0.3 s \(2 tries\)$"):
+            RemoteReward(url, RemoteSection(**QUICK))(world_batch())
+        assert len(dripped) < 100  # the server's writes failed once the client hung up
+    deadline = time.monotonic() + 2.0
+    while set(threading.enumerate()) - before and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert set(threading.enumerate()) - before == set()  # the server's threads too, once it is shut
+
+
+@pytest.mark.parametrize("status", [301, 302, 303, 307, 308])
+def test_a_redirect_is_not_followed_and_the_token_goes_nowhere_else(status, monkeypatch):
+    """The redirect points at a second listener that records what reaches it: nothing does, the token least."""
+    caught = []
+
+    class Catcher(BaseHTTPRequestHandler):
+        def do_POST(self):  # noqa: N802
+            caught.append(self.headers.get("Authorization"))
+            self.send_response(200)
+            self.end_headers()
+
+        do_GET = do_POST  # noqa: N815
+
+        def log_message(self, *args):
+            pass
+
+    monkeypatch.setenv("RLHFKIT_REWARD_TOKEN", TOKEN)
+    with listening(Catcher) as elsewhere:
+        location = elsewhere.replace("127.0.0.1", "localhost")
+        answer = (status, b"moved", 0)
+
+        class Redirect(BaseHTTPRequestHandler):
+            def do_POST(self):  # noqa: N802
+                self.rfile.read(int(self.headers["Content-Length"]))
+                self.send_response(answer[0])
+                self.send_header("Location", location)
+                self.send_header("Content-Length", "5")
+                self.end_headers()
+                self.wfile.write(answer[1])
+
+            def log_message(self, *args):
+                pass
+
+        with listening(Redirect) as url:
+            start = time.monotonic()
+            with pytest.raises(RunError) as err:
+                RemoteReward(url, RemoteSection(backoff=5.0))(world_batch())
+            assert time.monotonic() - start < 5.0  # not retried
+    assert str(err.value) == (f"reward server {url} answered HTTP {status}, a redirect to {location!r}: redirects "
+                              f"are not followed (the request and its token would go with it): put the URL you "
+                              f"mean in `reward:`")
+    assert caught == []
+
+
+@pytest.mark.parametrize("declared", [True, False])
+def test_an_answer_over_the_cap_is_not_read_past_it(declared, capsys):
+    """A server answering 400 MiB (announced, or streamed with no length until it closes): the client reads at most
+    its cap, MAX_ANSWER_BYTES, and its samples are left unjudged as for a malformed answer."""
+    sent = []
+    chunk = b" " * 2 ** 20
+
+    class Huge(BaseHTTPRequestHandler):
+        def do_POST(self):  # noqa: N802
+            self.rfile.read(int(self.headers["Content-Length"]))
+            self.send_response(200)
+            if declared:
+                self.send_header("Content-Length", str(400 * 2 ** 20))
+            self.end_headers()
+            with contextlib.suppress(OSError):
+                for _ in range(400):
+                    self.wfile.write(chunk)
+                    sent.append(len(chunk))
+
+        def log_message(self, *args):
+            pass
+
+    batch = rollout(["say apple", "say river"], ["apple", "river"], ["apple", "river"])
+    with listening(Huge) as url:
+        reward = RemoteReward(url, RemoteSection(max_failed=1.0, timeout=5.0))
+        tracemalloc.start()
+        try:
+            assert torch.isnan(reward(batch)).all() and reward.counts == {"reward/remote_failed": 2.0}
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+    assert peak < 8 * MAX_ANSWER_BYTES, peak  # the 400 MiB never read: a few MiB at most
+    assert sum(sent) < 100 * 2 ** 20  # the server's writes failed once the client hung up
+    said = capsys.readouterr().err
+    assert f"a malformed answer: an answer {'of 419430400 bytes, ' if declared else ''}over the client's cap of " \
+           f"{MAX_ANSWER_BYTES} bytes" in said

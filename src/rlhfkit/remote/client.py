@@ -17,8 +17,13 @@ timeout of `remote.timeout` seconds, HTTP 5xx, 408, 429) is retried `remote.retr
 (NaN: out of the update, as a reward function's None), counted in `reward/remote_failed`. When more than
 `remote.max_failed` of an iteration's samples (over every rank) failed so, the run stops naming the URL and the
 reason. Any other 4xx is a contract error (a wrong path, a missing token, a request too large) and stops the run at
-once: retrying cannot mend it. A request takes at most `request_bound()` seconds, retries included: past it it is
-abandoned (its thread runs on as a daemon), so a server that hangs cannot hang the run.
+once: retrying cannot mend it. A request takes at most `request_bound()` seconds, retries included: each try keeps
+one deadline of `remote.timeout` seconds on its socket (remote/deadline.py), for every read and write together, so
+a server that hangs or drips its answer a byte at a time cannot hang the run, and the try's thread ends with it.
+
+Hostile or broken servers: a redirect (3xx) is not followed but stops the run naming its Location (the token would
+go with it to another host); an answer over `MAX_ANSWER_BYTES` is not read past that cap: a malformed answer, its
+samples unjudged.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ import http.client
 import json
 import math
 import os
+import re
 import sys
 import threading
 import time
@@ -40,7 +46,10 @@ import torch
 from rlhfkit.config.ppo_schema import RemoteSection
 from rlhfkit.envs.calls import run_calls
 from rlhfkit.errors import RunError
+from rlhfkit.remote.deadline import DeadlineSocket
 
+MAX_ANSWER_BYTES = 2 ** 20  # an answer is a number per sample: 1 MiB holds far more than any remote.batch_size's
+MAX_ERROR_BYTES = 4096  # of an error answer's body, for its message
 RETRIED_STATUS = frozenset({408, 429})  # and every 5xx: the next try may get an answer
 # what to do about a contract error, by status (401 and 403: the token, `RemoteReward.contract_error`)
 CONTRACT_HINTS = {
@@ -84,8 +93,8 @@ class RemoteReward:
         chunks = [range(start, min(start + size, n)) for start in range(0, n, size)]
         bodies = [request_body(batch, done, rows) for rows in chunks]
         bound = self.request_bound()
-        # a second of slack: a request's own timeouts say why it failed; only a server that trickles its answer
-        # byte by byte (each read within remote.timeout) runs into this bound
+        # a second of slack: each try ends at its own deadline, on its socket, and says why it failed; this bound
+        # is the backstop for what no socket deadline reaches (a host name's DNS lookup)
         calls = [lambda body=body, k=len(rows): self.request(body, k) for body, rows in zip(bodies, chunks)]
         outcomes = run_calls(calls, self.settings.concurrency, bound + 1.0)
         rewards, failed, first = [math.nan] * n, 0, ""
@@ -122,9 +131,14 @@ class RemoteReward:
                 time.sleep(delay)
                 delay *= 2
             try:
-                raw = self._post(body)
+                rewards, malformed = parse_rewards(self._post(body), size)
+            except AnswerTooLarge as exc:
+                rewards, malformed = None, str(exc)
             except urllib.error.HTTPError as exc:
-                detail = server_message(exc)
+                detail, location = server_message(exc), exc.headers.get("Location") if exc.headers else None
+                exc.close()
+                if 300 <= exc.code < 400:
+                    return Reply(error=self.redirect_error(exc.code, location))
                 if exc.code >= 500 or exc.code in RETRIED_STATUS:
                     why = f"HTTP {exc.code}{detail}"
                     continue
@@ -132,7 +146,6 @@ class RemoteReward:
             except (OSError, http.client.HTTPException) as exc:  # refused, reset, timed out (URLError: an OSError)
                 why = self._transport_failure(exc)
                 continue
-            rewards, malformed = parse_rewards(raw, size)
             if rewards is None:
                 self._say_once(f"reward server {self.url}: a malformed answer: {malformed}; its samples are left "
                                f"unjudged, counted in reward/remote_failed (said once)")
@@ -146,8 +159,11 @@ class RemoteReward:
         if self.token:
             headers["Authorization"] = f"Bearer {self.token}"
         request = urllib.request.Request(self.url, data=body, headers=headers, method="POST")
-        with urllib.request.urlopen(request, timeout=self.settings.timeout) as response:
-            return response.read()
+        deadline = time.monotonic() + self.settings.timeout  # this try's, for all its reads and writes together
+        opener = urllib.request.build_opener(NoRedirects(), DeadlineHTTPHandler(deadline),
+                                             DeadlineHTTPSHandler(deadline))  # and the proxies of the environment
+        with opener.open(request, timeout=self.settings.timeout) as response:
+            return read_capped(response)
 
     def _transport_failure(self, exc: BaseException) -> str:
         reason = exc.reason if isinstance(exc, urllib.error.URLError) else exc
@@ -169,12 +185,87 @@ class RemoteReward:
         return RunError(f"reward server {self.url} answered HTTP {status}{detail} to a request of {size} samples: "
                         f"{hint}")
 
+    def redirect_error(self, status: int, location: str | None) -> RunError:
+        """The RunError of a redirect: not followed, so that the token never goes to a host the config did not
+        name."""
+        where = repr(" ".join(location.split())[:200]) if location else "nowhere (no Location)"
+        return RunError(f"reward server {self.url} answered HTTP {status}, a redirect to {where}: redirects are not "
+                        f"followed (the request and its token would go with it): put the URL you mean in `reward:`")
+
     def _say_once(self, line: str) -> None:
         with self._lock:
             if self._said:
                 return
             self._said = True
         print(line, file=sys.stderr, flush=True)
+
+
+# -- the transport: no redirects, one deadline per try, a capped answer ---------------------------------------
+
+class AnswerTooLarge(ValueError):
+    """An answer over MAX_ANSWER_BYTES, left unread past the cap."""
+
+
+class NoRedirects(urllib.request.HTTPRedirectHandler):
+    """A 3xx is not followed: urllib raises it as an HTTPError, which `RemoteReward.redirect_error` names."""
+
+    def redirect_request(self, req, fp, code, msg, headers, newurl):
+        return None
+
+
+class DeadlineConnection:
+    """An http.client connection whose socket keeps one `deadline` (time.monotonic()) for every send and read."""
+
+    def __init__(self, host, *, deadline: float, **kwargs):
+        super().__init__(host, **kwargs)
+        self.deadline = deadline
+
+    def connect(self) -> None:
+        left = self.deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("the deadline passed")
+        self.timeout = min(self.timeout, left)  # the TCP connect (and TLS handshake) within the deadline too
+        super().connect()
+        self.sock = DeadlineSocket(self.sock, self.deadline)
+
+
+class DeadlineHTTPConnection(DeadlineConnection, http.client.HTTPConnection):
+    pass
+
+
+class DeadlineHTTPSConnection(DeadlineConnection, http.client.HTTPSConnection):
+    pass
+
+
+class DeadlineHTTPHandler(urllib.request.HTTPHandler):
+    def __init__(self, deadline: float):
+        super().__init__()
+        self.deadline = deadline
+
+    def http_open(self, req):
+        return self.do_open(DeadlineHTTPConnection, req, deadline=self.deadline)
+
+
+class DeadlineHTTPSHandler(urllib.request.HTTPSHandler):
+    def __init__(self, deadline: float):
+        super().__init__()
+        self.deadline = deadline
+
+    def https_open(self, req):
+        return self.do_open(DeadlineHTTPSConnection, req, deadline=self.deadline)
+
+
+def read_capped(response) -> bytes:
+    """The answer's body, at most MAX_ANSWER_BYTES: AnswerTooLarge, unread, when its Content-Length says more, or
+    after MAX_ANSWER_BYTES + 1 bytes when it says nothing (chunked, or until the server closes)."""
+    declared = (response.headers.get("Content-Length") or "").strip()
+    if re.fullmatch(r"[0-9]+", declared) and (len(declared) > 18 or int(declared) > MAX_ANSWER_BYTES):
+        raise AnswerTooLarge(f"an answer of {declared[:20]} bytes, over the client's cap of {MAX_ANSWER_BYTES} "
+                             f"bytes (not read)")
+    raw = response.read(MAX_ANSWER_BYTES + 1)
+    if len(raw) > MAX_ANSWER_BYTES:
+        raise AnswerTooLarge(f"an answer over the client's cap of {MAX_ANSWER_BYTES} bytes (not read further)")
+    return raw
 
 
 def request_body(batch, finished: list[bool], rows: range) -> bytes:
@@ -203,7 +294,7 @@ def parse_rewards(raw: bytes, n: int) -> tuple[Optional[list], str]:
     """(n floats, NaN for null; "") from an answer `{"rewards": [...]}`, or (None, what is wrong with it)."""
     try:
         document = json.loads(raw, parse_constant=_refuse_constant)
-    except ValueError as exc:  # UnicodeDecodeError too
+    except (ValueError, RecursionError) as exc:  # UnicodeDecodeError too; RecursionError: 100,000 nested `[`
         return None, f"not JSON ({exc})"
     rewards = document.get("rewards") if isinstance(document, dict) else None
     if not isinstance(rewards, list):
@@ -236,8 +327,8 @@ def _refuse_constant(name: str):
 def server_message(exc: urllib.error.HTTPError) -> str:
     """': the server's own one-line message' of an error answer ({"error": ...}, else its text), or ''."""
     try:
-        text = exc.read().decode("utf-8", "replace").strip()
-    except OSError:
+        text = exc.read(MAX_ERROR_BYTES).decode("utf-8", "replace").strip()
+    except (OSError, http.client.HTTPException):
         return ""
     try:
         document = json.loads(text)
