@@ -66,9 +66,10 @@ def test_one_config_trains_a_reasoning_gym_task_sft_then_grpo(task_model, tmp_pa
     samples = [json.loads(line) for line in open(run / "ppo" / "samples.jsonl")]
     assert len(samples) >= 4
     for sample in samples:
-        question = next(q for q in entries if q in sample["prompt"])
-        entry = library[entries[question]["task"]["index"]]
-        assert entry["question"] == question
+        # the sample carries its row's fields (the task entry, the reference answer), as the scorer saw them
+        entry = library[sample["fields"]["task"]["index"]]
+        assert entry["question"] in sample["prompt"] and entry["question"] in entries
+        assert sample["fields"]["answer"] == entry["answer"]
         assert sample["reward"] == pytest.approx(library.score_answer(sample["response"].strip(), entry))
     ppo = read_metrics(run / "ppo" / "metrics.jsonl")
     assert [m["step"] for m in ppo if "eval/reward" in m] == [0, 2, 4]

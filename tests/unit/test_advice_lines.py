@@ -84,6 +84,11 @@ def test_a_tiny_automatic_eval_split_is_said_and_its_pasted_hint_silences_it(tmp
     assert load(eval_fraction=0.5) == (MIN_EVAL_ROWS, [])  # the hint, pasted
     assert load(eval_fraction=0.0) == (0, [])
     assert load(eval_fraction=0.5, eval_max_rows=4) == (4, [])  # a cap the user chose
+    cfg = DataConfig(train=str(data), cache_dir=str(tmp_path / "cache"), eval_fraction=0.5, eval_max_rows=4)
+    for _ in ("miss", "hit"):  # but the rows it leaves out are counted and said, from the cache too
+        assert load_stage_data("rm", cfg, tok, seed=0).info["eval_capped_from"] == 10
+        assert "data: evaluation rows: 4 of 10 (data.eval_max_rows=4 keeps each evaluation quick; raise it to " \
+               "evaluate on all of them)" in capsys.readouterr().err.splitlines()
     eval_file = write_jsonl(tmp_path / "eval.jsonl", rows[:3])
     assert load(eval=str(eval_file)) == (3, [])  # rows the user chose are theirs to judge
     # from 100 rows, 5 held out: the share that holds out 10 is offered

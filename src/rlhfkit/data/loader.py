@@ -197,6 +197,8 @@ def read_examples(stage: str, cfg: DataConfig, seed: int, sources: list[Source],
         if cfg.eval_max_rows > 0 else []
     # only the held-out rows the eval keeps leave training: those past eval_max_rows train (else they would be
     # neither trained nor evaluated)
+    if 0 < len(kept) < len(evals):  # said in the log: the rows evaluated are fewer than the rows there are
+        stats["eval"]["eval_capped_from"] = len(evals)
     held = {evals[j] for j in kept if evals[j][0] is not None}
     if held:
         stats["train"]["held_out"] = len(held)
@@ -346,9 +348,13 @@ MIN_EVAL_ROWS = 10
 
 
 def _note_eval_rows(stage: str, data: StageData, cfg, eval_source, note) -> None:
-    """Say so when the rows held out by data.eval_fraction are too few to mean anything, or when evaluation rows
+    """Say so when data.eval_max_rows leaves evaluation rows out, when the rows held out by data.eval_fraction are
+    too few to mean anything, or when evaluation rows
     were asked for but none are left (a held-out share of few rows rounds to none, or every eval row was too long):
     the run logs no eval metrics."""
+    if data.info.get("eval_capped_from"):
+        note(f"evaluation rows: {len(data.eval)} of {data.info['eval_capped_from']} (data.eval_max_rows="
+             f"{cfg.eval_max_rows} keeps each evaluation quick; raise it to evaluate on all of them)")
     # (a data.eval_max_rows the user set below MIN_EVAL_ROWS is their choice)
     if data.eval and eval_source is None and data.info.get("held_out") \
             and len(data.eval) < min(MIN_EVAL_ROWS, cfg.eval_max_rows):

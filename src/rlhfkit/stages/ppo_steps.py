@@ -157,12 +157,19 @@ def response_shape(ids: torch.Tensor, lengths: torch.Tensor) -> dict:
 
 def write_eval_samples(path, step: int, batch: RolloutBatch, scores: dict) -> None:
     """One line per held-out response of an evaluation after iteration `step` (0: the starting policy): prompt,
-    response, and each judge's score ("reward", "gold"; null where it left the response unjudged)."""
+    response, each judge's score ("reward", "gold"; null where it left the response unjudged), and the prompt
+    row's other fields (`fields`: a reference answer, a task's entry) where it has any."""
     with open(path, "a", encoding="utf-8") as f:
         for i in range(batch.size):
             judged = {name: (float(v[i]) if torch.isfinite(v[i]) else None) for name, v in scores.items()}
             f.write(json.dumps({"step": step, "prompt": batch.prompt_texts[i], "response": batch.response_texts[i],
+                                **row_fields(batch, i),
                                 **judged}) + "\n")
+
+
+def row_fields(batch: RolloutBatch, i: int) -> dict:
+    """{"fields": row i's dataset fields} for a samples file, or nothing where the row has none."""
+    return {"fields": batch.fields[i]} if i < len(batch.fields) and batch.fields[i] else {}
 
 
 @dataclass
@@ -357,7 +364,8 @@ class PPOSteps:
 
     def write_samples(self, out, log, iteration: int, scored: Scored) -> None:
         """Every ppo.sample_every iterations (and the first): a few (prompt, response, reward) triples to
-        samples.jsonl (reward null: unjudged, as in eval_samples.jsonl) and one line above the bar."""
+        samples.jsonl (reward null: unjudged, as in eval_samples.jsonl; with the row's `fields`, e.g. a reference
+        answer, where it has any) and one line above the bar."""
         every, n = self.cfg.ppo.sample_every, self.cfg.ppo.num_samples
         if not log.enabled or n <= 0 or every <= 0 or not (iteration % every == 0 or iteration == 1):
             return
@@ -368,7 +376,8 @@ class PPOSteps:
         with open(out / "samples.jsonl", "a", encoding="utf-8") as f:
             for i, (prompt, cut) in enumerate(shown):
                 f.write(json.dumps({"step": iteration, "prompt": prompt, **({"prompt_truncated": True} if cut else {}),
-                                    "response": rollout.response_texts[i], "reward": rewards[i]}) + "\n")
+                                    "response": rollout.response_texts[i], "reward": rewards[i],
+                                    **row_fields(rollout, i)}) + "\n")
         prompt = prompt_preview(rollout.messages[0] if rollout.messages else None, shown[0][0])
         verdict = "unjudged" if rewards[0] is None else f"reward {rewards[0]:.3g}"
         log.write(f"[{iteration}] {prompt!r} -> {rollout.response_texts[0][:120]!r} ({verdict})")
