@@ -51,8 +51,8 @@ def test_length_drift_fires_with_its_numbers_and_the_step_it_started():
     assert check_rule("length_drift", rows[:10], LIMITS_) is None
     alarm = check_rule("length_drift", rows[:11], LIMITS_)
     assert (alarm.level, alarm.value, alarm.since, alarm.metric) == (40, 70, 11, "response_length")
-    assert alarm.line() == ("alarm: response_length 40 -> 70 tokens (+75% on its level over steps 1-5) since step "
-                            "11: length drift: responses grow or shrink to please the reward; see docs/monitors.md")
+    assert alarm.line() == ("alarm: response_length 40 -> 70 tokens (+75% on its level over steps 1-5, now the mean "
+                            "of its last 3) since step 11: length drift: responses grow or shrink to please the reward; see docs/monitors.md")
     # shrinking fires too
     short = check_rule("length_drift", stream(response_length=[40] * 5 + [15] * 3), LIMITS_)
     assert short.value == 15 and short.since == 8 and "-62%" in short.line()
@@ -74,7 +74,7 @@ def test_length_tail_repetition_truncation_and_entropy():
                        LIMITS_)
     # (0 + 0.5 + 0.5) / 3 = 0.33 at step 10 is not 0.35 above the level of 0; 0.5 at step 11 is
     assert trunc.metric == "truncation" and trunc.value == pytest.approx(0.5) and trunc.since == 11
-    assert "truncation 0 -> 0.5 (+0.5 on its level over steps 1-5)" in trunc.line()
+    assert "truncation 0 -> 0.5 (+0.5 on its level over steps 1-5, now the mean of its last 3)" in trunc.line()
     ent = check_rule("entropy_collapse", stream(entropy=[2.0] * 5 + [1.5] * 3 + [0.3] * 3), LIMITS_)
     # a quarter of the level is 0.5: (1.5 + 0.3 + 0.3) / 3 = 0.7 at step 10 is not below it, 0.3 at step 11 is
     assert ent.since == 11 and ent.value == pytest.approx(0.3) and "-85%" in ent.line()
@@ -84,7 +84,9 @@ def test_kl_blowup_is_an_absolute_limit_watched_from_the_window_on():
     rows = stream(kl=[0.0] * 5 + [1.0] * 3 + [12.4] * 3)
     assert check_rule("kl_blowup", rows, LIMITS_) is None  # 12.4 < 20 nats
     alarm = check_rule("kl_blowup", rows, {**LIMITS_, "kl_nats": 10})
-    assert alarm.line().startswith("alarm: kl 0 -> 12.4 nats (past 10 nats; 0 at step 1) since step 11: KL blow-up")
+    # the window's mean (not the last value the bar shows), said as such
+    assert alarm.line().startswith("alarm: kl 12.4 nats, the mean of its last 3 logged values (past 10 nats; 0 at "
+                                   "step 1) since step 11: KL blow-up")
     # a recipe that breaks at once: no level is needed, the third value is watched (the mean of steps 1-3 is 54)
     early = check_rule("kl_blowup", stream(kl=[0.0, 99.0, 62.0]), LIMITS_)
     assert early.since == 3 and early.value == pytest.approx(161 / 3)
@@ -97,9 +99,13 @@ def test_group_collapse_needs_patience_iterations_in_a_row():
     assert check_rule("group_collapse", stream(**{"group/all_equal": shares}), LIMITS_) is None  # two in a row
     alarm = check_rule("group_collapse", stream(**{"group/all_equal": shares + [1.0]}), LIMITS_)
     assert alarm.since == 9 and alarm.level == pytest.approx(0.2) and alarm.value == pytest.approx((0.95 * 2 + 1) / 3)
-    assert "above 0.9 for 3 logged iterations" in alarm.line()
-    # a run that starts collapsed is told so (no level needed)
-    assert check_rule("group_collapse", stream(**{"group/all_equal": [1.0] * 3}), LIMITS_).since == 1
+    assert alarm.line().startswith("alarm: group/all_equal 0.967 (the share of groups whose samples all scored alike, "
+                                   "above 0.9 in the last 3 logged iterations; 0.2 over steps 1-5) since step 9")
+    # a run that starts collapsed is told so (no level needed), without a "1 -> 1" from itself to itself
+    collapsed = check_rule("group_collapse", stream(**{"group/all_equal": [1.0] * 3}), LIMITS_)
+    assert collapsed.since == 1 and collapsed.line().startswith(
+        "alarm: group/all_equal 1 (the share of groups whose samples all scored alike, above 0.9 in every logged "
+        "iteration) since step 1")
 
 
 def test_reward_std_collapse_and_reward_jump():
@@ -107,7 +113,7 @@ def test_reward_std_collapse_and_reward_jump():
     collapse = check_rule("reward_std_collapse", stream(**{"reward/std": std}), LIMITS_)
     # each of the last 3 below 0.2 x level = 0.06 from step 11 on; it is sustained, so "since" is where it began
     assert collapse.since == 11 and collapse.value == pytest.approx(0.03)
-    assert "-90% on its level over steps 1-5" in collapse.line()
+    assert "-90% on its level over steps 1-5; each of the last 3" in collapse.line()
     # a policy near the top of its reward: batches that all score alike now and then are not a collapse
     lucky = [0.3] * 8 + [0.0, 0.0, 0.1, 0.0, 0.0, 0.2]
     assert check_rule("reward_std_collapse", stream(**{"reward/std": lucky}), LIMITS_) is None

@@ -121,9 +121,10 @@ class Shift:
     steps: tuple[int, int]  # the first and last step of the level
     value: float
     since: int
+    window: int  # the current value is the mean of this many last values (not the last one, which the bar shows)
 
     def over(self) -> str:
-        return f"its level over steps {self.steps[0]}-{self.steps[1]}"
+        return f"its level over steps {self.steps[0]}-{self.steps[1]}, now the mean of its last {self.window}"
 
 
 def shift(points: Points, limits: dict, moved: Callable[[float, float], bool]) -> Optional[Shift]:
@@ -140,7 +141,7 @@ def shift(points: Points, limits: dict, moved: Callable[[float, float], bool]) -
     end = len(points)  # the streak: walk back while the window ending one value earlier also moved
     while end - 1 >= n + w and moved(level, _mean(points[end - 1 - w:end - 1])):
         end -= 1
-    return Shift(level, (points[0][0], points[n - 1][0]), current, points[end - 1][0])
+    return Shift(level, (points[0][0], points[n - 1][0]), current, points[end - 1][0], w)
 
 
 def _fmt(x: float) -> str:
@@ -199,9 +200,10 @@ def _blowup(metric: str, limit: str):
         while end - 1 >= w and _mean(points[end - 1 - w:end - 1]) > nats:
             end -= 1
         (step, first), current = points[0], _mean(points[-w:])
+        # the mean of the last w values, which is not the last value the bar shows: the line says which it is
         return Finding(metric, first, current, points[end - 1][0],
-                       f"{metric} {_fmt(first)} -> {_fmt(current)} nats (past {nats:g} nats; {_fmt(first)} at step "
-                       f"{step})")
+                       f"{metric} {_fmt(current)} nats, the mean of its last {w} logged values (past {nats:g} nats; "
+                       f"{_fmt(first)} at step {step})")
     return check
 
 
@@ -224,9 +226,13 @@ def group_collapse(rows: list[dict], limits: dict) -> Optional[Finding]:
         start -= 1
     head = points[:int(limits["baseline"])]
     level, current = _mean(head), _mean(points[-patience:])
+    # an absolute limit: what matters is the share now and for how long; where it was at the start is said only
+    # where the run did not start collapsed
+    start_note = "every logged iteration" if start == 0 else \
+        f"the last {len(points) - start} logged iterations; {_fmt(level)} over steps {head[0][0]}-{head[-1][0]}"
     return Finding("group/all_equal", level, current, points[start][0],
-                   f"group/all_equal {_fmt(level)} -> {_fmt(current)} (above {share:g} for {len(points) - start} "
-                   f"logged iterations; its level over steps {head[0][0]}-{head[-1][0]})")
+                   f"group/all_equal {_fmt(current)} (the share of groups whose samples all scored alike, above "
+                   f"{share:g} in {start_note})")
 
 
 def reward_std_collapse(rows: list[dict], limits: dict) -> Optional[Finding]:
