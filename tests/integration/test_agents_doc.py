@@ -34,3 +34,17 @@ def test_the_agents_page_example_trains_as_written(ppo_world, tmp_path):
     first, last = (sum(r["reward/mean"] for r in part) / len(part) for part in (rows[:5], rows[-5:]))
     assert last > first + 0.1, [round(r["reward/mean"], 3) for r in rows]
     assert rows[0]["episode/turns"] == pytest.approx(2.0)
+
+
+def test_the_agents_page_play_example_prints_what_it_shows(tmp_path):
+    """The "try it by hand" snippet, run in the folder of the page's files, prints the page's transcript."""
+    import subprocess
+    import sys
+
+    text = (ROOT / "docs" / "agents.md").read_text()
+    for name, content in heredocs(text).items():
+        (tmp_path / name).write_text(content + "\n")
+    snippet = re.search(r"```python\n(from rlhfkit.envs import play\n.*?)```", text, re.S).group(1)
+    shown = re.search(r"```text\n(\[user\] .*?)```", text, re.S).group(1)
+    proc = subprocess.run([sys.executable, "-c", snippet], cwd=tmp_path, capture_output=True, text=True)
+    assert proc.returncode == 0 and proc.stdout == shown, proc.stderr

@@ -145,3 +145,27 @@ def test_without_namespaces_the_python_tool_is_a_config_error_naming_the_opt_out
     loaded = load_environment(config(tmp_path, "episode.tools=[python]", "episode.code_sandbox=hook"))
     assert loaded.tools[1]({"code": "print(6 * 7)"}) == "42"
     assert "WITHOUT a kernel boundary (episode.code_sandbox=hook)" in loaded.code_notice()
+
+
+def test_an_environment_is_played_by_hand_before_training(tmp_path):
+    from rlhfkit.envs import BadValue, play
+
+    call = format_tool_call("calculator", {"expression": "347 * 829"})
+    episode = play(Multiply, {"answer": 287663, "prompt": "What is 347 * 829?"}, [call, "287663"])
+    assert [m["role"] for m in episode.messages] == ["user", "assistant", "tool", "assistant"]
+    assert episode.messages[2] == {"role": "tool", "name": "calculator", "content": "287663"}
+    assert (episode.ended, episode.reward) == ("done", 1.0)
+    assert episode.text().endswith("[assistant] 287663\n-- ended: done; return 1")
+    # the scripted turns ran out: no answer, so nothing judged it (a run leaves it unjudged)
+    short = play(Multiply, {"answer": 1}, [call])
+    assert (short.ended, short.reward) == ("script_ended", None) and "return unjudged" in short.text()
+    # the class by its spec, its arguments, and the error a run would report for a value it cannot use
+    (tmp_path / "envs.py").write_text("from rlhfkit.envs import Environment, Step\n"
+                                      "class Echo(Environment):\n    def __init__(self, bad=False):\n"
+                                      "        self.bad = bad\n"
+                                      "    def reset(self, row):\n        return 'say ' + row['word']\n"
+                                      "    def step(self, text):\n        return 42 if self.bad else "
+                                      "Step(reward=float(text == 'hi'), done=True)\n")
+    assert play(f"{tmp_path / 'envs.py'}:Echo", {"word": "hi"}, ["hi"]).reward == 1.0
+    with pytest.raises(BadValue, match="Echo.step returned int \\(42\\); expected a message string"):
+        play(f"{tmp_path / 'envs.py'}:Echo", {"word": "hi"}, ["hi"], env_args={"bad": True})
