@@ -158,12 +158,16 @@ def series_of(rows: list[dict], *keys: str) -> dict:
 
 
 def speed_plan(output: str) -> tuple[dict, dict]:
-    """The first log line of a stage (`speed.registry.plan_line`), parsed: ({label: models it is on for ('' for a
-    one-model stage)}, {label: why it is off}). Asserts that it is the first line the stage's logger wrote."""
+    """The first two log lines of a stage (`speed.registry.plan_line`), parsed: ({label: models it is on for ('' for
+    a one-model stage)}, {label: why it is off}). Asserts that they are the first lines the stage's logger wrote."""
     lines = [line for line in output.splitlines() if line.startswith(("speed plan: ", "sft: ", "rm: ", "dpo: ",
                                                                        "ppo: "))]
-    assert lines and lines[0].startswith("speed plan: "), lines[:3]
-    on_text, off_text = lines[0][len("speed plan: on: "):].split("; off: ")
+    assert lines and lines[0].startswith("speed plan: on: ") and lines[1].startswith("speed plan: off: "), lines[:3]
+    on_text, off_text = lines[0][len("speed plan: on: "):], lines[1][len("speed plan: off: "):]
+    on = {}
+    for group in on_text.split("; "):  # "actor, critic: A, B" (several models) or "A, B" (one)
+        models, _, labels = group.rpartition(": ")
+        on.update({label: models for label in labels.split(", ") if label != "none"})
 
     def entries(text: str) -> dict:
         out, depth, start = {}, 0, 0
@@ -177,7 +181,7 @@ def speed_plan(output: str) -> tuple[dict, dict]:
                     out[label] = rest[:-1] if rest else ""
         return out
 
-    return entries(on_text), entries(off_text)
+    return on, entries(off_text)
 
 
 @pytest.fixture(scope="session")

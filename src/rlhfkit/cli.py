@@ -97,6 +97,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    if not _is_terminal(sys.stderr):  # a log file or pipe: the libraries' own bars (loading weights, writing
+        os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # shards) would land in it as fragments;
+        # read when huggingface_hub is imported, which building the parser does
     # the `deepspeed` launcher appends --local_rank=N; the rank comes from the environment anyway
     argv = [a for i, a in enumerate(argv) if not a.startswith("--local_rank")
             and not (i > 0 and argv[i - 1] == "--local_rank")]
@@ -160,6 +163,13 @@ def main(argv: list[str] | None = None) -> int:
     if is_main_process():
         print(json.dumps(result))
     return MONITOR_STOPPED if "stopped_by" in result else 0
+
+
+def _is_terminal(stream) -> bool:
+    try:
+        return stream.isatty()
+    except (AttributeError, ValueError):
+        return False
 
 
 def _say(line: str) -> None:

@@ -89,13 +89,18 @@ def test_ppo_says_what_its_kl_is_previews_the_start_of_prompts_and_says_its_pace
                                          "    return [-len(r.split()) / 8 for r in responses]\n")
     res = run_cli("ppo", f"actor={tiny_model_dir}", "reward=rewards.py:short", f"data.prompts={prompts}",
                   f"output_dir={tmp_path / 'ppo'}", "train.max_steps=2", "train.batch_size=4",
-                  "gen.max_new_tokens=8", "ppo.sample_every=1", "lora.rank=8", "log.tensorboard=false", cwd=tmp_path)
+                  "gen.max_new_tokens=8", "ppo.sample_every=1", "lora.rank=8", "log.tensorboard=false", cwd=tmp_path,
+                  env={"RLHFKIT_NO_BAR": "0"})  # the progress as a user gets it
     assert res.returncode == 0, res.stderr[-3000:]
     kl = lines_with(res.stderr, "kl (bar, metrics.jsonl)")
-    assert kl == ["kl (bar, metrics.jsonl): ppo.kl_estimator=k1 (log pi - log pi_ref) summed over each response's "
-                  "sampled tokens and averaged over the responses, in nats: an estimate of KL(pi || pi_ref), "
-                  "unbiased, and below 0 (the true KL cannot be) when the sampled tokens happen to be likelier under "
-                  "the reference: noise around a KL near 0, as at the start, where pi = pi_ref up to rounding"], kl
+    assert kl == ["kl (bar, metrics.jsonl): k1 = log pi - log pi_ref, summed over each response's tokens, averaged "
+                  "over the responses, in nats; unbiased, and below 0 (the true KL cannot be) where it is near 0, as "
+                  "at the start: noise (docs/ppo.md)"], kl
+    # stderr is a pipe here, as a redirected log: plain lines, no bar redrawn into it, no library bars' fragments
+    assert "\r" not in res.stderr and "\x1b[" not in res.stderr and "Writing model shards" not in res.stderr
+    progress = [line for line in res.stderr.splitlines() if line.startswith("ppo 1/2 ") or line.startswith("ppo 2/2 ")]
+    assert len(progress) == 2 and progress[1].startswith("ppo 2/2 (100%), ") and "kl=" in progress[1], progress
+    assert max(map(len, res.stderr.splitlines())) <= 300  # the speed plan and the kl note included
     # the row's own prompt, longer than the preview: its start and its end (the question's last words) are kept
     preview = next(line for line in res.stderr.splitlines() if line.startswith("[1] "))
     assert re.match(rf"\[1\] '{question[:40]}.* \.\.\. .*then say ({'|'.join(NAMES)})' -> ", preview), preview

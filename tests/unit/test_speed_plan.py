@@ -85,7 +85,7 @@ def test_every_path_is_decided_and_named_for_every_model_it_serves(stage, role):
     off = dict(plan.off)
     assert set(plan.on()) | set(off) == set(served) and not set(plan.on()) & set(off)
     assert all(off.values())  # each off path says why
-    on_part, off_part = plan_line({role: plan}).removeprefix("speed plan: on: ").split("; off: ")
+    on_part, off_part = plan_line({role: plan}).removeprefix("speed plan: on: ").split("\nspeed plan: off: ")
     for name in served:  # the first log line names each: among those on, or off with its reason
         label = BY_NAME[name].label
         assert (f"{label} ({off[name]})" in off_part) if name in off else (label in on_part), (label, on_part, off_part)
@@ -171,12 +171,13 @@ def test_the_first_line_names_the_paths_on_and_why_the_others_are_off():
                                      ("fused_kernels", "engine.speed=reference"))),
              "critic": ModelPlan(padding_free=True, off=(("head_chunks", "x"),)),
              "reference": ModelPlan(head_chunks=True)}
-    assert plan_line(plans) == ("speed plan: on: LM head in chunks (actor, reference), padding-free (actor, critic); "
-                                "off: fused kernels (engine.speed=reference), LM head in chunks (critic: x), group "
-                                "decode (ZeRO-3: ranks decode in step)")
+    # two lines: what is on, grouped by the models it is on for, and what is off, with why
+    assert plan_line(plans) == ("speed plan: on: actor, reference: LM head in chunks; actor, critic: padding-free\n"
+                                "speed plan: off: fused kernels (engine.speed=reference), LM head in chunks (critic: x), "
+                                "group decode (ZeRO-3: ranks decode in step)")
     assert plan_line({"policy": ModelPlan(packing=True, off=(("head_chunks", "chunked_loss=false"),))}) == \
-        "speed plan: on: packed micro-batches; off: LM head in chunks (chunked_loss=false)"
-    assert plan_line({"policy": REFERENCE}) == "speed plan: on: none; off: none"
+        "speed plan: on: packed micro-batches\nspeed plan: off: LM head in chunks (chunked_loss=false)"
+    assert plan_line({"policy": REFERENCE}) == "speed plan: on: none\nspeed plan: off: none"
 
 
 def test_no_fast_path_remembers_anything_outside_the_plan():

@@ -147,9 +147,8 @@ def _kl_coef_doc() -> str:
 # tokens pi sampled: name -> (formula, what its estimates are). Written into ppo.kl_estimator's doc and into the
 # run's first log lines, which say what the logged `kl` is.
 KL_ESTIMATOR_DOCS = {
-    "k1": ("log pi - log pi_ref", "unbiased, and below 0 (the true KL cannot be) when the sampled tokens happen to "
-                                  "be likelier under the reference: noise around a KL near 0, as at the start, "
-                                  "where pi = pi_ref up to rounding"),
+    "k1": ("log pi - log pi_ref", "unbiased, and below 0 (the true KL cannot be) where it is near 0, as at the "
+                                  "start: noise"),
     "k2": ("(log pi - log pi_ref)^2 / 2", "biased, never below 0"),
     "k3": ("(r - 1) - log r, r = pi_ref / pi", "unbiased, never below 0"),
 }

@@ -345,16 +345,16 @@ def _decide(path: SpeedPath, target: Target, on: dict) -> str | None:
 
 
 def plan_line(plans: dict) -> str:
-    """The first log line of a stage: `speed plan: on: ...; off: ...`, every path considered for the models in
-    `plans` ({name: ModelPlan}), in registry order, with the models it is on for and, for each off, why. Names the
-    models only when there are several."""
+    """The first log lines of a stage: `speed plan: on: ...` and `speed plan: off: ...`, every path considered for
+    the models in `plans` ({name: ModelPlan}), in registry order: those on grouped by the models they are on for
+    ("actor, critic: A, B; actor: C"), and for each off, why. Names the models only when there are several."""
     several = len(plans) > 1
-    on, off = [], []
+    on, off = {}, []  # on: the models -> the labels of the paths on for exactly those
     for name in PATH_NAMES:
         label = BY_NAME[name].label
         users = [model for model, plan in plans.items() if getattr(plan, name)]
         if users:
-            on.append(label + (f" ({', '.join(users)})" if several else ""))
+            on.setdefault(", ".join(users), []).append(label)
         reasons: dict = {}
         for model, plan in plans.items():
             why = dict(plan.off).get(name)
@@ -367,4 +367,6 @@ def plan_line(plans: dict) -> str:
         else:
             off.append(f"{label} (" + "; ".join(f"{', '.join(models)}: {why}" if several else why
                                                 for why, models in reasons.items()) + ")")
-    return f"speed plan: on: {', '.join(on) or 'none'}; off: {', '.join(off) or 'none'}"
+    shown = "; ".join(f"{models}: {', '.join(labels)}" if several else ", ".join(labels)
+                      for models, labels in on.items())
+    return f"speed plan: on: {shown or 'none'}\nspeed plan: off: {', '.join(off) or 'none'}"

@@ -24,8 +24,8 @@ def lora_rate_note(rank: int, lr: float, key: str = "train.lr") -> str | None:
 def kl_note(estimator: str) -> str:
     """What the `kl` on the bar and in metrics.jsonl is, and whether it can go below 0 (`ppo.kl_estimator`)."""
     formula, meaning = KL_ESTIMATOR_DOCS[estimator]
-    return (f"kl (bar, metrics.jsonl): ppo.kl_estimator={estimator} ({formula}) summed over each response's "
-            f"sampled tokens and averaged over the responses, in nats: an estimate of KL(pi || pi_ref), {meaning}")
+    return (f"kl (bar, metrics.jsonl): {estimator} = {formula}, summed over each response's tokens, averaged over "
+            f"the responses, in nats; {meaning} (docs/ppo.md)")
 
 
 def duration(seconds: float) -> str:
