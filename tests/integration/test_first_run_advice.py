@@ -11,7 +11,7 @@ import shutil
 
 import yaml
 
-from conftest import NAMES, run_cli, sft_rows, write_jsonl
+from conftest import NAMES, read_metrics, run_cli, sft_rows, write_jsonl
 
 # printed by transformers (peft reads its deprecated name) and DeepSpeed (imported by save_pretrained) on every run
 NOISE = ("is_gradient_checkpointing", "Setting accelerator to CPU")
@@ -129,3 +129,22 @@ def test_the_end_of_a_run_says_what_it_learned_or_why_it_did_not(tmp_path, tiny_
     (line,) = lines_with(res.stderr, "sft: after 6 steps")
     assert line.endswith("; the eval/loss barely moved (under 1%): a higher train.lr (LoRA trains at 1e-4 or more) "
                          "or more steps"), line
+
+
+def test_responses_past_the_models_positions_are_counted_and_said(tmp_path, tiny_model_dir):
+    """The tiny model reads 256 positions; prompts of ~250 tokens and 16 new tokens run past them: counted in
+    response/past_context each iteration and said once, with what to lower."""
+    long = " ".join(NAMES * 12)  # about 240 tokens of the tiny tokenizer
+    prompts = write_jsonl(tmp_path / "prompts.jsonl", [{"prompt": f"{long} say {n}"} for n in NAMES[:8]])
+    (tmp_path / "rewards.py").write_text("def short(prompts, responses):\n"
+                                         "    return [-len(r.split()) / 8 for r in responses]\n")
+    res = run_cli("ppo", f"actor={tiny_model_dir}", "reward=rewards.py:short", f"data.prompts={prompts}",
+                  f"output_dir={tmp_path / 'ppo'}", "train.max_steps=2", "train.batch_size=4", "gen.max_new_tokens=16",
+                  "gen.min_new_tokens=16", "data.eval_fraction=0", "log.tensorboard=false", cwd=tmp_path)
+    assert res.returncode == 0, res.stderr[-3000:]
+    rows = [r for r in read_metrics(tmp_path / "ppo" / "metrics.jsonl") if "reward/mean" in r]
+    assert all(r["response/past_context"] == 4 for r in rows), rows  # every response: 240 + 16 > 256
+    said = lines_with(res.stderr, "ran past the model's 256 positions")
+    assert said == ["past context: 4 of the 4 responses of iteration 1 ran past the model's 256 positions (prompt and "
+                    "response together); lower data.max_prompt_length or gen.max_new_tokens. response/past_context "
+                    "counts them every iteration"], said

@@ -18,6 +18,7 @@ from rlhfkit.envs import Environment, Step
 from rlhfkit.errors import RunError
 from rlhfkit.rollout.engines import NativeRollout
 from rlhfkit.rollout.episodes import EpisodeRollout, EnvironmentReward, episode_metrics
+from rlhfkit.rollout.turns import TurnRenderer
 from rlhfkit.rollout.experience import add_rewards, response_logprobs
 from rlhfkit.speed.registry import Target, plan_model
 
@@ -283,3 +284,55 @@ def test_a_template_that_takes_tools_describes_them_in_its_own_words(tiny_model_
     native, text = texts["fallback"]
     assert not native and text.startswith("<|im_start|>system\nYou can call these tools:")
     assert '<tool_call>{"name": "TOOL_NAME"' in text
+
+
+class WithTools(Environment):
+    """Opens with the row's own prompt (None), so the tools are described in it; done after one turn."""
+
+    tools = ["calculator"]
+
+    def step(self, text):
+        return Step(done=True, reward=1.0)
+
+
+def test_an_opening_past_data_max_prompt_length_is_cut_and_counted(world):
+    """The tools' description made a 413-token opening for a 256-position model while the summary said nothing was
+    truncated: an opening past data.max_prompt_length is cut like a long prompt row (its start and end kept) and
+    counted in episode/opening_cut."""
+    from rlhfkit.tools import resolve_tools
+
+    tok, model, engine, plan, template = world
+    rows = [{**row, "messages": [{"role": "user", "content": "say " + row["fields"]["name"]}]}
+            for row in rows_for(tok, template, NAMES[:4])]
+    renderer = TurnRenderer(template, resolve_tools(["calculator"]))
+    full = [renderer.opening(row["messages"])[0] for row in rows]
+    longest = max(map(len, full))
+    for budget, cut in ((longest + 5, 0.0), (longest - 20, 1.0)):
+        runner = EpisodeRollout(NativeRollout(model, engine, tok, plan), WithTools,
+                                EpisodeSection(max_turns=2, max_tokens=32), template, engine,
+                                resolve_tools(WithTools.tools), max_prompt_length=budget)
+        batch = runner.generate(rows, GenConfig(max_new_tokens=4))
+        assert episode_metrics(batch)["episode/opening_cut"] == cut
+        lengths = batch.prompt_mask.sum(-1).tolist()
+        assert lengths == [min(len(ids), budget) for ids in full], (lengths, budget)
+    ids = batch.prompt_ids[0][batch.prompt_mask[0].bool()].tolist()
+    assert ids[-6:] == full[0][-6:]  # the question's end kept (the tools' part, over half the budget, is not)
+
+
+def test_a_tools_description_that_fills_the_prompt_budget_is_refused_before_models_load(tiny_model_dir):
+    from rlhfkit.config.ppo_schema import PPODataConfig
+    from rlhfkit.errors import ConfigError
+    from rlhfkit.models import load_tokenizer
+    from rlhfkit.rollout.episodes import check_opening
+    from rlhfkit.tools import resolve_tools
+
+    tok, tools = load_tokenizer(str(tiny_model_dir)), resolve_tools(["calculator"])
+    positions = type("Config", (), {"max_position_embeddings": 4096})()
+    length = TurnRenderer(Template.for_tokenizer(tok, "auto"), tools).tools_length()
+    assert length > 50
+    check_opening(PPODataConfig(max_prompt_length=length + 20), tok, tools, positions)  # room left for a question
+    with pytest.raises(ConfigError, match=f"data.max_prompt_length': the tools' description alone takes {length} "
+                                          f"tokens of every episode's opening, and data.max_prompt_length={length}"):
+        check_opening(PPODataConfig(max_prompt_length=length), tok, tools, positions)
+    with pytest.raises(ConfigError, match=f"past the model's 40 positions"):
+        check_opening(PPODataConfig(max_prompt_length=4096), tok, tools, type("Config", (), {"max_position_embeddings": 40})())

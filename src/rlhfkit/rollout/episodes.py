@@ -29,10 +29,10 @@ from dataclasses import replace
 
 import torch
 
-from rlhfkit.data.tokenize import pad_sequences
+from rlhfkit.data.tokenize import cut_prompt, pad_sequences
 from rlhfkit.envs.base import BadValue, as_messages, as_reward, as_step
 from rlhfkit.envs.calls import Outcome, run_calls
-from rlhfkit.errors import RunError
+from rlhfkit.errors import ConfigError, RunError
 from rlhfkit.rollout.batch import RolloutBatch
 from rlhfkit.rollout.turns import TurnRenderer
 
@@ -55,6 +55,7 @@ class Episode:
         self.done = False
         self.unjudged = False  # over with no reward at all (not a failure)
         self.ended = ""  # why: done, max_turns, max_tokens, or a failure reason
+        self.opening_cut = False  # its opening (with the tools' description) was past data.max_prompt_length
         self.failure: str | None = None  # raised, timeout, bad_value
         self.detail = ""
 
@@ -77,8 +78,9 @@ class EpisodeRollout:
     """A RolloutEngine (rollout/engines.py) that samples episodes against `env_class` through `inner`."""
 
     def __init__(self, inner, env_class, cfg, template, engine, tools: list | None = None, env_args: dict | None = None,
-                 spec: str = ""):
+                 spec: str = "", max_prompt_length: int | None = None):
         self.inner, self.env_class, self.cfg, self.engine = inner, env_class, cfg, engine
+        self.max_prompt_length = max_prompt_length  # data.max_prompt_length: an opening longer is cut, and counted
         self.env_args, self.spec = dict(env_args or {}), spec or env_class.__name__
         self.tokenizer = template.tokenizer
         self.tools = list(tools or [])
@@ -143,6 +145,11 @@ class EpisodeRollout:
             if messages is not None:
                 e.prompt_ids, e.prompt_text = self.renderer.opening(messages)
                 e.messages = messages
+                budget = self.max_prompt_length
+                if budget and len(e.prompt_ids) > budget:  # as a long prompt row: its start and its end kept
+                    e.prompt_ids = cut_prompt(e.prompt_ids, self.renderer.fixed_length(messages, e.prompt_ids),
+                                              budget)
+                    e.opening_cut = True
         return episodes
 
     def _anyone(self, local: bool) -> bool:
@@ -256,6 +263,7 @@ class EpisodeRollout:
         texts = [self.tokenizer.decode(e.ids, skip_special_tokens=True) for e in episodes]
         stats = [{"turns": e.turns, "tool_calls": getattr(e.env, "tool_calls", 0), "ended": e.ended,
                   "env_tokens": len(e.ids) - sum(e.model), "failure": e.failure, "detail": e.detail,
+                  "opening_cut": e.opening_cut,
                   "unjudged": e.unjudged or e.failure is not None} for e in episodes]
         device = self.engine.device if self.engine is not None else "cpu"
         return RolloutBatch(prompt_ids=prompt_ids, prompt_mask=prompt_mask, response_ids=response_ids,
@@ -297,7 +305,8 @@ class EnvironmentReward:
 
 def episode_metrics(batch: RolloutBatch) -> dict:
     """The rollout's episodes at a glance: mean turns, tool calls and environment tokens per episode, the share
-    that called a tool, and the share of each way an episode ended (done, max_turns, max_tokens, failures)."""
+    that called a tool, the share whose opening was cut to data.max_prompt_length, and the share of each way an
+    episode ended (done, max_turns, max_tokens, failures)."""
     stats = getattr(batch, "episodes", None)
     if not stats:
         return {}
@@ -305,7 +314,26 @@ def episode_metrics(batch: RolloutBatch) -> dict:
     out = {"episode/turns": sum(s["turns"] for s in stats) / n,
            "episode/tool_calls": sum(s["tool_calls"] for s in stats) / n,
            "episode/used_tool": sum(s["tool_calls"] > 0 for s in stats) / n,
-           "episode/env_tokens": sum(s["env_tokens"] for s in stats) / n}
+           "episode/env_tokens": sum(s["env_tokens"] for s in stats) / n,
+           "episode/opening_cut": sum(s.get("opening_cut", False) for s in stats) / n}
     for ended in ("done", "max_turns", "max_tokens", *FAILURES):
         out[f"episode/ended_{ended}"] = sum(s["ended"] == ended for s in stats) / n
     return out
+
+
+def check_opening(data_cfg, tokenizer, tools: list, model_config) -> None:
+    """ConfigError, before any model loads, when the tools' description alone (in every episode's opening) fills
+    data.max_prompt_length or the model's positions (`model_config.max_position_embeddings`): no opening fits."""
+    from rlhfkit.data.templates import Template
+
+    template = Template.for_tokenizer(tokenizer, data_cfg.template, None)
+    length, budget = TurnRenderer(template, tools).tools_length(), data_cfg.max_prompt_length
+    context = getattr(model_config, "max_position_embeddings", None)
+    if length and length >= budget:
+        raise ConfigError(f"config key 'data.max_prompt_length': the tools' description alone takes {length} tokens "
+                          f"of every episode's opening, and data.max_prompt_length={budget} leaves no room for the "
+                          f"question; raise it (the model reads {context or 'an unknown number of'} positions) or "
+                          f"list fewer tools")
+    if length and context and length >= context:
+        raise ConfigError(f"config key 'episode.tools': the tools' description alone takes {length} tokens, past "
+                          f"the model's {context} positions")

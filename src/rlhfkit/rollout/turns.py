@@ -69,6 +69,30 @@ class TurnRenderer:
             text = self.template.prompt(self.opening_messages(messages))
         return encode_prompt(self.tokenizer, text), text
 
+    def fixed_length(self, messages: list[dict], ids: list[int]) -> int:
+        """How many of an opening's `ids` come before its first non-system content (BOS, the system turn with the
+        tools' description, the first header): what the opening of any other conversation shares with it."""
+        first = next((i for i, m in enumerate(messages) if m.get("role") != "system"), 0)
+        other = [dict(m) for m in messages]
+        other[first]["content"] = "\u2063" + str(messages[first].get("content", ""))[::-1]
+        try:
+            ids_other = self.opening(other)[0]
+        except TemplateRefused:
+            return 0
+        n = 0
+        while n < min(len(ids), len(ids_other)) and ids[n] == ids_other[n]:
+            n += 1
+        return n
+
+    def tools_length(self) -> int:
+        """Tokens the tools' description adds to an opening (0 without tools): every episode's opening carries
+        them, whatever its row."""
+        if not self.tools:
+            return 0
+        bare = TurnRenderer(self.template)
+        question = [{"role": "user", "content": "?"}]
+        return len(self.opening(question)[0]) - len(bare.opening(question)[0])
+
     # -- a turn of the environment -------------------------------------------------------------------------
     def followup(self, messages: list[dict], last_token: int | None) -> list[int]:
         """The ids to append after a model turn whose last sampled id is `last_token`: the turn's closing (unless

@@ -13,7 +13,8 @@ from rlhfkit.config.ppo_schema import PPOConfig
 from rlhfkit.data.loader import skipped_rows
 from rlhfkit.errors import ConfigError
 from rlhfkit.envs.load import load_environment
-from rlhfkit.models.loading import record_template
+from rlhfkit.models.loading import causal_lm_config, record_template
+from rlhfkit.rollout.episodes import check_opening
 from rlhfkit.rollout.vllm_server import check_server
 from rlhfkit.stages.advice import kl_note, lora_rate_note, pace_line
 from rlhfkit.stages.best import BestKeeper
@@ -52,6 +53,8 @@ def run_ppo(cfg: PPOConfig, resume: bool = False, force: bool = False) -> dict:
     ptx = PtxText(cfg.data.ptx, tokenizer, cfg.ptx.max_length, seed) if cfg.ptx.coef > 0 else None
     served = check_server(cfg, tokenizer) if cfg.rollout.server else None  # another model's server: before loading
     environment = load_environment(cfg) if cfg.env else None  # the user's environment class and tools, likewise
+    if environment:  # the tools' description is in every opening: one that cannot fit fails here
+        check_opening(cfg.data, tokenizer, environment.tools, causal_lm_config(cfg.actor, cfg.load))
     models = load_ppo_models(cfg, tokenizer, engine, iters * updates_per_iteration(cfg),
                              prompt_fields=[row.get("fields") or {} for row in data.train])
     record_template(models.actor.module, data.info["template"])  # into final/ and best/ config.json
@@ -92,7 +95,7 @@ def run_ppo(cfg: PPOConfig, resume: bool = False, force: bool = False) -> dict:
                     # samples at a time (train.batch_size prompts x n_samples_per_prompt: kl_horizon counts samples)
                     rl.kl_ctl.update(experience.kl, samples_per_iteration(cfg))
                     rl.write_samples(out, log, it + 1, scored)
-                    rl.note_unjudged(log, it + 1, scored)  # said when the reward first leaves responses unjudged
+                    rl.note_left_out(log, it + 1, scored)  # said once: unjudged, openings cut, past the context
                     seconds = time.perf_counter() - tick
                     if it == start:  # how long the whole run will take, while it is still cheap to stop and shrink
                         log.write(pace_line("ppo", it + 1, iters, seconds, timer.seconds))

@@ -73,7 +73,8 @@ def updates_per_iteration(cfg: PPOConfig) -> int:
 
 
 # the rollout metrics that count responses or groups (the others are means and fractions)
-COUNTS = frozenset({"reward/unjudged", "reward/remote_failed", "group/filtered", "response/masked_truncated"})
+COUNTS = frozenset({"reward/unjudged", "reward/remote_failed", "group/filtered", "response/masked_truncated",
+                    "response/past_context"})
 
 
 def moments(name: str, values: torch.Tensor, squares: bool = False) -> dict:
@@ -209,9 +210,12 @@ class PPOSteps:
         if environment is not None:  # multi-turn: the engine samples each model turn of the episodes
             template = Template.for_tokenizer(tokenizer, cfg.data.template, self.eos_ids)
             self.sampler = EpisodeRollout(self.sampler, environment.env_class, cfg.episode, template, engine,
-                                          environment.tools, environment.env_args, environment.spec)
+                                          environment.tools, environment.env_args, environment.spec,
+                                          cfg.data.max_prompt_length)
+        # the model's positions: a prompt and response longer are counted (response/past_context) and said
         self.stale = self.sampler.separate
-        self.unjudged_said = 0  # note_unjudged: 1 once some responses were left unjudged, 2 once half or more
+        self.context = getattr(self.actor.module.config, "max_position_embeddings", None)
+        self.said: dict[str, int] = {}  # note_left_out: what was said, at which level
         # the old log-probs from a forward after sampling, not from sampling itself (auto: under bf16 autocast;
         # always where another engine sampled: its log-probs are checked against the forward's)
         self.recompute_old = self.sampler.separate or cfg.ppo.old_logprobs == "forward" or (
@@ -315,6 +319,7 @@ class PPOSteps:
         coef = {} if self.cfg.ppo.estimator().kl_in == "loss" else {"kl_coef": self.kl_ctl.value}
         return {**moments("reward", scored.raw[judged], squares=True), **named,
                 "reward/unjudged": float((~judged).sum()), **getattr(self.models.reward, "counts", {}),
+                "response/past_context": float(self.past_context(scored).sum()),
                 **scored.dropped,
                 "score/mean": scored.scores.mean().item(), **coef,
                 "response_length": scored.lengths.float().mean().item(),
@@ -382,17 +387,39 @@ class PPOSteps:
         verdict = "unjudged" if rewards[0] is None else f"reward {rewards[0]:.3g}"
         log.write(f"[{iteration}] {prompt!r} -> {rollout.response_texts[0][:120]!r} ({verdict})")
 
-    def note_unjudged(self, log, iteration: int, scored: Scored) -> None:
-        """Say it, once, when the reward first leaves responses unjudged, and again when it first leaves half or
-        more: those responses are out of the update, which can starve the run without the bar showing why."""
-        left, total = int((~scored.judged).sum()), scored.judged.numel()
-        level = 2 if 2 * left >= total else 1 if left else 0
-        if level <= self.unjudged_said:
-            return
-        self.unjudged_said = level
-        log.write(f"reward: {left} of the {total} responses of iteration {iteration} were left unjudged (the reward "
-                  f"returned None or NaN, or could not be reached); they are out of the update. reward/unjudged "
-                  f"counts them every iteration")
+    def past_context(self, scored: Scored) -> torch.Tensor:
+        """(B,) bool: the prompt and response together are longer than the model's positions (it was never
+        trained at such positions: what it samples there, and the log-probs, mean little). The lengths as sampled
+        (a masked row's mask is zeros): an episode's whole trajectory, the environment's tokens included."""
+        rollout = scored.rollout
+        if not self.context:
+            return torch.zeros(rollout.size, dtype=torch.bool)
+        response = rollout.response_attention.sum(-1) if rollout.response_attention is not None else scored.lengths
+        return rollout.prompt_mask.sum(-1).cpu() + response.cpu() > self.context
+
+    def note_left_out(self, log, iteration: int, scored: Scored) -> None:
+        """Say it once (and again when it first reaches half of the batch) when responses were left unjudged (out
+        of the update: it can starve the run without the bar showing why), when episode openings were cut to
+        data.max_prompt_length, or when sequences ran past the model's positions."""
+        rollout, total = scored.rollout, scored.judged.numel()
+        cut = sum(s.get("opening_cut", False) for s in (rollout.episodes or []))
+        counts = {"unjudged": int((~scored.judged).sum()), "opening_cut": int(cut),
+                  "past_context": int(self.past_context(scored).sum())}
+        lines = {
+            "unjudged": "were left unjudged (the reward returned None or NaN, or could not be reached); they are out "
+                        "of the update. reward/unjudged counts them every iteration",
+            "opening_cut": f"opened with more than data.max_prompt_length={self.cfg.data.max_prompt_length} tokens "
+                           f"(the prompt with the tools' description) and were cut to it: their start and end kept. "
+                           f"episode/opening_cut gives the share every iteration",
+            "past_context": f"ran past the model's {self.context} positions (prompt and response together); lower "
+                            f"data.max_prompt_length or {'episode.max_tokens' if rollout.episodes else 'gen.max_new_tokens'}. "
+                            f"response/past_context counts them every iteration"}
+        for what, left in counts.items():
+            level = 2 if 2 * left >= total else 1 if left else 0
+            if level > self.said.get(what, 0):
+                self.said[what] = level
+                log.write(f"{what.replace('_', ' ')}: {left} of the {total} responses of iteration {iteration} "
+                          f"{lines[what]}")
 
     def prompt_seen(self, rollout, i: int) -> tuple[str, bool]:
         """(the prompt as the actor saw it, whether data.max_prompt_length cut it): a cut prompt kept its end, so
