@@ -97,11 +97,17 @@ def opening_length(tokenizer, template: Template, messages: list[dict], ids: lis
     """How many of a rendered prompt's `ids` come before the conversation's first user (non-system) content: BOS,
     the system turn, the first turn's header. They are the ids it shares with the same prompt whose first such
     content differs."""
+    return shared_opening(messages, ids, lambda other: encode_prompt(tokenizer, template.prompt(other)))
+
+
+def shared_opening(messages: list[dict], ids: list[int], render) -> int:
+    """How many of `ids` (`messages` rendered by `render`, messages -> ids) come before the first non-system
+    content: the ids they share with the rendering of the same conversation whose first such content differs."""
     first = next((i for i, m in enumerate(messages) if m.get("role") != "system"), 0)
     other = [dict(m) for m in messages]
     other[first]["content"] = "\u2063" + str(messages[first].get("content", ""))[::-1]
     try:
-        ids_other = encode_prompt(tokenizer, template.prompt(other))
+        ids_other = render(other)
     except TemplateRefused:
         return 0
     n = 0

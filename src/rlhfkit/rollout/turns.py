@@ -19,6 +19,7 @@ rendered with them, in the template's own words; else the fallback format's inst
 from __future__ import annotations
 
 from rlhfkit.data.templates import ROLE_NAMES, Template, encode_prompt
+from rlhfkit.data.tokenize import shared_opening
 from rlhfkit.errors import TemplateRefused
 
 PLACEHOLDER, CONTEXT = "rlhfkit-placeholder-turn", "rlhfkit-context"
@@ -72,17 +73,7 @@ class TurnRenderer:
     def fixed_length(self, messages: list[dict], ids: list[int]) -> int:
         """How many of an opening's `ids` come before its first non-system content (BOS, the system turn with the
         tools' description, the first header): what the opening of any other conversation shares with it."""
-        first = next((i for i, m in enumerate(messages) if m.get("role") != "system"), 0)
-        other = [dict(m) for m in messages]
-        other[first]["content"] = "\u2063" + str(messages[first].get("content", ""))[::-1]
-        try:
-            ids_other = self.opening(other)[0]
-        except TemplateRefused:
-            return 0
-        n = 0
-        while n < min(len(ids), len(ids_other)) and ids[n] == ids_other[n]:
-            n += 1
-        return n
+        return shared_opening(messages, ids, lambda other: self.opening(other)[0])
 
     def tools_length(self) -> int:
         """Tokens the tools' description adds to an opening (0 without tools): every episode's opening carries
