@@ -10,7 +10,7 @@ takes them, so a row can be pasted to run it again.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields, replace
 from datetime import datetime
 from pathlib import Path
 
@@ -28,11 +28,12 @@ SEP = " · "
 @dataclass(frozen=True)
 class WhatRan:
     """`algorithm`: what the page calls the run ("GRPO", "IPO", "SFT"); `verb`: the command (`rlhfkit ppo`);
-    `rows`: (what, text) in table order."""
+    `rows`: (what, text) in table order; `config`: the config.yaml they were read from."""
 
     algorithm: str
     verb: str
     rows: list[tuple[str, str]]
+    config: dict = field(default_factory=dict)
 
 
 def read_config(folder: Path) -> dict | None:
@@ -56,7 +57,7 @@ def what_ran(stage: str, folder: Path, rows: list[dict]) -> WhatRan | None:
         return None
     algorithm, table = describe(cfg)
     took = duration(folder, rows, "iterations" if stage == "ppo" else "steps")
-    return WhatRan(algorithm, f"rlhfkit {stage}", table + ([("duration", took)] if took else []))
+    return WhatRan(algorithm, f"rlhfkit {stage}", table + ([("duration", took)] if took else []), cfg)
 
 
 def _get(cfg: dict, key: str):
@@ -90,13 +91,45 @@ def _source(value) -> str:
     return _value(value)
 
 
-def _eval_source(cfg: dict, key: str) -> str:
-    """Where the eval rows came from: `key`'s source, else (the config's default) a held-out share."""
-    if _get(cfg, key):
-        return _source(_get(cfg, key))
+def _train_source(cfg: dict, key: str) -> str:
+    """What the step trained on: `key`'s source, else (no source of its own) the task's generated rows."""
+    if _get(cfg, key) is None and _get(cfg, "task.name"):
+        return f"{_settings(cfg, 'task.name', 'task.size')} questions (reasoning-gym)"
+    return _source(_get(cfg, key))
+
+
+def _eval_source(cfg: dict, key: str, train_key: str) -> str:
+    """Where this run's eval rows came from: none, `key`'s source, the task's held-out questions, the training
+    source's own eval split, or a share of it held out."""
     if not _get(cfg, "data.eval_max_rows"):
         return "none (data.eval_max_rows=0)"
-    return f"the source's eval split, or {_settings(cfg, 'data.eval_fraction')} of it"
+    if _get(cfg, key):
+        return _source(_get(cfg, key))
+    if _get(cfg, train_key) is None and _get(cfg, "task.name"):
+        return f"the task's {_settings(cfg, 'task.eval_size')} held-out questions"
+    spec = _get(cfg, train_key)
+    names = [item.get("path") if isinstance(item, dict) else item for item in spec] if isinstance(spec, list) \
+        else [spec]
+    return SEP.join(_held_out(cfg, str(name), len(names) > 1) for name in names)
+
+
+def _held_out(cfg: dict, name: str, mixed: bool) -> str:
+    """A training source's eval rows: its own eval split (a folder's test.jsonl, a DatasetDict's test split), else
+    data.eval_fraction of it. Said as the data loader decides it (`eval_split_of`) where the source is on this
+    machine; a hub dataset the report does not ask about."""
+    from rlhfkit.data.presets import resolve_source
+
+    src = resolve_source(name, 1.0, _get(cfg, "data.preset"), _get(cfg, "data.local_dir"))
+    whose = f"{name}'s" if mixed else "its"
+    if not Path(src.location).exists():
+        return f"not known here: {name} is not on this machine to tell whether it has an eval split of its own"
+    # the data loader imports torch; loaded only here, for a run whose eval rows hang on its source's splits
+    from rlhfkit.data.loader import eval_split_of
+
+    split = eval_split_of(src, _get(cfg, "data.split") or "train")
+    if split:
+        return f"{whose} own {split} split"
+    return f"{_settings(cfg, 'data.eval_fraction')} of {name if mixed else 'it'}, held out"
 
 
 def _steps(cfg: dict) -> str:
@@ -110,9 +143,13 @@ def _lora(cfg: dict) -> tuple[str, str]:
     return "LoRA", _settings(cfg, "lora.rank", "lora.alpha")
 
 
-def _engine(cfg: dict) -> tuple[str, str]:
-    zero = ("engine.zero_stage",) if _get(cfg, "engine.backend") == "deepspeed" else ()
-    return "engine", _settings(cfg, "engine.backend", *zero, "engine.precision")
+def _engine(cfg: dict, *deepspeed_keys: str) -> tuple[str, str]:
+    """The distributed engine: its backend and precision; with DeepSpeed its ZeRO stage and the offloads on."""
+    if _get(cfg, "engine.backend") != "deepspeed":
+        return "engine", _settings(cfg, "engine.backend", "engine.precision")
+    offloads = [key for key in ("engine.offload_optimizer", "engine.offload_params") if _get(cfg, key)]
+    return "engine", _settings(cfg, "engine.backend", "engine.zero_stage", *deepspeed_keys, *offloads,
+                               "engine.precision")
 
 
 def _default(name, default: str) -> str:
@@ -122,7 +159,7 @@ def _default(name, default: str) -> str:
 def _sft(cfg: dict) -> tuple[str, list]:
     return "SFT", [
         ("model", _value(cfg.get("model"))),
-        ("data", f"train: {_source(_get(cfg, 'data.train'))}{SEP}eval: {_eval_source(cfg, 'data.eval')}"),
+        ("data", f"train: {_train_source(cfg, 'data.train')}{SEP}eval: {_eval_source(cfg, 'data.eval', 'data.train')}"),
         ("training", _settings(cfg, "train.lr", "train.batch_size", "train.micro_batch_size") + SEP + _steps(cfg)),
         _lora(cfg), _engine(cfg),
     ]
@@ -170,22 +207,99 @@ def _reward(spec) -> str:
     return f"{spec} ({REWARD_KINDS[reward_kind(spec)]})"
 
 
+def _reward_row(cfg: dict) -> str:
+    """What judged this run's samples: the environment, the task's scorer, or the `reward` spec(s)."""
+    if cfg.get("env"):
+        return "the episode's return, from the environment (below)"
+    if cfg.get("reward") is None and _get(cfg, "task.name"):
+        return f"the task's own scorer ({_settings(cfg, 'task.name')}, reasoning-gym)"
+    return _reward(cfg.get("reward"))
+
+
+def _reward_models(cfg: dict) -> list[str]:
+    """The reward-model folders among the `reward` parts (none for an env run or a task's scorer)."""
+    if cfg.get("env"):
+        return []
+    specs = cfg.get("reward") if isinstance(cfg.get("reward"), list) else [cfg.get("reward")]
+    specs = [s.get("reward") if isinstance(s, dict) else s for s in specs]
+    return [s for s in specs if isinstance(s, str) and reward_kind(s) == "model"]
+
+
 def _critic(cfg: dict, name: str, estimator) -> str:
     if estimator is not None and not estimator.critic:
         return f"none ({name} needs no critic)"
     if cfg.get("critic"):
         return _value(cfg["critic"])
-    specs = cfg.get("reward") if isinstance(cfg.get("reward"), list) else [cfg.get("reward")]
-    specs = [s.get("reward") if isinstance(s, dict) else s for s in specs]
-    if all(isinstance(s, str) and reward_kind(s) != "model" for s in specs):
-        return "the actor with a fresh value head (default)"
-    return "the reward model if it reads the actor's tokens, else the actor with a fresh value head (default)"
+    models = _reward_models(cfg)
+    start = _critic_start(cfg, models) if models else ""
+    if start is None:
+        return (f"not known here: the run chose between {', '.join(models)} and the actor by their tokenizers, "
+                f"which cannot be read on this machine")
+    if start:
+        return f"{start} (the reward model reads the actor's tokens: its score head starts the value head; default)"
+    differs = f"; {', '.join(models)} tokenizes differently" if models else ""
+    return f"the actor with a fresh value head (default{differs})"
+
+
+def _critic_start(cfg: dict, models: list[str]) -> str | None:
+    """The reward model the run's critic started from, as `stages.ppo_setup.critic_source` chose it: the first
+    whose tokenizer reads the actor's token ids ("" for none: the actor). None where a tokenizer is not a folder
+    on this machine (a hub id is not fetched for a report)."""
+    actor = _get(cfg, "load.tokenizer") or cfg.get("actor")
+    if not all(isinstance(f, str) and Path(f).expanduser().is_dir() for f in [actor, *models]):
+        return None
+    # transformers loads only here, for a run whose critic hangs on its tokenizers
+    from rlhfkit.config.schema import LoadConfig
+    from rlhfkit.errors import ModelError
+    from rlhfkit.models.loading import load_tokenizer
+    from rlhfkit.models.reward_fn import same_tokenization
+
+    known = {f.name for f in fields(LoadConfig)}
+    opts = LoadConfig(**{k: v for k, v in (_get(cfg, "load") or {}).items() if k in known})
+    try:
+        actor_tok = load_tokenizer(cfg["actor"], opts)
+        return next((spec for spec in models
+                     if same_tokenization(load_tokenizer(spec, replace(opts, tokenizer=None)), actor_tok)), "")
+    except (ModelError, OSError, ValueError):
+        return None
+
+
+def _environment(cfg: dict) -> list[tuple[str, str]]:
+    """An env run's environment, the tools its model was given and the episode's limits."""
+    if not cfg.get("env"):
+        return []
+    tools = _get(cfg, "episode.tools") or []
+    sandbox = ("episode.code_sandbox",) if "python" in tools else ()  # where model-written code ran
+    return [
+        ("environment", _settings(cfg, "env", *(("episode.env_args",) if _get(cfg, "episode.env_args") else ()))),
+        ("tools", _settings(cfg, "episode.tools", *sandbox) if tools else "none listed (episode.tools=[])"),
+        ("turns", _settings(cfg, "episode.max_turns", "episode.max_tokens")),
+    ]
+
+
+def _judge(cfg: dict) -> list[tuple[str, str]]:
+    """The held-out evaluation's second judge, when the run had one."""
+    judge = _get(cfg, "eval.judge")
+    return [("judge", f"eval.judge={_reward(judge)}: scores the held-out responses as eval/gold")] if judge else []
+
+
+def _rollout(cfg: dict) -> list[tuple[str, str]]:
+    """What sampled the responses: rlhfkit's decoder, or vLLM in the trainer's process or at a server."""
+    engine = _get(cfg, "rollout.engine")
+    if engine is None:  # a config.yaml from before rollout.* (the native decoder was all there was)
+        return []
+    if engine != "vllm":
+        return [("rollout", f"rollout.engine={engine} (rlhfkit's decoder on the actor)")]
+    where = _settings(cfg, "rollout.server") if _get(cfg, "rollout.server") else \
+        f"colocated in the trainer's process{SEP}{_settings(cfg, 'rollout.memory')}"
+    tis = _settings(cfg, "rollout.tis_cap") if _get(cfg, "rollout.tis_cap") is not None else "rollout.tis_cap=null"
+    return [("rollout", f"rollout.engine=vllm{SEP}{where}{SEP}{tis}")]
 
 
 def _kl(cfg: dict, estimator) -> str:
     in_loss = "ppo.kl_loss_coef=" + _value(_get(cfg, "ppo.kl_loss_coef")) + " (a k3 term in the loss)"
     if estimator is not None and estimator.kl_in == "loss":
-        return in_loss
+        return in_loss if _get(cfg, "ppo.kl_loss_coef") else "none (ppo.kl_loss_coef=0)"
     adaptive = ("ppo.adaptive_kl", "ppo.kl_target") if _get(cfg, "ppo.adaptive_kl") else ()
     in_reward = _settings(cfg, "ppo.kl_coef", "ppo.kl_estimator", *adaptive) + " (in the reward)"
     return in_reward + (SEP + in_loss if _get(cfg, "ppo.kl_loss_coef") else "")
@@ -196,7 +310,8 @@ def _ppo(cfg: dict) -> tuple[str, list]:
     estimator = ESTIMATORS.get(name)
     # an estimator with a critic is PPO proper; a critic-free one is the method its entry names first
     algorithm = "PPO" if estimator is None or estimator.critic else estimator.doc.split()[0]
-    prompts = f"prompts: {_source(_get(cfg, 'data.prompts'))}{SEP}eval: {_eval_source(cfg, 'data.eval_prompts')}"
+    prompts = (f"prompts: {_train_source(cfg, 'data.prompts')}{SEP}"
+               f"eval: {_eval_source(cfg, 'data.eval_prompts', 'data.prompts')}")
     if _get(cfg, "ptx.coef"):
         prompts += f"{SEP}ptx: {_source(_get(cfg, 'data.ptx'))} ({_settings(cfg, 'ptx.coef')})"
     update = [key for key, off in (("ppo.mini_batch_size", 0), ("ppo.epochs", 1)) if _get(cfg, key) not in (off, None)]
@@ -204,7 +319,8 @@ def _ppo(cfg: dict) -> tuple[str, list]:
     return algorithm, [
         ("estimator", f"ppo.advantage_estimator={name}" + (f" — {estimator.doc}" if estimator else "")),
         ("actor", _value(cfg.get("actor"))),
-        ("reward", _reward(cfg.get("reward"))),
+        ("reward", _reward_row(cfg)),
+        *_environment(cfg), *_judge(cfg),
         ("critic", _critic(cfg, name, estimator)),
         ("reference", _default(cfg.get("reference"), _with_lora(cfg, "the actor"))),
         ("data", prompts),
@@ -212,11 +328,46 @@ def _ppo(cfg: dict) -> tuple[str, list]:
                                "train.micro_batch_size", *update, "train.max_steps")),
         ("generation", _settings(cfg, "gen.max_new_tokens", "gen.temperature", *sampling)),
         ("KL", _kl(cfg, estimator)),
-        _lora(cfg), _engine(cfg),
+        *_rollout(cfg), _lora(cfg),
+        _engine(cfg, *(("engine.critic_zero_stage",) if estimator and estimator.critic
+                       and _get(cfg, "engine.critic_zero_stage") is not None else ())),
     ]
 
 
 VERBS = {"sft": _sft, "rm": _rm, "dpo": _dpo, "ppo": _ppo}  # a stage's metrics "stage" -> its table
+
+
+def _one_update(cfg: dict) -> str | None:
+    """Why PPO's clip fraction and approx. KL are 0: the one update of each iteration is computed before the policy
+    moves (its ratio to the sampling policy is exactly 1). None where the run made more updates per iteration."""
+    samples = (_get(cfg, "train.batch_size") or 0) * (_get(cfg, "ppo.n_samples_per_prompt") or 1)
+    if _get(cfg, "ppo.epochs") == 1 and (_get(cfg, "ppo.mini_batch_size") or samples) == samples:
+        return ("one update per iteration (ppo.epochs=1, one mini-batch) never moves the policy away from the one "
+                "that sampled")
+    return None
+
+
+# why a metric is 0 at every step, where this run's config says: metric -> (config -> reason or None)
+ZERO_BECAUSE = {
+    "clip_fraction": _one_update,
+    "approx_kl": _one_update,
+    "kl_coef": lambda cfg: "ppo.kl_coef=0 (no KL penalty in the reward)" if _get(cfg, "ppo.kl_coef") == 0 else None,
+}
+
+
+def zero_note(cfg: dict, keys: list[str]) -> str:
+    """One line naming the metrics the plots leave out for being 0 at every step, and why where `cfg` (the run's
+    config.yaml, {} without one) says: "clip_fraction and approx_kl are 0 at every step: one update ..."."""
+    by_reason: dict[str | None, list[str]] = {}
+    for key in keys:
+        because = ZERO_BECAUSE.get(key)
+        by_reason.setdefault(because(cfg) if because and cfg else None, []).append(key)
+    parts = []
+    for reason, names in sorted(by_reason.items(), key=lambda item: item[0] is None):  # explained ones first
+        listed = names[0] if len(names) == 1 else ", ".join(names[:-1]) + " and " + names[-1]
+        verb = "is" if len(names) == 1 else "are"
+        parts.append(f"{listed} {verb} 0 at every step" + (f": {reason}" if reason else ""))
+    return "; ".join(parts)
 
 
 def _seconds(s: float) -> str:
