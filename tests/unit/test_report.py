@@ -257,3 +257,99 @@ def test_a_long_run_keeps_its_line(tmp_path):
     fig = stage_figure(StageRun("sft", "sft", tmp_path / "metrics.jsonl", _sft_rows(40)))
     loss = next(line for title, line in _data_lines(fig) if title == "Loss" and line.get_label().startswith("loss"))
     assert loss.get_linestyle() == "-"
+
+
+def _titles(fig):
+    return [ax.get_title() for ax in fig.axes if ax.get_visible() and ax.get_title()]
+
+
+def _agent_rows(n=12):
+    """An env run's rows as `episode_metrics` logs them: turns, tool calls and environment tokens per episode, the
+    share that called a tool and of each way an episode ended (none timed out or raised; a few hit bad values)."""
+    rows = []
+    for s in range(1, n + 1):
+        done = min(0.9, 0.3 + 0.05 * s)
+        rows.append({"step": s, "stage": "ppo", "reward/mean": 0.05 * s, "reward/std": 0.2, "kl": 0.01 * s,
+                     "kl_coef": 0.0, "policy_loss": 0.1 / s, "entropy": 1.0 - 0.02 * s, "response_length": 40.0,
+                     "clip_fraction": 0.0, "approx_kl": 0.0,
+                     "episode/turns": 1.5 + 0.1 * s, "episode/tool_calls": 0.2 * s,
+                     "episode/used_tool": min(1.0, 0.04 * s),
+                     "episode/env_tokens": 12.0 + s, "episode/ended_done": done, "episode/ended_max_turns": 1 - done,
+                     "episode/ended_max_tokens": 0.0, "episode/ended_raised": 0.0, "episode/ended_timeout": 0.0,
+                     "episode/ended_bad_value": 0.05 if s % 4 == 0 else 0.0})
+    return rows
+
+
+def test_an_agent_runs_episodes_get_their_own_panels(tmp_path):
+    from rlhfkit.report.metrics import StageRun
+    from rlhfkit.report.plots import stage_figure
+
+    fig = stage_figure(StageRun("ppo", "ppo", tmp_path / "metrics.jsonl", _agent_rows()))
+    drawn = {}
+    for title, line in _data_lines(fig):
+        drawn.setdefault(title, []).append(line.get_label().split(" (avg")[0])
+    assert drawn["Turns and tool calls per episode"] == ["episode/turns", "episode/tool_calls"]
+    assert drawn["Environment tokens per episode"] == ["episode/env_tokens"]
+    # every way an episode ended that happened, in the run's order; the ways none ended are not drawn at 0
+    assert drawn["Share of episodes: how each ended, used a tool"] == [
+        "episode/ended_done", "episode/ended_max_turns", "episode/ended_bad_value", "episode/used_tool"]
+    # a panel none of whose metrics the run logs (a critic-free run's value loss) is not drawn empty
+    assert "Value loss" not in _titles(fig) and "Returns, values, advantages" not in _titles(fig)
+    assert all(ax.get_lines() for ax in fig.axes if ax.get_visible() and ax.get_title())
+
+
+def test_constant_zero_clip_fraction_and_approx_kl_are_left_out_and_the_page_says_why(tmp_path):
+    """With one update per iteration the ratio to the sampling policy is exactly 1: clip fraction and approx. KL are
+    0 at every step, two flat lines that tell nothing. They are not drawn; the page says so, and why, once."""
+    from rlhfkit.config.fields import dump_yaml, load_config
+    from rlhfkit.config.ppo_schema import PPOConfig
+    from rlhfkit.report.metrics import StageRun
+    from rlhfkit.report.plots import stage_figure
+
+    rows = _agent_rows()
+    _write_metrics(tmp_path / "metrics.jsonl", rows)
+    dump_yaml(load_config(PPOConfig, None, ["actor=a", "env=my_env.py:MyEnv", "data.prompts=p.jsonl",
+                                            "ppo.advantage_estimator=grpo", "ppo.n_samples_per_prompt=4",
+                                            "ppo.kl_coef=0", "ppo.kl_loss_coef=0.05", "train.max_steps=12"]),
+              tmp_path / "config.yaml")
+    titles = _titles(stage_figure(StageRun("ppo", "ppo", tmp_path / "metrics.jsonl", rows)))
+    assert "Clip fraction" not in titles and "Approx. KL (old -> new policy)" not in titles
+    assert "KL to reference" in titles  # kl is drawn; its kl_coef (0 at every step: no penalty in the reward) not
+    html = write_report(tmp_path).read_text()
+    note = re.findall(r'<p class="meta">Not drawn: (.*?)</p>', html)
+    assert note == ["kl_coef is 0 at every step: ppo.kl_coef=0 (no KL penalty in the reward); clip_fraction and "
+                    "approx_kl are 0 at every step: one update per iteration (ppo.epochs=1, one mini-batch) never "
+                    "moves the policy away from the one that sampled; episode/ended_max_tokens, episode/ended_raised "
+                    "and episode/ended_timeout are 0 at every step."]
+
+    # two epochs over each rollout do move the policy: a 0 there is not explained by the config, only stated
+    config = (tmp_path / "config.yaml").read_text().replace("epochs: 1", "epochs: 2")
+    (tmp_path / "config.yaml").write_text(config)
+    note = re.findall(r'<p class="meta">Not drawn: (.*?)</p>', write_report(tmp_path).read_text())[0]
+    assert note.startswith("kl_coef is 0 at every step: ppo.kl_coef=0") and \
+        "clip_fraction, approx_kl, episode/ended_max_tokens, episode/ended_raised and episode/ended_timeout are 0 " \
+        "at every step." in note
+
+
+def test_a_run_without_a_judge_has_no_proxy_gold_panel(tmp_path):
+    """No eval.judge, no eval/gold: the held-out proxy is drawn on its own, not beside an empty gold axis."""
+    from rlhfkit.report.plots import proxy_truth_figure
+
+    points = [{"step": s, "kl": 0.1 * s, "proxy": 0.2 * s} for s in range(0, 40, 10)]
+    fig = proxy_truth_figure(points, alarms=[(20, "kl_rise")])
+    words = " ".join(ax.get_title() + ax.get_ylabel() + " ".join(t.get_text() for t in ax.get_legend().get_texts())
+                     for ax in fig.axes if ax.get_legend())
+    assert "gold" not in words.lower() and "proxy" in words
+    assert len(fig.axes) == 2 and all(ax.get_lines() for ax in fig.axes)  # no empty twin axis
+
+    judged = proxy_truth_figure([{**p, "gold": 0.1 * p["step"], "gold_stderr": 0.01} for p in points])
+    assert any(ax.get_ylabel() == "gold reward" for ax in judged.axes)
+
+    # the page of such a run keeps its held-out evaluations (proxy, KL, alarms), drawn as above
+    rows = _ppo_rows(40)
+    for p in points:
+        rows[p["step"]].update({"eval/reward": p["proxy"], "eval/kl": p["kl"]})
+    _write_metrics(tmp_path / "metrics.jsonl", rows)
+    html = write_report(tmp_path).read_text()
+    _assert_valid_png(tmp_path / "plots" / "proxy_truth_ppo.png")
+    assert "plots/proxy_truth_ppo.png" in _png_refs(html) and "<th>gold</th>" not in html

@@ -70,6 +70,13 @@ def numeric_keys(rows: list[dict]) -> list[str]:
     return list(keys)
 
 
+def zero_everywhere(rows: list[dict], key: str) -> bool:
+    """`key` is logged and every logged value is 0: a curve that carries no information (e.g. PPO's clip fraction
+    with one update per rollout, which never moves the policy from the one that sampled)."""
+    _, values = series(rows, key)
+    return len(values) > 0 and not values.any()
+
+
 def series(rows: list[dict], key: str) -> tuple[np.ndarray, np.ndarray]:
     """(steps, values), both (N,), sorted by step, over the rows with a numeric `step` and a numeric `key`.
 

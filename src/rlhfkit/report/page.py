@@ -9,9 +9,9 @@ from html import escape
 from pathlib import Path
 
 from rlhfkit.report.metrics import StageRun, find_stage_runs, is_number, last_value, numeric_keys, read_jsonl
-from rlhfkit.report.plots import plot_arena, plot_gold, plot_proxy_truth, plot_stage
+from rlhfkit.report.plots import plot_arena, plot_gold, plot_proxy_truth, plot_stage, stage_panels
 from rlhfkit.report.proxy_truth import points_table, proxy_truth_section
-from rlhfkit.report.run_info import WhatRan, what_ran
+from rlhfkit.report.run_info import WhatRan, what_ran, zero_note
 
 PLOTS_DIR = "plots"
 MAX_SAMPLES = 100  # more rows make the page long without telling more
@@ -180,10 +180,14 @@ def _stage_section(run: StageRun, ran: WhatRan | None, run_dir: Path, plots: Pat
         parts.append(_what_ran_table(ran))
     parts.append(f'<p class="meta">{escape(source)}: {len(run.rows)} logged rows{span}</p>')
     png = plots / f"curves_{run.label}.png"
+    _, zero = stage_panels(run)
     if plot_stage(run, png, title):
         parts.append(f'<img src="{PLOTS_DIR}/{png.name}" alt="{escape(run.stage)} training curves">')
-    else:
+    elif not zero:
         parts.append("<p>No numeric metrics logged yet.</p>")
+    if zero:  # a flat line at 0 tells nothing a sentence does not: left out of the plots, said here once
+        note = zero_note(ran.config if ran else {}, zero)
+        parts.append(f'<p class="meta">Not drawn: {escape(note)}.</p>')
     if section := proxy_truth_section(run, plots):  # an RL run's held-out evaluations: proxy, truth, alarms
         parts.append(section)
     keys = numeric_keys(run.rows)

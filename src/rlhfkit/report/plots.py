@@ -9,13 +9,13 @@ and pyplot's global figure registry would need closing; a bare Figure is freed l
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
-from rlhfkit.report.metrics import StageRun, is_number, moving_average, numeric_keys, series
+from rlhfkit.report.metrics import StageRun, is_number, moving_average, numeric_keys, series, zero_everywhere
 
 COLORS = ["#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b"]
 MARKERS = ["o", "s", "D", "^", "v", "P"]  # a short curve's points: equal values of two metrics stay both visible
@@ -29,7 +29,9 @@ class Panel:
     """One subplot: `keys` share the left axis, `twin_keys` a right axis (another scale, e.g. kl_coef).
 
     `band` = (mean_key, std_key) shades mean ± std around that curve. `smooth=False` for schedules (lr),
-    which are not noisy and whose shape (warmup, decay) an average would blur.
+    which are not noisy and whose shape (warmup, decay) an average would blur. `prefix`: every logged metric whose
+    name starts with it is drawn too, before `keys` (a family whose members the run names, e.g. the ways an
+    episode can end).
     """
 
     title: str
@@ -37,6 +39,7 @@ class Panel:
     twin_keys: tuple[str, ...] = ()
     band: tuple[str, str] | None = None
     smooth: bool = True
+    prefix: str = ""
 
 
 PANELS: dict[str, list[Panel]] = {
@@ -61,6 +64,10 @@ PANELS: dict[str, list[Panel]] = {
         Panel("Clip fraction", ("clip_fraction",)),
         Panel("Approx. KL (old -> new policy)", ("approx_kl",)),
         Panel("Returns, values, advantages", ("return/mean", "value/mean", "advantage/mean")),
+        # an env run's episodes (rollout/episodes.py: episode_metrics): means per episode, then shares of episodes
+        Panel("Turns and tool calls per episode", ("episode/turns", "episode/tool_calls")),
+        Panel("Environment tokens per episode", ("episode/env_tokens",)),
+        Panel("Share of episodes: how each ended, used a tool", ("episode/used_tool",), prefix="episode/ended_"),
     ],
 }
 
@@ -150,11 +157,28 @@ def plot_stage(run: StageRun, out_path: Path, title: str | None = None) -> bool:
     return True
 
 
+def stage_panels(run: StageRun) -> tuple[list[Panel], list[str]]:
+    """(the panels worth drawing, each with only its metrics that carry information; the metrics left out for being
+    0 at every step, which the page names). A panel none of whose metrics is logged is left out without a word: the
+    run does not measure it (a critic-free run's value loss, a single-turn run's episodes)."""
+    logged = numeric_keys(run.rows)
+    zero = [key for key in logged if zero_everywhere(run.rows, key)]
+    panels, left_out = [], []
+    for panel in PANELS.get(run.stage) or _generic_panels(run.rows):
+        family = tuple(k for k in logged if panel.prefix and k.startswith(panel.prefix))
+        keys = [k for k in family + panel.keys if k in logged]
+        twins = [k for k in panel.twin_keys if k in logged]
+        left_out += [k for k in keys + twins if k in zero and k not in left_out]
+        keys, twins = tuple(k for k in keys if k not in zero), tuple(k for k in twins if k not in zero)
+        if keys or twins:
+            band = panel.band if panel.band and panel.band[0] in keys else None
+            panels.append(replace(panel, keys=keys, twin_keys=twins, band=band, prefix=""))
+    return panels, left_out
+
+
 def stage_figure(run: StageRun, title: str | None = None) -> Figure | None:
     """The stage's curve grid (None when it has nothing to plot), under `title` (default "PPO — label")."""
-    panels = PANELS.get(run.stage) or _generic_panels(run.rows)
-    present = set(numeric_keys(run.rows))
-    panels = [p for p in panels if present & set(p.keys + p.twin_keys)]
+    panels, _ = stage_panels(run)
     if not panels:
         return None
     ncols = min(3, len(panels))
@@ -162,7 +186,7 @@ def stage_figure(run: StageRun, title: str | None = None) -> Figure | None:
     fig = Figure(figsize=(4.6 * ncols, 3.3 * nrows), dpi=DPI, layout="constrained")
     axes = fig.subplots(nrows, ncols, squeeze=False).ravel()
     for ax, panel in zip(axes, panels):
-        if set(panel.keys) & present:
+        if panel.keys:
             _draw_panel(ax, run.rows, panel)
         else:  # only the twin-axis metric exists: draw it on the main axis
             _draw_panel(ax, run.rows, Panel(panel.title, panel.twin_keys, smooth=False))
@@ -195,6 +219,14 @@ def plot_gold(policies: dict[str, dict], best: float | None, out_path: Path) -> 
 
 def plot_proxy_truth(points: list[dict], out_path: Path, chosen_step: int | None = None,
                      alarms: list[tuple[int, str]] = ()) -> None:
+    """Write `proxy_truth_figure` to `out_path`."""
+    fig = proxy_truth_figure(points, chosen_step, alarms)
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out_path)
+
+
+def proxy_truth_figure(points: list[dict], chosen_step: int | None = None,
+                       alarms: list[tuple[int, str]] = ()) -> Figure:
     """Proxy and truth against KL and against the iteration (the picture of Gao et al. 2022, fig. 1), with the
     alarms raised on the run's timeline and, where the points have them, the rate of each flaw the truth punishes.
     The demo's over-optimisation curve and a run's held-out evaluations (report/proxy_truth.py) are both drawn here.
@@ -203,59 +235,69 @@ def plot_proxy_truth(points: list[dict], out_path: Path, chosen_step: int | None
     step order; `alarms`: (step, rule) of each alarm raised. Gold (left axis, ± stderr) and proxy (right axis: the
     reward's own scale) share each x axis; in the KL panel a faint line joins the points in training order, since
     the KL penalty can pull a policy back. Where the proxy keeps rising and the gold does not, the policy is buying
-    proxy reward the gold does not pay for.
+    proxy reward the gold does not pay for. Without a judge (no gold) the proxy has the left axis to itself: an
+    empty gold axis would only say what the missing judge already says.
     """
     steps = [p["step"] for p in points]
     kl = [float(p["kl"]) for p in points]
-    proxy = [float(p["proxy"]) for p in points]
     judged = all(is_number(p.get("gold")) for p in points)
-    gold = [float(p["gold"]) for p in points] if judged else []
-    gold_err = [float(p.get("gold_stderr") or 0.0) for p in points]
     names = list(points[0].get("flaws", {})) if points else []
     fig = Figure(figsize=(5.5 * (3 if names else 2), 4.0), dpi=DPI, layout="constrained")
     axes = fig.subplots(1, 3 if names else 2)
+    chosen = next((i for i, step in enumerate(steps) if step == chosen_step), None)
     for ax, xs, label in ((axes[0], kl, "KL(policy || start), nats per response"), (axes[1], steps, "iteration")):
-        twin = ax.twinx()
-        if judged:
-            ax.plot(xs, gold, color=COLORS[2], alpha=0.3, linewidth=0.8)
-            ax.errorbar(xs, gold, yerr=gold_err, color=COLORS[2], marker="o", markersize=5, capsize=3,
-                        linestyle="none", label="gold (held-out judge)")
-            ax.set_ylabel("gold reward")
-        twin.plot(xs, proxy, color=COLORS[1], alpha=0.3, linewidth=0.8, linestyle="--")
-        twin.plot(xs, proxy, color=COLORS[1], marker="s", markersize=5, linestyle="none",
-                  label="proxy (training reward)")
-        twin.set_ylabel("proxy reward")
-        chosen = [i for i, step in enumerate(steps) if step == chosen_step]
-        if chosen and judged:
-            ax.plot(xs[chosen[0]], gold[chosen[0]], marker="*", markersize=14, color="black", linestyle="none",
-                    label="kept policy")
+        _draw_proxy_and_gold(ax, xs, points, chosen if judged else None)
         ax.set_xlabel(label)
         ax.grid(alpha=0.3)
-        handles, labels = [], []
-        for one in (ax, twin):
-            h, lab = one.get_legend_handles_labels()
-            handles, labels = handles + h, labels + lab
-        ax.legend(handles, labels, fontsize=7, loc="lower right")
-    for p, x, y in zip(points, kl, gold or proxy):
+    drawn = [float(p["gold"]) for p in points] if judged else [float(p["proxy"]) for p in points]
+    for p, x, y in zip(points, kl, drawn):
         axes[0].annotate(str(p["step"]), (x, y), textcoords="offset points", xytext=(4, -10), fontsize=6,
                          color="#555")
-    axes[0].set_title("Proxy and gold against KL (labels: iteration)", fontsize=10)
+    what = "Proxy and gold" if judged else "Held-out proxy (no eval.judge)"
+    axes[0].set_title(f"{what} against KL (labels: iteration)", fontsize=10)
     axes[1].set_title("... against the iteration, alarms as dashed lines", fontsize=10)
     for step, rule in alarms:
         axes[1].axvline(step, color="#b3261e", linestyle=":", linewidth=1)
         axes[1].annotate(rule, (step, 1.0), xycoords=("data", "axes fraction"), rotation=90, fontsize=6,
                          color="#b3261e", va="top", ha="right")
     if names:
-        for i, name in enumerate(names):
-            axes[2].plot(steps, [float(p["flaws"][name]) for p in points], color=COLORS[i % len(COLORS)], marker="o",
-                         markersize=3, linewidth=1.4, label=name)
-        axes[2].set_xlabel("iteration")
-        axes[2].set_ylabel("share of samples")
-        axes[2].set_title("Flaws the gold punishes", fontsize=10)
-        axes[2].grid(alpha=0.3)
-        axes[2].legend(fontsize=7, loc="best")
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out_path)
+        _draw_flaws(axes[2], steps, points, names)
+    return fig
+
+
+def _draw_proxy_and_gold(ax, xs: list[float], points: list[dict], chosen: int | None) -> None:
+    """Gold (± stderr) on `ax` and the proxy on a right axis of its own scale; with no gold, the proxy on `ax`."""
+    proxy = [float(p["proxy"]) for p in points]
+    judged = all(is_number(p.get("gold")) for p in points)
+    twin = ax.twinx() if judged else ax
+    if judged:
+        gold = [float(p["gold"]) for p in points]
+        ax.plot(xs, gold, color=COLORS[2], alpha=0.3, linewidth=0.8)
+        ax.errorbar(xs, gold, yerr=[float(p.get("gold_stderr") or 0.0) for p in points], color=COLORS[2],
+                    marker="o", markersize=5, capsize=3, linestyle="none", label="gold (held-out judge)")
+        ax.set_ylabel("gold reward")
+        if chosen is not None:
+            ax.plot(xs[chosen], gold[chosen], marker="*", markersize=14, color="black", linestyle="none",
+                    label="kept policy")
+    twin.plot(xs, proxy, color=COLORS[1], alpha=0.3, linewidth=0.8, linestyle="--")
+    twin.plot(xs, proxy, color=COLORS[1], marker="s", markersize=5, linestyle="none", label="proxy (training reward)")
+    twin.set_ylabel("proxy reward")
+    handles, labels = [], []
+    for one in dict.fromkeys((ax, twin)):
+        h, lab = one.get_legend_handles_labels()
+        handles, labels = handles + h, labels + lab
+    ax.legend(handles, labels, fontsize=7, loc="lower right")
+
+
+def _draw_flaws(ax, steps: list, points: list[dict], names: list[str]) -> None:
+    for i, name in enumerate(names):
+        ax.plot(steps, [float(p["flaws"][name]) for p in points], color=COLORS[i % len(COLORS)], marker="o",
+                markersize=3, linewidth=1.4, label=name)
+    ax.set_xlabel("iteration")
+    ax.set_ylabel("share of samples")
+    ax.set_title("Flaws the gold punishes", fontsize=10)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, loc="best")
 
 
 def plot_arena(sft: dict, algos: dict[str, dict], best: float | None, out_path: Path) -> None:
