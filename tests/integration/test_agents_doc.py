@@ -1,5 +1,5 @@
 """docs/agents.md's example, run as written: its environment file and rows (the page's heredocs) and its
-`rlhfkit ppo` command, on the test world's tiny SFT model in place of runs/sft/final (at the tiny model's learning
+`rlhfkit ppo` command, on the test world's tiny SFT model in place of runs/demo/sft/final (at the tiny model's learning
 rate, 5e-4); the episodes' reward rises (measured: the mean of the first five iterations 0.54, of the last five
 0.76)."""
 
@@ -26,7 +26,7 @@ def test_the_agents_page_example_trains_as_written(ppo_world, tmp_path):
         (tmp_path / name).write_text(content + "\n")
     assert {"two_asks.py", "asks.jsonl"} <= set(heredocs(text))
     command = re.search(r"^rlhfkit ppo (.*?)(?<!\\)\n", text.replace("\\\n", " "), re.M | re.S).group(1)
-    args = [a.replace("runs/sft/final", str(ppo_world / "sft" / "final")) for a in shlex.split(command)]
+    args = [a.replace("runs/demo/sft/final", str(ppo_world / "sft" / "final")) for a in shlex.split(command)]
     proc = run_cli("ppo", *args, "log.tensorboard=false", "data.eval_fraction=0", "train.lr=5e-4",
                    cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]

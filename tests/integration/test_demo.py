@@ -77,6 +77,7 @@ def test_quick_demo_learns_what_the_gold_reward_stands_for(tmp_path):
     assert "Proxy and truth: ppo" in html and (out / "plots" / "proxy_truth_ppo.png").is_file()
 
     overoptimising_recipe_alarms_and_best_beats_final(out)
+    the_pages_run_as_printed_after_the_demo(out, tmp_path / "user")
 
     # a second run reuses every complete step and re-measures (seeded: the same curve); with --early-stop the bar
     # evaluates the checkpoint of best validation gold, and says the wall time was not measured
@@ -111,6 +112,38 @@ def test_quick_demo_learns_what_the_gold_reward_stands_for(tmp_path):
     AutoModelForCausalLM.from_pretrained(folder)
     for other in weights[1:]:
         assert any(not torch.equal(weights[0][k], other[k]) for k in weights[0])
+
+
+# (page, the section whose bash blocks run in order, a file or folder they must leave): pages whose commands read the
+# demo's runs/demo, run as printed from an empty folder where runs/demo is the quick demo's output
+AFTER_THE_DEMO = [("remote.md", "## Quick start", "runs/ppo-remote/final/config.json"),
+                  ("agents.md", "## Writing an environment", "runs/agent/final/config.json")]
+
+
+def the_pages_run_as_printed_after_the_demo(out, folder):
+    import re
+    import socket
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    folder.mkdir()
+    (folder / "runs").mkdir()
+    (folder / "runs" / "demo").symlink_to(out)
+    with socket.socket() as free:  # the page's port 8000 may be taken on a shared machine: another, free one
+        free.bind(("127.0.0.1", 0))
+        port = str(free.getsockname()[1])
+    for page, section, leaves in AFTER_THE_DEMO:
+        text = (ROOT / "docs" / page).read_text()
+        part = text[text.index(section):]
+        part = part[:part.find("\n## ", len(section))]
+        script = "\n".join(re.findall(r"```bash\n(.*?)```", part, re.S)).replace("8000", port)
+        env = {**os.environ, "PATH": f"{os.path.dirname(sys.executable)}:{os.environ['PATH']}",
+               "RLHFKIT_NO_REPORT": "1"}
+        proc = subprocess.run(["bash", "-e", "-c", script], cwd=folder, env=env, capture_output=True, text=True,
+                              timeout=600)
+        assert proc.returncode == 0 and (folder / leaves).is_file(), (page, proc.stdout[-2000:], proc.stderr[-3000:])
 
 
 def overoptimising_recipe_alarms_and_best_beats_final(out):

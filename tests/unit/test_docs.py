@@ -267,6 +267,36 @@ def test_no_page_points_at_the_projects_test_data():
                      "(rlhfkit fetch, the demo's runs/demo files, or files the page writes):\n" + "\n".join(bad))
 
 
+def run_folders(page: Path) -> tuple[set[str], set[str]]:
+    """(the runs/NAME folders the page's blocks make: output_dir=, --output, `rlhfkit demo`; those they use:
+    runs/NAME/... as a path of its own, not inside another folder)."""
+    text = "\n".join(line for info, lines, _ in fenced_blocks(page.read_text(encoding="utf-8"))
+                     if info in SHELL | {"yaml", ""} for line in lines)
+    made = set(re.findall(r"(?:output_dir[=:]\s*|--output\s+)runs/([\w.-]+)", text))
+    if re.search(r"rlhfkit demo\b|make demo", text):
+        made.add("demo")
+    return made, set(re.findall(r"(?<![\w/])runs/([\w.-]+)/", text))
+
+
+def test_every_run_folder_a_page_uses_says_where_it_comes_from():
+    """A command that reads runs/sft/final works only after the command that writes it: a page either writes the
+    folder itself or links a page that does (the demo's runs/demo*: demo.md or getting-started.md)."""
+    folders = {page: run_folders(page) for page in PAGES}
+    makers: dict[str, set[str]] = {}
+    for page, (made, _) in folders.items():
+        for name in made:
+            makers.setdefault(name, set()).add(page.name)
+    unsaid = []
+    for page, (made, used) in folders.items():
+        links = set(re.findall(r"\]\(([\w.-]+\.md)", page.read_text(encoding="utf-8")))
+        for name in sorted(used - made):
+            sources = {"demo.md", "getting-started.md"} if name.startswith("demo") else makers.get(name, set())
+            if not sources & links:
+                unsaid.append(f"{_rel(page)}: runs/{name}/ comes from {sorted(sources) or 'no page'}, which it does "
+                              f"not link")
+    assert not unsaid, "\n".join(unsaid)
+
+
 def github_anchor(heading: str, seen: dict[str, int]) -> str:
     """The id GitHub gives a heading: lower case, punctuation dropped, spaces to hyphens, repeats numbered."""
     slug = re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
