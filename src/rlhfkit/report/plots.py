@@ -31,7 +31,7 @@ class Panel:
     `band` = (mean_key, std_key) shades mean ± std around that curve. `smooth=False` for schedules (lr),
     which are not noisy and whose shape (warmup, decay) an average would blur. `prefix`: every logged metric whose
     name starts with it is drawn too, before `keys` (a family whose members the run names, e.g. the ways an
-    episode can end).
+    episode can end). `legend`: name even a lone curve (its panel's title names others, which were not drawn).
     """
 
     title: str
@@ -40,6 +40,7 @@ class Panel:
     band: tuple[str, str] | None = None
     smooth: bool = True
     prefix: str = ""
+    legend: bool = False
 
 
 PANELS: dict[str, list[Panel]] = {
@@ -67,7 +68,8 @@ PANELS: dict[str, list[Panel]] = {
         # an env run's episodes (rollout/episodes.py: episode_metrics): means per episode, then shares of episodes
         Panel("Turns and tool calls per episode", ("episode/turns", "episode/tool_calls")),
         Panel("Environment tokens per episode", ("episode/env_tokens",)),
-        Panel("Share of episodes: how each ended, used a tool", ("episode/used_tool",), prefix="episode/ended_"),
+        Panel("Share of episodes: how they ended, tool use", ("episode/used_tool", "episode/opening_cut"),
+              prefix="episode/ended_"),
     ],
 }
 
@@ -143,7 +145,7 @@ def _draw_panel(ax, rows: list[dict], panel: Panel) -> None:
     for a in handles_axes:
         h, lab = a.get_legend_handles_labels()
         handles, labels = handles + h, labels + lab
-    if len(handles) > 1:
+    if len(handles) > 1 or (handles and panel.legend):
         ax.legend(handles, labels, fontsize=7, loc="best")
 
 
@@ -172,7 +174,8 @@ def stage_panels(run: StageRun) -> tuple[list[Panel], list[str]]:
         keys, twins = tuple(k for k in keys if k not in zero), tuple(k for k in twins if k not in zero)
         if keys or twins:
             band = panel.band if panel.band and panel.band[0] in keys else None
-            panels.append(replace(panel, keys=keys, twin_keys=twins, band=band, prefix=""))
+            panels.append(replace(panel, keys=keys, twin_keys=twins, band=band, prefix="",
+                                  legend=len(family + panel.keys) > 1))
     return panels, left_out
 
 

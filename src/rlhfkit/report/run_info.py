@@ -339,7 +339,8 @@ VERBS = {"sft": _sft, "rm": _rm, "dpo": _dpo, "ppo": _ppo}  # a stage's metrics 
 
 def _one_update(cfg: dict) -> str | None:
     """Why PPO's clip fraction and approx. KL are 0: the one update of each iteration is computed before the policy
-    moves (its ratio to the sampling policy is exactly 1). None where the run made more updates per iteration."""
+    moves (its ratio to the sampling policy is 1, to float rounding). None where the run made more updates per
+    iteration."""
     samples = (_get(cfg, "train.batch_size") or 0) * (_get(cfg, "ppo.n_samples_per_prompt") or 1)
     if _get(cfg, "ppo.epochs") == 1 and (_get(cfg, "ppo.mini_batch_size") or samples) == samples:
         return ("one update per iteration (ppo.epochs=1, one mini-batch) never moves the policy away from the one "
