@@ -83,5 +83,10 @@ def test_the_proxy_truth_section_shows_the_evaluations_the_alarms_and_the_most_d
     html = proxy_truth_section(run, tmp_path / "plots")
     assert (tmp_path / "plots" / "proxy_truth_ppo.png").stat().st_size > 10_000
     assert "a-hacked" in html and "starting policy" in html and "eval.judge" in html
+    assert "<h3>Proxy and truth: ppo</h3>" in html
+    # without a judge there is no truth to name: the section is the held-out reward alone
+    proxy_only = StageRun("ppo", "ppo", run.path, [{k: v for k, v in r.items() if not k.startswith("eval/gold")}
+                                                   for r in run.rows])
+    assert "<h3>Held-out reward: ppo</h3>" in proxy_truth_section(proxy_only, tmp_path / "plots")
     # a run with a single evaluation (or none) has no section
     assert proxy_truth_section(StageRun("ppo", "ppo", run.path, run.rows[:2]), tmp_path / "plots") == ""

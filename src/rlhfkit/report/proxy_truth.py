@@ -110,7 +110,8 @@ def proxy_truth_section(run: StageRun, plots: Path) -> str:
     judged = all("gold" in p for p in points)
     what = ("the training reward (proxy) and the held-out judge's gold (eval.judge) on the same responses"
             if judged else "the training reward on held-out prompts (no eval.judge: no truth to set beside it)")
-    parts = [f"<h3>Proxy and truth: {escape(run.label)}</h3>",
+    title = "Proxy and truth" if judged else "Held-out reward"  # no judge: no truth to name
+    parts = [f"<h3>{title}: {escape(run.label)}</h3>",
              f'<p class="meta">Each held-out evaluation: {what}, against KL to the starting policy and the '
              f"iteration; alarms on the same timeline (docs/monitors.md).</p>",
              f'<img src="{plots.name}/{png.name}" alt="proxy and truth against KL and iteration">',
