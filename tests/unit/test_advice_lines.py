@@ -118,7 +118,8 @@ def test_pace_line_and_durations():
 
 def test_the_kl_line_and_help_say_when_the_estimate_can_be_below_zero():
     assert "below 0 (the true KL cannot be)" in kl_note("k1")
-    assert kl_note("k2").endswith("biased, never below 0") and kl_note("k3").endswith("unbiased, never below 0")
+    assert kl_note("k2").endswith("; biased, never below 0 (docs/ppo.md)")
+    assert kl_note("k3").endswith("; unbiased, never below 0 (docs/ppo.md)")
     docs = {key: doc for key, _, _, doc in help_rows(PPOConfig)}
     assert "k1 = log pi - log pi_ref: unbiased, and below 0" in docs["ppo.kl_estimator"]
     assert "why it can be below 0: ppo.kl_estimator" in docs["ppo.kl_coef"]

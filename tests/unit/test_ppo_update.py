@@ -397,9 +397,29 @@ def test_rows_left_out_of_the_update_do_not_dilute_kl_or_lengths():
                     scores=torch.tensor([1.0, 0.0, 1.0]), finished=torch.tensor([False, True, True]),
                     judged=torch.ones(3, dtype=torch.bool), dropped={"response/masked_truncated": 1.0}, kept=kept,
                     lengths=torch.tensor([4, 2, 3]))
-    steps = SimpleNamespace(models=SimpleNamespace(reward=None), cfg=ppo_config(), kl_ctl=FixedKLController(0.05))
+    steps = SimpleNamespace(models=SimpleNamespace(reward=None), cfg=ppo_config(), kl_ctl=FixedKLController(0.05),
+                            context=None)
     metrics = PPOSteps.rollout_metrics(steps, scored)
     assert metrics["response_length"] == 3.0 and metrics["response/masked_truncated"] == 1.0
+
+
+def test_past_the_models_positions_counts_prompt_and_response_as_sampled():
+    """A row past the model's positions: its prompt and its response as sampled (a masked row's too), or an
+    episode's whole trajectory (the environment's tokens count: the model read them)."""
+    from types import SimpleNamespace
+
+    from rlhfkit.stages.ppo_steps import Scored, past_context
+
+    prompt_mask = torch.tensor([[0, 1, 1], [1, 1, 1], [1, 1, 1]])  # 2, 3, 3 prompt tokens (left-padded)
+    lengths = torch.tensor([6, 5, 6])  # as sampled; row 2 was masked out of the update afterwards
+    single = Scored(SimpleNamespace(prompt_mask=prompt_mask, response_attention=None), raw=None, scores=None,
+                    finished=None, judged=None, dropped={}, kept=None, lengths=lengths)
+    assert past_context(single, 8).tolist() == [False, False, True]  # 8, 8, 9 tokens
+    assert past_context(single, None).tolist() == [False, False, False]  # positions unknown: nothing said
+    episode = Scored(SimpleNamespace(prompt_mask=prompt_mask, response_attention=torch.tensor(
+        [[1] * 7, [1] * 4 + [0] * 3, [1] * 5 + [0] * 2])), raw=None, scores=None, finished=None, judged=None,
+        dropped={}, kept=None, lengths=torch.tensor([3, 2, 2]))  # the model's own tokens: fewer
+    assert past_context(episode, 8).tolist() == [True, False, False]  # 9, 7, 8
 
 
 def test_reward_and_kl_statistics_pool_every_ranks_values():

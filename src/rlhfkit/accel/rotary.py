@@ -79,7 +79,11 @@ def _dispatching(original):
 
 
 def _standard(function) -> bool:
-    """Whether `function` has the signature of the Llama family's apply_rotary_pos_emb."""
+    """Whether `function` has the signature of the Llama family's apply_rotary_pos_emb. Where the `kernels` package
+    is installed, transformers (5.25 on) wraps the function in a module (`use_kernel_forward_from_hub`) whose
+    forward is the function: its forward's signature is the one read."""
+    if isinstance(function, torch.nn.Module):
+        function = function.forward
     try:
         names = list(inspect.signature(function).parameters)
     except (TypeError, ValueError):

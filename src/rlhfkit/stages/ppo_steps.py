@@ -185,6 +185,17 @@ class Scored:
     lengths: torch.Tensor  # (B,) each response's length as sampled (a masked row's mask is all zeros)
 
 
+def past_context(scored: Scored, context: int | None) -> torch.Tensor:
+    """(B,) bool: the prompt and response together are longer than the model's `context` positions (it was never
+    trained at such positions: what it samples there, and the log-probs, mean little). The lengths as sampled (a
+    masked row's mask is zeros): an episode's whole trajectory, the environment's tokens included."""
+    rollout = scored.rollout
+    if not context:
+        return torch.zeros(len(scored.lengths), dtype=torch.bool)
+    response = rollout.response_attention.sum(-1) if rollout.response_attention is not None else scored.lengths
+    return rollout.prompt_mask.sum(-1).cpu() + response.cpu() > context
+
+
 @dataclass
 class Experience:
     batch: RolloutBatch  # + old / reference log-probs, KL, rewards (+ values, advantages, returns unless pending)
@@ -319,7 +330,7 @@ class PPOSteps:
         coef = {} if self.cfg.ppo.estimator().kl_in == "loss" else {"kl_coef": self.kl_ctl.value}
         return {**moments("reward", scored.raw[judged], squares=True), **named,
                 "reward/unjudged": float((~judged).sum()), **getattr(self.models.reward, "counts", {}),
-                "response/past_context": float(self.past_context(scored).sum()),
+                "response/past_context": float(past_context(scored, self.context).sum()),
                 **scored.dropped,
                 "score/mean": scored.scores.mean().item(), **coef,
                 "response_length": scored.lengths.float().mean().item(),
@@ -387,16 +398,6 @@ class PPOSteps:
         verdict = "unjudged" if rewards[0] is None else f"reward {rewards[0]:.3g}"
         log.write(f"[{iteration}] {prompt!r} -> {rollout.response_texts[0][:120]!r} ({verdict})")
 
-    def past_context(self, scored: Scored) -> torch.Tensor:
-        """(B,) bool: the prompt and response together are longer than the model's positions (it was never
-        trained at such positions: what it samples there, and the log-probs, mean little). The lengths as sampled
-        (a masked row's mask is zeros): an episode's whole trajectory, the environment's tokens included."""
-        rollout = scored.rollout
-        if not self.context:
-            return torch.zeros(rollout.size, dtype=torch.bool)
-        response = rollout.response_attention.sum(-1) if rollout.response_attention is not None else scored.lengths
-        return rollout.prompt_mask.sum(-1).cpu() + response.cpu() > self.context
-
     def note_left_out(self, log, iteration: int, scored: Scored) -> None:
         """Say it once (and again when it first reaches half of the batch) when responses were left unjudged (out
         of the update: it can starve the run without the bar showing why), when episode openings were cut to
@@ -404,7 +405,7 @@ class PPOSteps:
         rollout, total = scored.rollout, scored.judged.numel()
         cut = sum(s.get("opening_cut", False) for s in (rollout.episodes or []))
         counts = {"unjudged": int((~scored.judged).sum()), "opening_cut": int(cut),
-                  "past_context": int(self.past_context(scored).sum())}
+                  "past_context": int(past_context(scored, self.context).sum())}
         lines = {
             "unjudged": "were left unjudged (the reward returned None or NaN, or could not be reached); they are out "
                         "of the update. reward/unjudged counts them every iteration",
