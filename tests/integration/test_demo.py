@@ -147,10 +147,12 @@ def the_pages_run_as_printed_after_the_demo(out, folder):
 
 
 def overoptimising_recipe_alarms_and_best_beats_final(out):
-    """The demo world with an over-optimising recipe: twice the default lr and no KL penalty, 40 iterations. The proxy
-    (the RM) keeps rising while the validation gold peaks early and falls: the proxy-truth gap alarm fires, and best/
-    (kept by validation gold) beats final/ on the untouched test prompts by standard errors. Measured: gold 0.63 at
-    iteration 5 -> -0.25 at 40 on validation, the alarm at 15; test gold best/ 0.68 ± 0.07, final/ -0.05 ± 0.09."""
+    """The demo world with an over-optimising recipe: four times the default lr and no KL penalty, 40 iterations. The
+    proxy (the RM) keeps rising while the validation gold peaks early and falls: the proxy-truth gap alarm fires, and
+    best/ (kept by validation gold) beats final/ on the untouched test prompts by standard errors. Measured
+    (transformers 5.25): gold 0.58 at iteration 5 -> -0.69 at 40 on validation, the alarm at 15; test gold best/
+    0.68 ± 0.07, final/ -0.38 ± 0.10. (Twice the lr, 4e-4, over-optimised as clearly under transformers 5.24 and
+    not under 5.25: the gold wandered 0.4-0.7 for 40 iterations.)"""
     from rlhfkit.config.ppo_schema import GenConfig
     from rlhfkit.demo import world as W
     from rlhfkit.demo.evaluate import gold_of_policies
@@ -160,7 +162,7 @@ def overoptimising_recipe_alarms_and_best_beats_final(out):
                    f"data.prompts={data / 'ppo_prompts.jsonl'}", f"data.eval_prompts={data / 'validation_prompts.jsonl'}",
                    "data.max_prompt_length=32", "eval.judge=rlhfkit.demo.world:gold_scores", "gen.max_new_tokens=24",
                    "train.batch_size=32", "train.micro_batch_size=16", "ppo.mini_batch_size=16",
-                   "ppo.normalize_reward=true", "ppo.kl_coef=0", "train.lr=4e-4", "train.max_steps=40",
+                   "ppo.normalize_reward=true", "ppo.kl_coef=0", "train.lr=8e-4", "train.max_steps=40",
                    "train.eval_every=5", "train.save_every=0", "log.tensorboard=false", "ppo.sample_every=0",
                    f"output_dir={run}", env={"RLHFKIT_NO_REPORT": "1"})
     assert proc.returncode == 0, proc.stderr[-3000:]
