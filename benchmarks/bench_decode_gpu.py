@@ -3,7 +3,7 @@
     python benchmarks/bench_decode_gpu.py --gpu [--batch 16] [--response 128] [--iters 3] [--json OUT]
 
 On the H200 generation was 80% of a PPO iteration of the ~1B Llama and 51x its memory bound (RESULTS.md,
-"Thirty-third session"): a launch-bound decode. This times, on the same left-padded prompts of that world, exactly
+"One GPU"): a launch-bound decode. This times, on the same left-padded prompts of that world, exactly
 `response` sampled tokens per prompt (EOS forbidden before), median of `iters` after one warm-up call:
 
 - `rlhfkit-autocast`: rlhfkit's loop (`rollout.generate.sample_tokens`) on float32 weights inside one bf16

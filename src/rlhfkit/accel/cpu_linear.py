@@ -163,7 +163,7 @@ def onednn_weight_grads() -> bool:
     layers: on AMD CPUs of family 26 (Zen 5, full-width AVX-512) and later. Measured on a Zen 5 core: oneDNN's
     weight-gradient GEMMs well ahead of MKL's, and an SFT step much faster with every GEMM in oneDNN (the numbers:
     docs/performance.md). On Zen 4 (family 25) MKL's weight gradients were faster and
-    SFT / RM steps no faster with oneDNN's forward (RESULTS.md, sixth session), so they keep MKL there. Decided
+    SFT / RM steps no faster with oneDNN's forward (RESULTS.md, Hosts and software), so they keep MKL there. Decided
     by the CPU, not by timing, so the same machine always computes the same way."""
     return (onednn_is_faster() and (cpu_family() or 0) >= 26
             and torch.backends.cpu.get_cpu_capability() == "AVX512")
