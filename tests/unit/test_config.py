@@ -202,7 +202,7 @@ def test_every_shipped_config_passes_its_commands_checks(name):
     """configs/*.yaml are what users start from: each loads and validates as its command reads it."""
     from pathlib import Path
 
-    from rlhfkit.cli import TRAIN_VERBS, _load
+    from rlhfkit.commands.train import TRAIN_VERBS, _load
 
     verb = name.split("-")[0]
     path = Path(__file__).resolve().parents[2] / "configs" / f"{name}.yaml"

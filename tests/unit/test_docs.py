@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 
 from rlhfkit import cli
+from rlhfkit.commands import train
 from rlhfkit.config import reference
 from rlhfkit.config.fields import help_rows, load_config
 from rlhfkit.errors import ConfigError
@@ -172,8 +173,8 @@ def check_command(argv: list[str], written: dict[str, str], tmp: Path) -> None:
     assert not extra or hasattr(args, "overrides"), f"rlhfkit {args.verb} takes no key=value overrides: {extra}"
     overrides = list(getattr(args, "overrides", None) or []) + extra
     try:
-        if args.verb in cli.TRAIN_VERBS:
-            load_config(cli._load(cli.TRAIN_VERBS[args.verb][0]), args.config, overrides)
+        if args.verb in train.TRAIN_VERBS:
+            load_config(train._load(train.TRAIN_VERBS[args.verb][0]), args.config, overrides)
         elif args.verb == "demo":
             check_demo(args, overrides)
     except ConfigError as exc:
@@ -235,9 +236,9 @@ def test_configuration_reference_is_current():
 
 
 def test_reference_covers_every_training_verb():
-    assert list(reference.SECTIONS) == list(cli.TRAIN_VERBS)
+    assert list(reference.SECTIONS) == list(train.TRAIN_VERBS)
     for verb, (cls, _) in reference.SECTIONS.items():
-        assert cli._load(cli.TRAIN_VERBS[verb][0]) is cls, verb
+        assert train._load(train.TRAIN_VERBS[verb][0]) is cls, verb
 
 
 def test_the_docs_have_commands_to_check():

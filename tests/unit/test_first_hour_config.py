@@ -10,6 +10,7 @@ import shlex
 import pytest
 
 from rlhfkit import cli
+from rlhfkit.commands import train
 from rlhfkit.config import ConfigError, SFTConfig, load_config, parse_overrides
 from rlhfkit.data.formats import detect_format, renamed_columns
 
@@ -25,8 +26,8 @@ def rlhfkit(monkeypatch, capsys):
         seen["cfg"] = cfg
         return {}
 
-    real_load = cli._load
-    monkeypatch.setattr(cli, "_load", lambda path: record if path == cli.TRAIN_VERBS["sft"][1] else real_load(path))
+    real_load = train._load
+    monkeypatch.setattr(train, "_load", lambda path: record if path == train.TRAIN_VERBS["sft"][1] else real_load(path))
 
     def run(line, argv=None):
         words = shlex.split(line) if argv is None else argv
@@ -169,12 +170,12 @@ def test_the_data_fields_hint_pastes_into_bash_and_fixes_the_rows(row, task):
         detect_format(renamed_columns(row, cfg.data.fields), task)
 
 
-@pytest.mark.parametrize("verb", list(cli.EXAMPLES))
+@pytest.mark.parametrize("verb", list(train.EXAMPLES))
 def test_the_help_examples_parse_as_printed(verb):
-    words = shlex.split(cli.EXAMPLES[verb])
+    words = shlex.split(train.EXAMPLES[verb])
     args, extra = cli.build_parser().parse_known_args(words[1:])
     assert args.verb == verb and all("=" in x for x in extra)
-    config_cls = cli._load(cli.TRAIN_VERBS[verb][0])
+    config_cls = train._load(train.TRAIN_VERBS[verb][0])
     required = {"ppo": {"actor": "a", "reward": "r", "data": {"prompts": "p"}}, "pipeline": {}}
     load_config(config_cls, args.config, [*args.overrides, *extra],
                 base=required.get(verb, {"model": "m", "data": {"train": "t"}}))
@@ -187,7 +188,7 @@ def test_every_key_value_a_message_in_src_suggests_is_a_config_key_and_parses():
 
     from rlhfkit.config.fields import help_rows
 
-    keys = {row[0] for _, (cls, _, _) in cli.TRAIN_VERBS.items() for row in help_rows(cli._load(cls))}
+    keys = {row[0] for _, (cls, _, _) in train.TRAIN_VERBS.items() for row in help_rows(train._load(cls))}
     pattern = re.compile(r"(?<![\w.{/])([a-z_]+(?:\.[a-z_]+)+)=([^\s,;)`'\"{\\]+)")
     src = Path(cli.__file__).parent
     found = []

@@ -571,7 +571,7 @@ def test_real_alpaca_file():
 def test_score_reads_swapped_columns_as_pairs():
     """`rlhfkit score --field chosen=rejected --field rejected=chosen` tells pairs from SFT rows on the renamed
     row (renaming one by one left keys prompt, rejected: read as prompt/response rows)."""
-    from rlhfkit.score import _task
+    from rlhfkit.commands.score import _task
 
     pair = rows({"prompt": "Hi", "chosen": "bad", "rejected": "good"})
     assert _task(pair, {"chosen": "rejected", "rejected": "chosen"}, "auto") == "preference"

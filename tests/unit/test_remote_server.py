@@ -28,9 +28,10 @@ import urllib.request
 import pytest
 import torch
 
+from rlhfkit.commands.serve_reward import check_args
 from rlhfkit.errors import RunError
 from rlhfkit.models.reward_fn import FunctionReward
-from rlhfkit.remote.server import DEFAULT_MAX_BYTES, RewardServer, check_args, load_target
+from rlhfkit.remote.server import DEFAULT_MAX_BYTES, RewardServer, load_target
 
 from conftest import run_cli
 

@@ -8,8 +8,14 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from rlhfkit.report import load_metrics, main, write_report
+from rlhfkit.cli import main as cli_main
+from rlhfkit.report import load_metrics, write_report
 from rlhfkit.report.metrics import moving_average, series
+
+
+def main(argv: list[str]) -> int:
+    """`rlhfkit report ARGV`, as typed."""
+    return cli_main(["report", *argv])
 
 
 def _write_metrics(path, rows, truncated_tail=None):

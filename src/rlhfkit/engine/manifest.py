@@ -10,7 +10,7 @@ share of the folder's files (the folder is on a filesystem all ranks share) and 
 file is a RunError naming the checkpoint, the file and what is wrong, and the newest earlier checkpoint that
 verifies, with the command that points `latest` at it (`rlhfkit checkpoints RUN_DIR --use step-N`). A checkpoint
 written before manifests existed loads with a warning line. `rlhfkit checkpoints RUN_DIR` lists and verifies
-every checkpoint of a run (`main`).
+every checkpoint of a run (`status_rows`) and points `latest` at one (`use_checkpoint`).
 """
 
 from __future__ import annotations
@@ -19,7 +19,6 @@ import hashlib
 import json
 import os
 import shlex
-import sys
 import time
 from pathlib import Path
 from typing import Callable, Optional
@@ -227,15 +226,7 @@ def verified_latest(folder: Path, expect: dict, say: Callable[[str], None], part
     return target
 
 
-# -- `rlhfkit checkpoints RUN_DIR` ---------------------------------------------------------------------------
-def _size(n: float) -> str:
-    for unit in ("B", "KB", "MB", "GB"):
-        if n < 1024 or unit == "GB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} TB"
-
-
+# -- listing and choosing checkpoints (what `rlhfkit checkpoints` shows and does) ---------------------------
 def _folder_size(folder: Path) -> int:
     return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
 
@@ -261,10 +252,6 @@ def status_rows(folder: Path, hashes: bool = True) -> list[dict]:
     return rows
 
 
-def _checkpoint_dir(run_dir: Path) -> Path:
-    return run_dir if (run_dir / "latest").is_file() or run_dir.name == "checkpoints" else run_dir / "checkpoints"
-
-
 def _named(folder: Path, name: str) -> Path:
     """`step-00000040`, `40` or a path to the folder -> the checkpoint folder inside `folder`."""
     if name.isdigit():
@@ -288,36 +275,3 @@ def use_checkpoint(folder: Path, name: str) -> str:
     os.replace(pointer, folder / "latest")
     unverified = "" if manifest is not None else " (it has no manifest: not verified)"
     return f"latest -> {target.name}{unverified}: --resume continues from step {step_of(target)}"
-
-
-def main(args) -> int:
-    """`rlhfkit checkpoints RUN_DIR [--quick] [--use CHECKPOINT]`: a table of the run's checkpoints with their
-    step, ranks, ZeRO stage, size and status; exit 1 when one is damaged or `latest` names none (with --use:
-    when the checkpoint it switched to is)."""
-    folder = _checkpoint_dir(Path(args.run_dir))
-    if not folder.is_dir():
-        print(f"rlhfkit checkpoints: error: no checkpoints folder in '{args.run_dir}'", file=sys.stderr)
-        return 2
-    if args.use:
-        try:
-            print(use_checkpoint(folder, args.use))
-        except RunError as exc:
-            print(f"rlhfkit checkpoints: error: {exc}", file=sys.stderr)
-            return 2
-    pointer = folder / "latest"
-    latest = pointer.read_text().strip() if pointer.is_file() else None
-    rows = status_rows(folder, hashes=not args.quick)
-    print(f"checkpoints in {folder} ({'sizes' if args.quick else 'sizes and sha256'} checked against each "
-          f"manifest)")
-    print(f"  {'checkpoint':<18} {'step':>8} {'ranks':>5} {'zero':>4} {'size':>9}  status")
-    for row in rows:
-        mark = "*" if row["name"] == latest else " "
-        cells = [str(row[k]) if row[k] is not None else "-" for k in ("step", "world_size", "zero_stage")]
-        print(f"{mark} {row['name']:<18} {cells[0]:>8} {cells[1]:>5} {cells[2]:>4} {_size(row['size']):>9}  "
-              f"{row['status']}")
-    missing = latest is not None and not (folder / latest).is_dir()
-    print(f"* latest: {latest}{' (MISSING)' if missing else ''}" if latest else "no 'latest' pointer: "
-          "--resume has nothing to load")
-    if args.use:  # the switch succeeded: the exit says whether what --resume loads now is sound
-        return 1 if missing or not all(row["ok"] for row in rows if row["name"] == latest) else 0
-    return 1 if missing or not all(row["ok"] for row in rows) else 0

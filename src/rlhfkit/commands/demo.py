@@ -1,4 +1,5 @@
-"""`rlhfkit demo` arguments. Only argparse at module level: `rlhfkit --help` must not import torch."""
+"""`rlhfkit demo`: the embedded default world (demo/run.py), its arena, or a --task demo. Only argparse at module
+level: the demo's modules import torch."""
 
 from __future__ import annotations
 
@@ -6,9 +7,8 @@ import argparse
 import sys
 
 
-def add_demo_parser(sub) -> argparse.ArgumentParser:
-    doc = "the embedded default: SFT -> RM -> PPO on a generated world, offline on CPU, checked against a gold reward"
-    p = sub.add_parser("demo", help=doc, description=doc + " (exit code 0 when every bar passes, 1 otherwise)",
+def add_parser(sub, verb: str, summary: str) -> argparse.ArgumentParser:
+    p = sub.add_parser(verb, help=summary, description=summary + " (exit code 0 when every bar passes, 1 otherwise)",
                        epilog="example:\n  rlhfkit demo --output runs/demo\n"
                               "  rlhfkit demo --quick ppo.train.max_steps=40\n"
                               "  rlhfkit demo --algos all         # and the arena: PPO, GRPO, RLOO, REINFORCE++, DPO\n"
