@@ -1,10 +1,13 @@
-"""`rlhfkit demo`: the embedded default world (demo/run.py), its arena, or a --task demo. Only argparse at module
-level: the demo's modules import torch."""
+"""`rlhfkit demo`: the embedded default world (demo/run.py), its arena, or a --task demo. Only argparse and the
+estimator registry (the algorithms to choose from; it imports nothing) at module level: the demo's modules import
+torch."""
 
 from __future__ import annotations
 
 import argparse
 import sys
+
+from rlhfkit.registry.estimators import algorithms
 
 
 def add_parser(sub, verb: str, summary: str) -> argparse.ArgumentParser:
@@ -27,12 +30,12 @@ def add_parser(sub, verb: str, summary: str) -> argparse.ArgumentParser:
                         "verifiable reward by RL (~10 minutes on 2 cores; --quick: a shorter run); calculator: "
                         "3-digit multiplication in multi-turn episodes with a calculator tool (SFT on 12 "
                         "demonstrations, then GRPO)")
-    p.add_argument("--algo", choices=("ppo", "grpo", "rloo", "reinforce_pp"), default="ppo",
+    p.add_argument("--algo", choices=tuple(algorithms()), default="ppo",
                    help="with --task: the RL algorithm (ppo: a critic; grpo, rloo: groups of 4 samples per prompt, "
                         "no critic; reinforce_pp: no critic); output runs/demo-TASK-ALGO")
     p.add_argument("--algos", default=None, metavar="A,B,...",
                    help="the arena: after the demo, also train these from the same SFT model and compare them on "
-                        "the gold reward (ppo, grpo, rloo, reinforce_pp, dpo, or all; PPO is always in the table); "
+                        f"the gold reward ({', '.join(algorithms())}, dpo, or all; PPO is always in the table); "
                         "each must raise the gold by 3 standard errors (about a minute more per algorithm)")
     p.add_argument("overrides", nargs="*", metavar="key=value",
                    help="dotted overrides of the pipeline config, e.g. ppo.ppo.kl_coef=0.1 (with --task: of the "

@@ -43,6 +43,7 @@ class Estimator:
     row_local: bool  # a row's advantages need only that row: a critic's values may come micro-batch by micro-batch
     whiten: str  # "config": over the valid tokens of all ranks when ppo.whiten_advantages; "global": the same,
     # always (REINFORCE++); "none": the group statistics already normalise (GRPO, RLOO)
+    algorithm: str | None = None  # the RL algorithm it makes, as the demo names it (`algorithms`); None: a variant
 
     def unread(self) -> tuple[str, ...]:
         """The ESTIMATOR_SETTINGS this estimator does not read, in that order."""
@@ -55,24 +56,32 @@ ESTIMATORS: dict[str, Estimator] = {}
 
 
 def register_estimator(name: str, *, doc: str, critic: bool, groups: bool, kl_in: str, reads: tuple[str, ...] = (),
-                       row_local: bool, whiten: str):
+                       row_local: bool, whiten: str, algorithm: str | None = None):
     """Decorator: enter `fn(batch, ppo) -> (advantages, returns)` in ESTIMATORS as `name` (fields: `Estimator`).
     An entry that contradicts itself is refused here, at import, naming itself."""
 
     def add(fn):
-        problem = _refusal(name, kl_in, whiten, tuple(reads))
+        problem = _refusal(name, kl_in, whiten, tuple(reads), algorithm)
         if problem:
             raise ValueError(f"advantage estimator {name!r} {problem}")
-        ESTIMATORS[name] = Estimator(name, fn, doc, critic, groups, kl_in, tuple(reads), row_local, whiten)
+        ESTIMATORS[name] = Estimator(name, fn, doc, critic, groups, kl_in, tuple(reads), row_local, whiten, algorithm)
         return fn
 
     return add
 
 
-def _refusal(name: str, kl_in: str, whiten: str, reads: tuple[str, ...]) -> str | None:
+def algorithms() -> dict[str, str]:
+    """{algorithm: estimator name} of the estimators that make an RL algorithm of their own, in registration order:
+    ppo (GAE with its critic), grpo, rloo, reinforce_pp. The demo's --algo and --algos choose among them."""
+    return {e.algorithm: e.name for e in ESTIMATORS.values() if e.algorithm}
+
+
+def _refusal(name: str, kl_in: str, whiten: str, reads: tuple[str, ...], algorithm: str | None) -> str | None:
     """Why an entry cannot be registered, or None."""
     if name in ESTIMATORS:
         return "is registered twice"
+    if algorithm and algorithm in algorithms():
+        return f"names algorithm {algorithm!r}, which estimator {algorithms()[algorithm]!r} makes already"
     if kl_in not in KL_PLACES or whiten not in WHITENINGS:
         return f"has kl_in={kl_in!r}, whiten={whiten!r}: expected one of {KL_PLACES} and one of {WHITENINGS}"
     unknown = sorted(set(reads) - set(ESTIMATOR_SETTINGS))
@@ -91,7 +100,8 @@ def clipped_scores(batch, ppo):
 
 
 @register_estimator("gae", critic=True, groups=False, kl_in="reward", reads=("gamma", "lam"), row_local=True,
-                    whiten="config", doc="GAE (Schulman et al. 2016) with the critic's values: PPO as in InstructGPT")
+                    whiten="config", algorithm="ppo",
+                    doc="GAE (Schulman et al. 2016) with the critic's values: PPO as in InstructGPT")
 def gae(batch, ppo):
     """Generalised advantage estimation over the shaped rewards, with the critic's values (ppo.gamma, ppo.lam)."""
     from rlhfkit.algos import compute_gae
@@ -100,7 +110,8 @@ def gae(batch, ppo):
 
 
 @register_estimator("grpo", critic=False, groups=True, kl_in="loss", reads=("grpo_scale_by_std",), row_local=False,
-                    whiten="none", doc="GRPO (Shao et al. 2024): the score standardised within its prompt's group")
+                    whiten="none", algorithm="grpo",
+                    doc="GRPO (Shao et al. 2024): the score standardised within its prompt's group")
 def grpo(batch, ppo):
     """(r - group mean) / (group std + eps) on every response token (ppo.grpo_scale_by_std=false: Dr.GRPO's
     r - group mean)."""
@@ -113,6 +124,7 @@ def grpo(batch, ppo):
 
 
 @register_estimator("rloo", critic=False, groups=True, kl_in="loss", row_local=False, whiten="none",
+                    algorithm="rloo",
                     doc="RLOO (Ahmadian et al. 2024): the score minus the mean of the prompt's other samples")
 def rloo(batch, ppo):
     """r - the mean of the other n - 1 samples of the prompt, on every response token."""
@@ -124,8 +136,8 @@ def rloo(batch, ppo):
 
 
 @register_estimator("reinforce_pp", critic=False, groups=False, kl_in="reward", reads=("gamma",), row_local=True,
-                    whiten="global", doc="REINFORCE++ (Hu 2025): KL-shaped discounted returns, whitened over the "
-                                         "global batch")
+                    whiten="global", algorithm="reinforce_pp",
+                    doc="REINFORCE++ (Hu 2025): KL-shaped discounted returns, whitened over the global batch")
 def reinforce_pp(batch, ppo):
     """Discounted returns of the shaped rewards (score - beta * KL per token), ppo.gamma; whitened globally."""
     from rlhfkit.algos import discounted_returns
