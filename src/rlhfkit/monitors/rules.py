@@ -17,6 +17,8 @@ import math
 from dataclasses import dataclass
 from typing import Callable, Optional
 
+from rlhfkit.metric_names import EVAL_GOLD, EVAL_GOLD_SE, EVAL_REWARD, KL, KL_MAX, REWARD_MEAN, REWARD_STD
+
 Points = list[tuple[int, float]]  # (step, value), in logging order
 
 
@@ -240,7 +242,7 @@ def reward_std_collapse(rows: list[dict], limits: dict) -> Optional[Finding]:
     sustained collapse. Each one, not their mean: with few prompts per iteration, a batch that happens to score all
     alike is common once a policy is good, and one or two such batches are not a collapse."""
     n, w, drop = int(limits["baseline"]), int(limits["window"]), limits["reward_std_drop"]
-    points = series(rows, "reward/std")
+    points = series(rows, REWARD_STD)
     if len(points) < n + w:
         return None
     level = _mean(points[:n])
@@ -250,24 +252,24 @@ def reward_std_collapse(rows: list[dict], limits: dict) -> Optional[Finding]:
     while start > n and points[start - 1][1] < (1 - drop) * level:
         start -= 1
     current = _mean(points[-w:])
-    return Finding("reward/std", level, current, points[start + w - 1][0],
-                   f"reward/std {_fmt(level)} -> {_fmt(current)} ({current / level - 1:+.0%} on its level over steps "
+    return Finding(REWARD_STD, level, current, points[start + w - 1][0],
+                   f"{REWARD_STD} {_fmt(level)} -> {_fmt(current)} ({current / level - 1:+.0%} on its level over steps "
                    f"{points[0][0]}-{points[n - 1][0]}; each of the last {w} below {1 - drop:g} x it)")
 
 
 def reward_jump(rows: list[dict], limits: dict) -> Optional[Finding]:
     """reward/mean moved more than `reward_shift` x its level's reward/std away from its level."""
     n = int(limits["baseline"])
-    spread = series(rows, "reward/std")[:n]
+    spread = series(rows, REWARD_STD)[:n]
     if len(spread) < n or _mean(spread) <= 0:
         return None
     std, k = _mean(spread), limits["reward_shift"]
-    s = shift(series(rows, "reward/mean"), limits, lambda lv, cur: abs(cur - lv) > k * std)
+    s = shift(series(rows, REWARD_MEAN), limits, lambda lv, cur: abs(cur - lv) > k * std)
     if s is None:
         return None
-    return Finding("reward/mean", s.level, s.value, s.since,
-                   f"reward/mean {_fmt(s.level)} -> {_fmt(s.value)} ({(s.value - s.level) / std:+.1f} x its level's "
-                   f"reward/std {_fmt(std)}, on {s.over()})")
+    return Finding(REWARD_MEAN, s.level, s.value, s.since,
+                   f"{REWARD_MEAN} {_fmt(s.level)} -> {_fmt(s.value)} ({(s.value - s.level) / std:+.1f} x its level's "
+                   f"{REWARD_STD} {_fmt(std)}, on {s.over()})")
 
 
 def likelihood_displacement(rows: list[dict], limits: dict) -> Optional[Finding]:
@@ -294,7 +296,7 @@ def proxy_truth_gap(rows: list[dict], limits: dict) -> Optional[Finding]:
     """Gao et al. 2022: the held-out judge's eval/gold below its best so far by more than `gap_se` standard errors
     of the difference (eval/gold_se at both evaluations) while eval/reward, the proxy on the same responses, is
     above its value at that best. Evaluations are few, so each one counts (no level or window)."""
-    gold, se, proxy = series(rows, "eval/gold"), dict(series(rows, "eval/gold_se")), dict(series(rows, "eval/reward"))
+    gold, se, proxy = series(rows, EVAL_GOLD), dict(series(rows, EVAL_GOLD_SE)), dict(series(rows, EVAL_REWARD))
 
     def parted(i: int) -> Optional[tuple]:
         step, value = gold[i]
@@ -314,8 +316,8 @@ def proxy_truth_gap(rows: list[dict], limits: dict) -> Optional[Finding]:
     best_step, best, value, spread = found
     step = gold[-1][0]
     drop = f"{(value - best) / spread:+.1f} SE" if spread > 0 else "every response judged alike"
-    return Finding("eval/gold", best, value, gold[start][0],
-                   f"eval/gold {_fmt(best)} (step {best_step}) -> {_fmt(value)} ({drop}) while eval/reward rose "
+    return Finding(EVAL_GOLD, best, value, gold[start][0],
+                   f"{EVAL_GOLD} {_fmt(best)} (step {best_step}) -> {_fmt(value)} ({drop}) while {EVAL_REWARD} rose "
                    f"{_fmt(proxy[best_step])} -> {_fmt(proxy[step])}")
 
 
@@ -336,21 +338,21 @@ RULES: dict[str, Rule] = {
                        _rise("response/repeated_4grams", "repeat_rise")),
     "entropy_collapse": Rule("entropy collapse: the policy stopped exploring", ("entropy",),
                              _fall("entropy", "entropy_drop")),
-    "kl_blowup": Rule("KL blow-up: the policy left the reference behind", ("kl",), _blowup("kl", "kl_nats")),
-    "kl_max_blowup": Rule("KL blow-up in the tail: some responses left the reference far behind", ("kl/max",),
-                          _blowup("kl/max", "kl_max_nats")),
+    "kl_blowup": Rule("KL blow-up: the policy left the reference behind", (KL,), _blowup(KL, "kl_nats")),
+    "kl_max_blowup": Rule("KL blow-up in the tail: some responses left the reference far behind", (KL_MAX,),
+                          _blowup(KL_MAX, "kl_max_nats")),
     "group_collapse": Rule("group collapse: most groups scored all alike, no gradient", ("group/all_equal",),
                            group_collapse),
     "truncation_creep": Rule("truncation creep: more responses hit gen.max_new_tokens", ("response/finished",),
                              _rise("response/finished", "truncation_rise", truncation, "truncation")),
-    "reward_std_collapse": Rule("reward collapse: every response scores alike", ("reward/std",),
+    "reward_std_collapse": Rule("reward collapse: every response scores alike", (REWARD_STD,),
                                 reward_std_collapse),
     "reward_jump": Rule("reward jump: the policy may have found a flaw of the reward (check held-out truth)",
-                        ("reward/mean", "reward/std"), reward_jump),
+                        (REWARD_MEAN, REWARD_STD), reward_jump),
     "likelihood_displacement": Rule("DPO likelihood displacement: chosen and rejected both made unlikely",
                                     ("logps/chosen", "logps/rejected", "margin"), likelihood_displacement),
     "proxy_truth_gap": Rule("proxy up, truth down: the policy games its reward (best/ keeps the judge's best)",
-                            ("eval/gold", "eval/gold_se", "eval/reward"), proxy_truth_gap),
+                            (EVAL_GOLD, EVAL_GOLD_SE, EVAL_REWARD), proxy_truth_gap),
 }
 
 

@@ -46,6 +46,7 @@ import torch
 from rlhfkit.config.ppo_schema import RemoteSection
 from rlhfkit.envs.calls import run_calls
 from rlhfkit.errors import RunError
+from rlhfkit.metric_names import REMOTE_FAILED
 from rlhfkit.remote.deadline import DeadlineSocket
 
 MAX_ANSWER_BYTES = 2 ** 20  # an answer is a number per sample: 1 MiB holds far more than any remote.batch_size's
@@ -109,7 +110,7 @@ class RemoteReward:
                 first = first or reply.why
                 continue
             rewards[rows.start:rows.stop] = reply.rewards
-        self.counts = {"reward/remote_failed": float(failed)}
+        self.counts = {REMOTE_FAILED: float(failed)}
         self._check_failures(failed, n, first)
         return torch.tensor(rewards, dtype=torch.float32)
 

@@ -15,6 +15,8 @@ from pathlib import Path
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
+from rlhfkit.metric_names import (EVAL_ACCURACY, EVAL_KL, EVAL_LOSS, EVAL_MARGIN, EVAL_PERPLEXITY, EVAL_PREFIX,
+                                  EVAL_RESPONSE_LENGTH, EVAL_REWARD, KL, REWARD_MEAN, REWARD_STD)
 from rlhfkit.report.metrics import StageRun, is_number, moving_average, numeric_keys, series, zero_everywhere
 
 COLORS = ["#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b"]
@@ -45,20 +47,20 @@ class Panel:
 
 PANELS: dict[str, list[Panel]] = {
     "sft": [
-        Panel("Loss", ("loss", "eval/loss")),
-        Panel("Eval perplexity", ("eval/perplexity",)),
+        Panel("Loss", ("loss", EVAL_LOSS)),
+        Panel("Eval perplexity", (EVAL_PERPLEXITY,)),
         Panel("Learning rate", ("lr",), smooth=False),
     ],
     "rm": [
-        Panel("Pairwise loss", ("loss", "eval/loss")),
-        Panel("Accuracy (chosen > rejected)", ("accuracy", "eval/accuracy")),
-        Panel("Eval rewards", ("eval/chosen", "eval/rejected", "eval/margin")),
+        Panel("Pairwise loss", ("loss", EVAL_LOSS)),
+        Panel("Accuracy (chosen > rejected)", ("accuracy", EVAL_ACCURACY)),
+        Panel("Eval rewards", ("eval/chosen", "eval/rejected", EVAL_MARGIN)),
     ],
     "ppo": [
         # eval/*: the held-out prompts' (train.eval_every), drawn with the rollouts' own
-        Panel("Reward (mean ± std)", ("reward/mean", "eval/reward"), band=("reward/mean", "reward/std")),
-        Panel("KL to reference", ("kl", "eval/kl"), twin_keys=("kl_coef",)),
-        Panel("Response length (tokens)", ("response_length", "eval/response_length")),
+        Panel("Reward (mean ± std)", (REWARD_MEAN, EVAL_REWARD), band=(REWARD_MEAN, REWARD_STD)),
+        Panel("KL to reference", (KL, EVAL_KL), twin_keys=("kl_coef",)),
+        Panel("Response length (tokens)", ("response_length", EVAL_RESPONSE_LENGTH)),
         Panel("Policy loss", ("policy_loss",)),
         Panel("Value loss", ("value_loss",)),
         Panel("Entropy", ("entropy",)),
@@ -77,7 +79,8 @@ PANELS: dict[str, list[Panel]] = {
 def _generic_panels(rows: list[dict]) -> list[Panel]:
     """For a stage with no table above: one panel per metric, `eval/x` drawn together with `x`."""
     keys = numeric_keys(rows)
-    panels = [Panel(k, (k, f"eval/{k}") if f"eval/{k}" in keys else (k,)) for k in keys if not k.startswith("eval/")]
+    panels = [Panel(k, (k, EVAL_PREFIX + k) if EVAL_PREFIX + k in keys else (k,)) for k in keys
+              if not k.startswith(EVAL_PREFIX)]
     covered = {k for p in panels for k in p.keys}
     panels += [Panel(k, (k,)) for k in keys if k not in covered]
     return panels[:MAX_GENERIC_PANELS]

@@ -5,6 +5,7 @@ what ran)."""
 from __future__ import annotations
 
 from rlhfkit.config.ppo_schema import KL_ESTIMATOR_DOCS
+from rlhfkit.metric_names import EVAL_LOSS
 
 # LoRA's B matrices start at zero (Hu et al. 2021), so at a full fine-tuning rate (1e-6 to 2e-5) a short run barely
 # moves them: SFT of SmolLM2 with lora.rank=8 at 1e-5 answered exactly as the base model. LoRA recipes train at
@@ -59,7 +60,7 @@ def learned_line(stage: str, steps: int, seen: dict[str, tuple[float, float]], k
         return None
     line = f"{stage}: after {steps} step{'s' * (steps != 1)}: " + ", ".join(f"{k} {a:.4g} -> {b:.4g}"
                                                                           for k, a, b in moved)
-    loss = "eval/loss" if "eval/loss" in seen else "loss" if "loss" in seen else None
+    loss = EVAL_LOSS if EVAL_LOSS in seen else "loss" if "loss" in seen else None
     if loss is not None:
         first, last = seen[loss]
         if abs(last - first) <= BARELY * abs(first):

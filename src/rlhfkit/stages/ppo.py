@@ -12,6 +12,7 @@ import time
 from rlhfkit.config.ppo_schema import PPOConfig
 from rlhfkit.data.loader import skipped_rows
 from rlhfkit.errors import ConfigError
+from rlhfkit.metric_names import EVAL_GOLD, EVAL_KL, EVAL_REWARD, KL, REWARD_MEAN, TIME_ITERATION
 from rlhfkit.envs.load import load_environment
 from rlhfkit.models.loading import causal_lm_config, record_template
 from rlhfkit.rollout.episodes import check_opening
@@ -27,7 +28,7 @@ from rlhfkit.stages.ppo_timing import PhaseTimer
 from rlhfkit.stages.ppo_update import PtxText, samples_per_iteration
 from rlhfkit.stages.start import start_stage
 
-SHOW = ("reward/mean", "kl", "eval/reward")
+SHOW = (REWARD_MEAN, KL, EVAL_REWARD)
 
 
 def describe(cfg: PPOConfig, info: dict, notes: list[str]) -> str:
@@ -100,7 +101,7 @@ def run_ppo(cfg: PPOConfig, resume: bool = False, force: bool = False) -> dict:
                     if it == start:  # how long the whole run will take, while it is still cheap to stop and shrink
                         log.write(pace_line("ppo", it + 1, iters, seconds, timer.seconds))
                     loop.end_step(it + 1, {**experience.metrics, **train_metrics, **lrs, "epoch": epoch,
-                                           **timer.metrics(), "time/iteration": seconds},
+                                           **timer.metrics(), TIME_ITERATION: seconds},
                                   skipped=rl.skipped(train_metrics))
     finally:
         rl.close()
@@ -114,10 +115,10 @@ def run_ppo(cfg: PPOConfig, resume: bool = False, force: bool = False) -> dict:
     result = {"output_dir": str(out), **ran, **outcome, **data.info}
     last_eval = loop.last_eval or first_eval
     if first_eval:
-        result["eval/reward_start"] = first_eval["eval/reward"]
+        result[f"{EVAL_REWARD}_start"] = first_eval[EVAL_REWARD]
     if last_eval:
-        result.update({"eval/reward_end": last_eval["eval/reward"], "eval/kl_end": last_eval["eval/kl"]})
-    if "eval/gold" in last_eval:  # the judge's (eval.judge)
-        result.update({"eval/gold_end": last_eval["eval/gold"],
-                       **({"eval/gold_start": first_eval["eval/gold"]} if first_eval else {})})
+        result.update({f"{EVAL_REWARD}_end": last_eval[EVAL_REWARD], f"{EVAL_KL}_end": last_eval[EVAL_KL]})
+    if EVAL_GOLD in last_eval:  # the judge's (eval.judge)
+        result.update({f"{EVAL_GOLD}_end": last_eval[EVAL_GOLD],
+                       **({f"{EVAL_GOLD}_start": first_eval[EVAL_GOLD]} if first_eval else {})})
     return result
