@@ -9,6 +9,7 @@ from pathlib import Path
 
 from rlhfkit.engine.manifest import status_rows, use_checkpoint
 from rlhfkit.errors import RunError
+from rlhfkit.run_files import CHECKPOINTS_DIR, LATEST_POINTER
 
 
 def add_parser(sub, verb: str, summary: str) -> argparse.ArgumentParser:
@@ -35,7 +36,7 @@ def main(args) -> int:
         except RunError as exc:
             print(f"rlhfkit checkpoints: error: {exc}", file=sys.stderr)
             return 2
-    pointer = folder / "latest"
+    pointer = folder / LATEST_POINTER
     latest = pointer.read_text().strip() if pointer.is_file() else None
     rows = status_rows(folder, hashes=not args.quick)
     print(f"checkpoints in {folder} ({'sizes' if args.quick else 'sizes and sha256'} checked against each "
@@ -56,7 +57,8 @@ def main(args) -> int:
 
 def _checkpoints_folder(run_dir: Path) -> Path:
     """RUN_DIR's checkpoints/, or RUN_DIR itself when it is one (it holds `latest`, or has the name)."""
-    return run_dir if (run_dir / "latest").is_file() or run_dir.name == "checkpoints" else run_dir / "checkpoints"
+    return run_dir if (run_dir / LATEST_POINTER).is_file() or run_dir.name == CHECKPOINTS_DIR \
+        else run_dir / CHECKPOINTS_DIR
 
 
 def _size(n: float) -> str:

@@ -33,6 +33,7 @@ from rlhfkit.config.ppo_schema import PPOConfig
 from rlhfkit.errors import ConfigError
 from rlhfkit.config.task_schema import TaskConfig
 from rlhfkit.config.schema import EngineConfig, LoadConfig, LogConfig, LoraConfig, RMConfig, SFTConfig, TrainConfig
+from rlhfkit.run_files import final_dir
 
 STEPS = ("sft", "rm", "ppo", "dpo")
 DEFAULT_STEPS = ("sft", "rm", "ppo")
@@ -86,7 +87,7 @@ class PipelineConfig:
             for key in ("model", "actor", "reward"):  # an input chained from a step that will not run before it
                 value = getattr(step_cfg, key, None)
                 for producer in ("sft", "rm"):
-                    made = str(Path(self.output_dir) / producer / "final")
+                    made = str(final_dir(Path(self.output_dir) / producer))
                     if value == made and producer not in self.steps[:index] and not Path(made).exists():
                         raise ConfigError(f"config key '{prefix}{step}.{key}': '{made}' is the {producer} step's "
                                           f"output, but steps {self.steps} run no {producer} before {step} and it "
@@ -117,11 +118,11 @@ def _chained(cfg: PipelineConfig, step: str) -> dict:
     if step == "sft":
         chained["model"] = cfg.model
     elif step in ("rm", "dpo"):
-        chained["model"] = str(out / "sft" / "final")
+        chained["model"] = str(final_dir(out / "sft"))
     else:
-        chained.update(actor=str(out / "sft" / "final"))
+        chained.update(actor=str(final_dir(out / "sft")))
         if not cfg.task.name:  # a task's own scorer judges (PPOConfig.reward_parts)
-            chained["reward"] = str(out / "rm" / "final")
+            chained["reward"] = str(final_dir(out / "rm"))
     return deep_merge(shared, chained)
 
 

@@ -25,6 +25,7 @@ from typing import Callable, Optional
 
 from rlhfkit import __version__
 from rlhfkit.errors import RunError
+from rlhfkit.run_files import LATEST_POINTER
 
 MANIFEST = "manifest.json"
 FORMAT = 1
@@ -203,7 +204,7 @@ def verified_latest(folder: Path, expect: dict, say: Callable[[str], None], part
     """The checkpoint `folder/latest` names, checked against its manifest (sizes and sha256, each rank its
     share of the files): a RunError naming what is wrong and the previous good checkpoint, else its path.
     `expect`: {engine, world_size, zero_stage} of this run; `any_world_size`: accept another world size."""
-    pointer = folder / "latest"
+    pointer = folder / LATEST_POINTER
     if not pointer.is_file():
         raise RunError(f"--resume: no checkpoint in '{folder}' (no 'latest' file)")
     target = folder / pointer.read_text().strip()
@@ -270,8 +271,8 @@ def use_checkpoint(folder: Path, name: str) -> str:
     manifest, problems = problems_of(target)
     if problems:
         raise RunError(f"checkpoint '{target}' is damaged: {'; '.join(problems[:4])}; choose another one")
-    pointer = folder / "latest.tmp"
+    pointer = folder / f"{LATEST_POINTER}.tmp"
     pointer.write_text(target.name)
-    os.replace(pointer, folder / "latest")
+    os.replace(pointer, folder / LATEST_POINTER)
     unverified = "" if manifest is not None else " (it has no manifest: not verified)"
     return f"latest -> {target.name}{unverified}: --resume continues from step {step_of(target)}"

@@ -18,13 +18,13 @@ import os
 import re
 import socket
 from datetime import timedelta
-from pathlib import Path
 from typing import Callable
 
 import torch
 import torch.distributed as dist
 
 from rlhfkit.errors import ConfigError
+from rlhfkit.run_files import latest_pointer
 
 _timeout_s = None  # the process group's collective timeout, for the lost-rank message
 # The ranks' waits for rank 0's file work alone (the HF export, converting a checkpoint to reshard it, clearing an
@@ -150,7 +150,7 @@ def lost_rank_message(exc: BaseException, output_dir: str | None = None) -> str 
         return None  # this rank's own fault: its traceback says more than "another rank died"
     detail = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
     detail = re.sub(r"^\[[^\]]*\] ", "", detail).split(". ")[0][:200]  # no gloo source path, first sentence
-    latest = Path(output_dir) / "checkpoints" / "latest" if output_dir else None
+    latest = latest_pointer(output_dir) if output_dir else None
     saved = f"; the last checkpoint is {latest.read_text().strip()} in '{latest.parent}'" \
         if latest is not None and latest.is_file() else ""
     bound = f" (engine.collective_timeout_s={_timeout_s:g})" if _timeout_s else ""

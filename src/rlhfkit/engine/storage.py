@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from rlhfkit.models.lora import base_model, is_lora, merged
+from rlhfkit.run_files import LATEST_POINTER
 
 
 def rng_state() -> dict:
@@ -111,9 +112,9 @@ def publish_checkpoint(folder: Path, target: Path, keep: int) -> None:
     last `keep` ones: a crash at any moment leaves `latest` naming a loadable checkpoint. Checkpoints of later
     steps than `target` are dropped too: they belong to a run that was resumed from an earlier checkpoint
     (`rlhfkit checkpoints RUN_DIR --use step-N`) or started again, and `keep` counts back from `target`."""
-    pointer = folder / "latest.tmp"
+    pointer = folder / f"{LATEST_POINTER}.tmp"
     pointer.write_text(target.name)
-    os.replace(pointer, folder / "latest")
+    os.replace(pointer, folder / LATEST_POINTER)
     done = sorted(p for p in folder.glob("step-*") if p.is_dir() and not p.name.endswith((".tmp", ".old")))
     older, newer = [p for p in done if p.name <= target.name], [p for p in done if p.name > target.name]
     for stale in newer + (older[:-keep] if keep > 0 else []):
@@ -121,7 +122,7 @@ def publish_checkpoint(folder: Path, target: Path, keep: int) -> None:
 
 
 def latest_checkpoint(folder: Path) -> Path:
-    pointer = folder / "latest"
+    pointer = folder / LATEST_POINTER
     if not pointer.is_file():
         raise FileNotFoundError(f"no checkpoint to resume from in '{folder}' (no 'latest' file)")
     target = folder / pointer.read_text().strip()

@@ -24,6 +24,7 @@ from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForSequence
 from rlhfkit.config.schema import LoadConfig
 from rlhfkit.errors import ModelError
 from rlhfkit.models.fetch import fetch_hint
+from rlhfkit.run_files import final_dir
 
 # what a folder that cannot be loaded raises: missing or unreadable files, bad configs, damaged weights
 LOAD_ERRORS = (OSError, ValueError, SafetensorError)
@@ -119,8 +120,8 @@ def load_tokenizer(name: str, opts: LoadConfig | None = None, padding_side: str 
     kwargs = _source_kwargs(source, opts)
     folder = Path(source).expanduser()
     if kwargs.get("local_files_only") and not (folder / "config.json").is_file() \
-            and (folder / "final" / "config.json").is_file():
-        raise ModelError(f"'{source}' is a run folder, not a model folder: pass '{folder / 'final'}', the model the "
+            and (final_dir(folder) / "config.json").is_file():
+        raise ModelError(f"'{source}' is a run folder, not a model folder: pass '{final_dir(folder)}', the model the "
                          f"run exported")
     if kwargs.get("local_files_only") and not any((folder / f).is_file() for f in TOKENIZER_FILES):
         # transformers' own error here is a confusing "Couldn't instantiate the backend tokenizer"
