@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import math
 import re
 from collections import Counter
@@ -11,8 +10,8 @@ from pathlib import Path
 
 import numpy as np
 
-METRICS_FILE = "metrics.jsonl"
-EVAL_SAMPLES = "eval_samples.jsonl"  # an RL run's held-out answers and their scores, each evaluation (report/proxy_truth.py)
+from rlhfkit.run_files import METRICS_FILE, read_jsonl
+
 STAGE_ORDER = {"pretrain": -1, "sft": 0, "rm": 1, "ppo": 2}  # pretrain: the demo's base model
 
 
@@ -24,26 +23,6 @@ class StageRun:
     stage: str  # the "stage" field of the rows ("sft" | "rm" | "ppo"), or the label when rows lack it
     path: Path  # the metrics.jsonl file
     rows: list[dict]
-
-
-def read_jsonl(path: str | Path) -> list:
-    """Parse a JSON-lines file, skipping blank lines and a truncated last line.
-
-    A run killed mid-write leaves a partial last line, so that one is dropped; a malformed line anywhere
-    else means the file is corrupt and raises ValueError naming the line.
-    """
-    path = Path(path)
-    lines = path.read_text(encoding="utf-8").splitlines()
-    numbered = [(i + 1, line) for i, line in enumerate(lines) if line.strip()]
-    rows = []
-    for k, (lineno, line) in enumerate(numbered):
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError as err:
-            if k == len(numbered) - 1:
-                break  # the truncated last line of a killed run
-            raise ValueError(f"{path}:{lineno}: not valid JSON ({err.msg})") from None
-    return rows
 
 
 def load_metrics(path: str | Path) -> list[dict]:

@@ -6,12 +6,13 @@ import json
 from html import escape
 from pathlib import Path
 
-from rlhfkit.report.metrics import StageRun, find_stage_runs, is_number, last_value, numeric_keys, read_jsonl
+from rlhfkit.report.metrics import StageRun, find_stage_runs, is_number, last_value, numeric_keys
 from rlhfkit.report.plots import plot_arena, plot_gold, plot_proxy_truth, plot_stage, stage_panels
 from rlhfkit.report.proxy_truth import points_table, proxy_truth_section
 from rlhfkit.report.run_info import WhatRan, what_ran, zero_note
+from rlhfkit.run_files import (ARENA_FILE, GOLD_FILE, OVEROPTIMISATION_FILE, PLOTS_DIR, REPORT_FILE, SAMPLES_FILE,
+                               SUMMARY_FILE, read_jsonl)
 
-PLOTS_DIR = "plots"
 MAX_SAMPLES = 100  # more rows make the page long without telling more
 
 CSS = """
@@ -260,19 +261,19 @@ def write_report(run_dir: str | Path, title: str | None = None) -> Path:
     plots = run_dir / PLOTS_DIR
     sections = []
     summary_title = None
-    if (run_dir / "summary.json").is_file():
-        html, summary_title = _summary_section(run_dir / "summary.json")
+    if (run_dir / SUMMARY_FILE).is_file():
+        html, summary_title = _summary_section(run_dir / SUMMARY_FILE)
         sections.append(html)
-    if (run_dir / "gold.json").is_file():
-        sections.append(_gold_section(run_dir / "gold.json", plots))
-    if (run_dir / "overoptimisation.json").is_file():
-        sections.append(_overoptimisation_section(run_dir / "overoptimisation.json", plots))
-    if (run_dir / "arena.json").is_file():
-        sections.append(_arena_section(run_dir / "arena.json", plots))
+    if (run_dir / GOLD_FILE).is_file():
+        sections.append(_gold_section(run_dir / GOLD_FILE, plots))
+    if (run_dir / OVEROPTIMISATION_FILE).is_file():
+        sections.append(_overoptimisation_section(run_dir / OVEROPTIMISATION_FILE, plots))
+    if (run_dir / ARENA_FILE).is_file():
+        sections.append(_arena_section(run_dir / ARENA_FILE, plots))
     ran = [what_ran(run.stage, run.path.parent, run.rows) for run in runs]
     sections += [_stage_section(run, what, run_dir, plots) for run, what in zip(runs, ran)]
-    if (run_dir / "samples.jsonl").is_file():
-        sections.append(_samples_section(run_dir / "samples.jsonl"))
+    if (run_dir / SAMPLES_FILE).is_file():
+        sections.append(_samples_section(run_dir / SAMPLES_FILE))
 
     title = title or summary_title or f"rlhfkit report — {run_dir.resolve().name}"
     page = (
@@ -281,6 +282,6 @@ def write_report(run_dir: str | Path, title: str | None = None) -> Path:
         f'<p class="meta">Stages: {escape(", ".join(_stage_name(r, w) for r, w in zip(runs, ran)))}</p>\n'
         + "\n\n".join(sections) + "\n</body>\n</html>\n"
     )
-    out = run_dir / "report.html"
+    out = run_dir / REPORT_FILE
     out.write_text(page, encoding="utf-8")
     return out

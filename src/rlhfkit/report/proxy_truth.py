@@ -11,8 +11,10 @@ import math
 from html import escape
 from pathlib import Path
 
-from rlhfkit.report.metrics import EVAL_SAMPLES, StageRun, is_number, read_jsonl
+from rlhfkit.metric_names import ALARM_PREFIX, EVAL_GOLD, EVAL_GOLD_SE, EVAL_KL, EVAL_REWARD, EVAL_REWARD_SE
+from rlhfkit.report.metrics import StageRun, is_number
 from rlhfkit.report.plots import plot_proxy_truth
+from rlhfkit.run_files import EVAL_SAMPLES_FILE, read_jsonl
 
 SHOWN = 5  # disagreeing samples in the table
 
@@ -22,19 +24,19 @@ def eval_points(rows: list[dict]) -> list[dict]:
     judge), the last row of each step where a resumed run logged it again."""
     points = {}
     for row in rows:
-        if is_number(row.get("step")) and is_number(row.get("eval/reward")) and is_number(row.get("eval/kl")):
-            point = {"step": int(row["step"]), "kl": row["eval/kl"], "proxy": row["eval/reward"],
-                     "proxy_stderr": row.get("eval/reward_se")}
-            if is_number(row.get("eval/gold")):
-                point.update(gold=row["eval/gold"], gold_stderr=row.get("eval/gold_se"))
+        if is_number(row.get("step")) and is_number(row.get(EVAL_REWARD)) and is_number(row.get(EVAL_KL)):
+            point = {"step": int(row["step"]), "kl": row[EVAL_KL], "proxy": row[EVAL_REWARD],
+                     "proxy_stderr": row.get(EVAL_REWARD_SE)}
+            if is_number(row.get(EVAL_GOLD)):
+                point.update(gold=row[EVAL_GOLD], gold_stderr=row.get(EVAL_GOLD_SE))
             points[point["step"]] = point
     return [points[step] for step in sorted(points)]
 
 
 def alarm_events(rows: list[dict]) -> list[tuple[int, str]]:
     """(step, rule) of every alarm the run raised (metrics.jsonl's alarm/<rule>), in step order, once each."""
-    seen = {(int(row["step"]), key.split("/", 1)[1]) for row in rows if is_number(row.get("step"))
-            for key in row if key.startswith("alarm/")}
+    seen = {(int(row["step"]), key.removeprefix(ALARM_PREFIX)) for row in rows if is_number(row.get("step"))
+            for key in row if key.startswith(ALARM_PREFIX)}
     return sorted(seen)
 
 
@@ -116,8 +118,8 @@ def proxy_truth_section(run: StageRun, plots: Path) -> str:
              f"iteration; alarms on the same timeline (docs/monitors.md).</p>",
              f'<img src="{plots.name}/{png.name}" alt="proxy and truth against KL and iteration">',
              points_table(points, alarms)]
-    step, worst = disagreements(read_jsonl(run.path.parent / EVAL_SAMPLES)) \
-        if (run.path.parent / EVAL_SAMPLES).is_file() else (None, [])
+    step, worst = disagreements(read_jsonl(run.path.parent / EVAL_SAMPLES_FILE)) \
+        if (run.path.parent / EVAL_SAMPLES_FILE).is_file() else (None, [])
     if worst:
         rows = "\n".join(f'<tr><td><pre>{escape(str(s.get("prompt", "")))}</pre></td>{_answer(s["start"])}'
                          f"{_answer(s)}</tr>" for s in worst)

@@ -17,11 +17,12 @@ from pathlib import Path
 import yaml
 
 from rlhfkit.config.ppo_schema import reward_kind
+from rlhfkit.metric_names import TIME_ITERATION, TIME_STEP
 from rlhfkit.registry.estimators import ESTIMATORS
 from rlhfkit.registry.preference import PREFERENCE_LOSSES
 from rlhfkit.report.metrics import series
+from rlhfkit.run_files import CONFIG_FILE, FINAL_DIR, METRICS_FILE, RESULT_FILE, SAMPLES_FILE, final_dir
 
-CONFIG_FILE = "config.yaml"
 SEP = " · "
 
 
@@ -390,8 +391,8 @@ def _span(start: float, end: float) -> str:
 def _written_by_run(folder: Path) -> list[Path]:
     """The files a stage writes as it trains and at its end (not the report, nor the pipeline's log.txt, which
     later commands append to)."""
-    files = [folder / name for name in ("metrics.jsonl", "samples.jsonl")]
-    files += [p for final in folder.glob("final*") if final.is_dir() for p in final.iterdir()]
+    files = [folder / name for name in (METRICS_FILE, SAMPLES_FILE)]
+    files += [p for final in folder.glob(f"{FINAL_DIR}*") if final.is_dir() for p in final.iterdir()]
     return [p for p in files if p.is_file()]
 
 
@@ -405,7 +406,7 @@ def duration(folder: Path, rows: list[dict], unit: str) -> str | None:
     A copy that did not keep the files' times shows a clock shorter than the steps took: the clock is left out.
     """
     parts = []
-    result = folder / "result.json"
+    result = folder / RESULT_FILE
     if result.is_file():
         try:
             seconds = json.loads(result.read_text(encoding="utf-8")).get("seconds")
@@ -413,14 +414,14 @@ def duration(folder: Path, rows: list[dict], unit: str) -> str | None:
             seconds = None
         if isinstance(seconds, (int, float)):
             parts.append(f"{_seconds(seconds)} in all (loading included)")
-    steps, step_seconds = series(rows, "time/iteration" if unit == "iterations" else "time/step")
+    steps, step_seconds = series(rows, TIME_ITERATION if unit == "iterations" else TIME_STEP)
     in_steps = float(step_seconds.sum())
     written = _written_by_run(folder)
     if (folder / CONFIG_FILE).is_file() and written:
         start = (folder / CONFIG_FILE).stat().st_mtime
         end = max(p.stat().st_mtime for p in written)
         if end - start >= 0.9 * in_steps and end > start:
-            how = "" if (folder / "final").is_dir() else " (no final/: stopped early, or still running)"
+            how = "" if final_dir(folder).is_dir() else " (no final/: stopped early, or still running)"
             parts.append(f"{_seconds(end - start)}: {_span(start, end)}{how}")
     if len(steps):
         parts.append(f"{_seconds(in_steps)} in the {len(steps)} {unit}")

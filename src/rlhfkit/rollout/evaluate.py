@@ -7,6 +7,7 @@ import contextlib
 import torch
 
 from rlhfkit.config.ppo_schema import GenConfig
+from rlhfkit.metric_names import EVAL_FINISHED, EVAL_GOLD, EVAL_KL, EVAL_RESPONSE_LENGTH, EVAL_REWARD
 from rlhfkit.models.lora import adapter_disabled
 from rlhfkit.rollout.batch import RolloutBatch, cat_rollouts
 from rlhfkit.rollout.experience import ended_with_eos, response_logprobs
@@ -66,9 +67,14 @@ def judged_scores(reward, batch: RolloutBatch, finished: torch.Tensor, engine) -
         return reward(batch, finished).float().cpu()
 
 
+# each judge's scores (the "reward" and "gold" of eval_samples.jsonl's rows) -> its metric
+SCORE_METRICS = {"reward": EVAL_REWARD, "gold": EVAL_GOLD}
+
+
 @torch.no_grad()
-def evaluate_policy(actor, reference, reward, tokenizer, rows: list[dict], cfg: GenConfig, engine, micro: int,
-                    seed: int, eos_ids: list[int], plans, sampler=None, judge=None) -> tuple[dict, RolloutBatch, dict]:
+def evaluate_held_out(actor, reference, reward, tokenizer, rows: list[dict], cfg: GenConfig, engine, micro: int,
+                      seed: int, eos_ids: list[int], plans, sampler=None, judge=None
+                      ) -> tuple[dict, RolloutBatch, dict]:
     """eval/reward (raw reward of one response per held-out prompt; its _std and _se over the judged responses),
     eval/kl, eval/response_length; with `judge` (eval.judge) eval/gold (_std, _se), the judge's scores of the same
     responses. `plans`: the speed plans of "actor" and "reference"; `sampler`: the run's rollout engine
@@ -90,9 +96,9 @@ def evaluate_policy(actor, reference, reward, tokenizer, rows: list[dict], cfg: 
         scores["gold"] = judged_scores(judge, batch, finished, engine)
     with engine.on_device(reference):
         kl = sequence_kl(actor, reference, plans, batch.to(engine.device), cfg.temperature, micro)
-    metrics = engine.reduce_mean({"eval/kl": kl.mean().item(),
-                                  "eval/response_length": batch.response_lengths.float().mean().item(),
-                                  "eval/finished": finished.float().mean().item()})
+    metrics = engine.reduce_mean({EVAL_KL: kl.mean().item(),
+                                  EVAL_RESPONSE_LENGTH: batch.response_lengths.float().mean().item(),
+                                  EVAL_FINISHED: finished.float().mean().item()})
     for name, values in scores.items():  # a reward function may leave a response unjudged (None)
-        metrics.update(pooled(f"eval/{name}", values[torch.isfinite(values)], engine))
+        metrics.update(pooled(SCORE_METRICS[name], values[torch.isfinite(values)], engine))
     return metrics, batch, scores

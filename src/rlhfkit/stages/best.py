@@ -21,18 +21,19 @@ import os
 from pathlib import Path
 from typing import Callable, Optional
 
-BEST = "best"
+from rlhfkit.metric_names import EVAL_GOLD, EVAL_REWARD, standard_error
+from rlhfkit.run_files import BEST_DIR, BEST_FILE
 
 
 class BestKeeper:
     def __init__(self, out: Path, judged: bool, export: Callable[[Path], None], engine, resume: bool):
         self.out, self.export, self.is_main = out, export, engine.is_main
-        self.key = "eval/gold" if judged else "eval/reward"
+        self.key = EVAL_GOLD if judged else EVAL_REWARD
         self.record: Optional[dict] = None  # {"step", "metric", "value", "se"} of best/
         if not resume:
             return
-        saved = out / f"{BEST}.json"
-        if self.is_main and saved.is_file() and (out / BEST).is_dir():
+        saved = out / BEST_FILE
+        if self.is_main and saved.is_file() and (out / BEST_DIR).is_dir():
             record = json.loads(saved.read_text(encoding="utf-8"))
             if record.get("metric") == self.key:  # a judge added or dropped at the resume: start afresh
                 self.record = record
@@ -48,12 +49,12 @@ class BestKeeper:
             return False
         if self.record is not None and value <= self.record["value"]:
             return False
-        self.export(self.out / BEST)
-        self.record = {"step": step, "metric": self.key, "value": value, "se": metrics.get(f"{self.key}_se")}
+        self.export(self.out / BEST_DIR)
+        self.record = {"step": step, "metric": self.key, "value": value, "se": metrics.get(standard_error(self.key))}
         if self.is_main:
-            tmp = self.out / f"{BEST}.json.tmp"
+            tmp = self.out / f"{BEST_FILE}.tmp"
             tmp.write_text(json.dumps(self.record) + "\n", encoding="utf-8")
-            os.replace(tmp, self.out / f"{BEST}.json")
+            os.replace(tmp, self.out / BEST_FILE)
         return True
 
     def summary(self) -> dict:
@@ -61,8 +62,8 @@ class BestKeeper:
         judge was given)."""
         if self.record is None:
             return {}
-        by = self.key if self.key == "eval/gold" else "eval/reward (no eval.judge: the training reward on held-out " \
-                                                      "prompts)"
+        by = self.key if self.key == EVAL_GOLD else \
+            f"{EVAL_REWARD} (no eval.judge: the training reward on held-out prompts)"
         return {"best_step": self.record["step"], "best_by": by, "best_value": self.record["value"]}
 
     def line(self, final_step: int, final: dict) -> Optional[str]:
@@ -71,9 +72,10 @@ class BestKeeper:
             return None
         r = self.record
         score = self.score(r["value"], r.get("se"))
-        end = self.score(final[self.key], final.get(f"{self.key}_se")) if self.key in final else "not evaluated"
-        note = "" if self.key == "eval/gold" else " (no eval.judge: best by the training reward, which the policy " \
-                                                  "can game)"
+        end = self.score(final[self.key], final.get(standard_error(self.key))) if self.key in final else \
+            "not evaluated"
+        note = "" if self.key == EVAL_GOLD else \
+            " (no eval.judge: best by the training reward, which the policy can game)"
         return f"best/ is step {r['step']} ({score}); final/ is step {final_step} ({end}){note}"
 
     def score(self, value: float, se: Optional[float]) -> str:

@@ -16,6 +16,8 @@ import torch
 from tqdm.auto import tqdm
 
 from rlhfkit.errors import RunError
+from rlhfkit.metric_names import EVAL_PREFIX
+from rlhfkit.run_files import METRICS_FILE, REPORT_FILE, TENSORBOARD_DIR
 from rlhfkit.stages.advice import duration
 
 
@@ -60,14 +62,14 @@ class MetricsLogger:
 
     def __init__(self, out: Path, stage: str, total: int, cfg, enabled: bool = True, initial: int = 0):
         self.stage, self.enabled = stage, enabled
-        self.file = open(out / "metrics.jsonl", "a", encoding="utf-8") if enabled else None
+        self.file = open(out / METRICS_FILE, "a", encoding="utf-8") if enabled else None
         self.tb = None
         if enabled and cfg.tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
             # a resumed run logs the steps after its checkpoint again: TensorBoard drops the killed run's events
             # from purge_step on, as metrics.jsonl drops its rows
-            self.tb = SummaryWriter(str(out / "tensorboard"), purge_step=initial + 1 if initial else None)
+            self.tb = SummaryWriter(str(out / TENSORBOARD_DIR), purge_step=initial + 1 if initial else None)
         self.wandb = None
         if enabled and cfg.wandb:
             try:
@@ -103,7 +105,7 @@ class MetricsLogger:
         shown = {k: clean[k] for k in show if isinstance(clean.get(k), (int, float))}
         if shown:
             # "eval/loss" -> "eval_loss", so it does not overwrite the training "loss" on the bar
-            self.postfix.update({k.replace("eval/", "eval_").split("/")[-1]: f"{v:.4g}" for k, v in shown.items()})
+            self.postfix.update({k.replace(EVAL_PREFIX, "eval_").split("/")[-1]: f"{v:.4g}" for k, v in shown.items()})
             self.bar.set_postfix(self.postfix, refresh=False)
 
     def advance(self, n: int = 1) -> None:
@@ -167,7 +169,7 @@ def write_run_report(out: Path, log_cfg, is_main: bool) -> None:
 
         write_report(out)
     except Exception as exc:  # noqa: BLE001 - any plotting failure; the run itself succeeded
-        print(f"note: report.html not written ({type(exc).__name__}: {exc}); `rlhfkit report {out}` retries",
+        print(f"note: {REPORT_FILE} not written ({type(exc).__name__}: {exc}); `rlhfkit report {out}` retries",
               file=sys.stderr)
 
 

@@ -39,6 +39,7 @@ from rlhfkit.data import cache
 from rlhfkit.data.loader import skipped_rows
 from rlhfkit.data.tokenize import collate_preferences, collate_prompt_sharing_pairs, pad_sequences
 from rlhfkit.errors import ModelError
+from rlhfkit.metric_names import EVAL_ACCURACY, EVAL_PREFIX, TIME_STEP
 from rlhfkit.models import load_causal_lm, load_tokenizer
 from rlhfkit.models.forward import (causal_logits, final_hidden, head_logprobs_weight, head_matmul, masked_logits,
                                     mixed_precision, position_ids)
@@ -46,6 +47,7 @@ from rlhfkit.models.prefix import shared_prefix_logits
 from rlhfkit.models.loading import causal_lm_config, record_template
 from rlhfkit.models.lora import adapter_disabled, apply_lora, checkpointed, is_lora
 from rlhfkit.registry.preference import preference_loss
+from rlhfkit.run_files import final_dir
 from rlhfkit.speed.plan import ModelPlan
 from rlhfkit.speed.registry import Target, plan_line, plan_model
 from rlhfkit.stages.advice import lora_rate_note
@@ -380,7 +382,7 @@ def evaluate_dpo(model, rows: list, pad_id: int, micro: int, device, engine, los
         for i in range(0, len(rows), micro):
             pairs = pair_logps(model, rows[i:i + micro], pad_id, device, plan, reference)
             add_sums(sums, pair_sums(pairs, *loss_fn(pairs), loss_fn.cfg.rpo_alpha > 0))
-    return pair_means(sums, engine.reduce_sum(len(rows)), engine, prefix="eval/")
+    return pair_means(sums, engine.reduce_sum(len(rows)), engine, prefix=EVAL_PREFIX)
 
 
 def train_step(policy, rows: list, accum: int, micro_size: int, batch_size: int, pad_id: int, engine,
@@ -450,19 +452,19 @@ def run_dpo(cfg: DPOConfig, resume: bool = False, force: bool = False) -> dict:
 
         # 3. the loop: each step sees batch_size pairs over all ranks, in micro-batches
         with TrainLoop(engine, out, "dpo", total, cfg.train, log, {"model": policy}, evaluate=evaluate,
-                       resumed=resumed, show=("loss", "accuracy", "eval/accuracy"), monitor=cfg.monitor) as loop:
+                       resumed=resumed, show=("loss", "accuracy", EVAL_ACCURACY), monitor=cfg.monitor) as loop:
             for step, epoch, rows in loop.steps(data.train, start, length=pair_length):
                 tick = time.perf_counter()
                 metrics = train_step(policy, rows, accum, micro_size, cfg.train.batch_size, pad_id, engine, loss_fn,
                                      plan, reference)
-                loop.end_step(step + 1, {**metrics, "epoch": epoch, "time/step": time.perf_counter() - tick})
+                loop.end_step(step + 1, {**metrics, "epoch": epoch, TIME_STEP: time.perf_counter() - tick})
         final_eval = loop.last_eval
         if not final_eval and evaluate:  # resumed from a run that had already finished its steps
             final_eval = evaluate()
 
     # 4. export a plain transformers folder (LoRA merged, ZeRO-3 gathered)
     record_template(policy.module, data.info["template"])
-    engine.export_hf(policy.module, tokenizer, out / "final")
+    engine.export_hf(policy.module, tokenizer, final_dir(out))
     write_run_report(out, cfg.log, engine.is_main)
     outcome = loop.outcome()
     # the steps that ran: a monitor's stop ends the run early (steps_planned says how many were asked)

@@ -12,7 +12,6 @@ of compute to it. Every loop wraps its steps in a `RunGuard` (through `stages/lo
 
 from __future__ import annotations
 
-import json
 import signal
 import sys
 import threading
@@ -20,6 +19,7 @@ import time
 from pathlib import Path
 
 from rlhfkit.errors import RunError, RunStopped
+from rlhfkit.run_files import checkpoints_dir, drop_rows_after, latest_pointer
 
 MAX_BAD_STEPS = 5
 REPEAT_SECONDS = 2.0  # a second signal sooner than this after the first is the same stop request
@@ -84,7 +84,7 @@ class RunGuard:
         log.write(f"{self.stage}: step {step}: non-finite loss or gradient, update skipped "
                   f"({self.bad_in_a_row} in a row, {self.skipped} in all)")
         if self.bad_in_a_row >= self.max_bad:
-            latest = self.out / "checkpoints" / "latest"
+            latest = latest_pointer(self.out)
             where = f"the last good checkpoint is {latest.read_text().strip()}" if latest.is_file() else \
                 "no checkpoint was written yet"
             raise RunError(f"{self.stage}: {self.bad_in_a_row} consecutive steps with a non-finite loss or gradient "
@@ -93,13 +93,13 @@ class RunGuard:
     def save(self, step: int, trainables: dict, state: dict, keep: int) -> None:
         """engine.save_checkpoint with write errors turned into one clear error."""
         try:
-            self.engine.save_checkpoint(self.out / "checkpoints", step, trainables, state, keep)
+            self.engine.save_checkpoint(checkpoints_dir(self.out), step, trainables, state, keep)
         except OSError as exc:
-            latest = self.out / "checkpoints" / "latest"
+            latest = latest_pointer(self.out)
             kept = f"the previous checkpoint ({latest.read_text().strip()}) is intact" if latest.is_file() else \
                 "no earlier checkpoint exists"
-            raise RunError(f"{self.stage}: cannot write the checkpoint of step {step} in '{self.out / 'checkpoints'}': "
-                           f"{exc.strerror or exc}; {kept}") from None
+            raise RunError(f"{self.stage}: cannot write the checkpoint of step {step} in "
+                           f"'{checkpoints_dir(self.out)}': {exc.strerror or exc}; {kept}") from None
 
     def stop(self, step: int, trainables: dict, state: dict, keep: int, saved: bool = False) -> None:
         """Save (unless step `step` was `saved` already) and raise RunStopped (called when stop_requested())."""
@@ -107,7 +107,7 @@ class RunGuard:
             self.save(step, trainables, state, keep)
         name = signal.Signals(self.signum).name if self.signum else "a signal on another rank"
         raise RunStopped(f"{self.stage}: stopped by {name} after step {step}; checkpoint saved in "
-                         f"'{self.out / 'checkpoints'}'. Resume with: {resume_command(self.stage)}",
+                         f"'{checkpoints_dir(self.out)}'. Resume with: {resume_command(self.stage)}",
                          self.signum or signal.SIGTERM)
 
 
@@ -117,43 +117,17 @@ def resume_state(engine, out: Path, trainables: dict, total: int, stage: str) ->
     rolled back from what it had made, with nothing said), and so is one another `stage` wrote (a DPO run resumed
     in an SFT run's folder would train on from its weights and optimizer state, its metrics appended to the
     SFT run's)."""
-    state = engine.load_checkpoint(out / "checkpoints", trainables)
+    state = engine.load_checkpoint(checkpoints_dir(out), trainables)
     saved = (state.get("guard") or {}).get("stage")
     if saved is not None and saved != stage:
-        raise RunError(f"--resume: the checkpoints in '{out / 'checkpoints'}' were written by `rlhfkit {saved}`, not "
+        raise RunError(f"--resume: the checkpoints in '{checkpoints_dir(out)}' were written by `rlhfkit {saved}`, not "
                        f"`rlhfkit {stage}`; resume that run with `rlhfkit {saved}`, or pass --force to start a new "
                        f"{stage} run there")
     if state["step"] > total:
-        raise RunError(f"--resume: the checkpoint in '{out / 'checkpoints'}' is at step {state['step']}, past this "
+        raise RunError(f"--resume: the checkpoint in '{checkpoints_dir(out)}' is at step {state['step']}, past this "
                        f"run's {total} steps (train.max_steps / train.epochs); resume with at least "
                        f"{state['step']} steps, or pass --force to start a new run")
     if engine.is_main:
-        truncate_metrics(out, state["step"])
+        drop_rows_after(out, state["step"])
     return state
 
-
-# the run files whose rows carry the step that logged them (samples.jsonl: PPO's `ppo.sample_every` triples)
-STEP_LOGS = ("metrics.jsonl", "samples.jsonl")
-
-
-def truncate_metrics(out: Path, step: int) -> None:
-    """On resume, drop the rows of `STEP_LOGS` logged after the checkpoint: the resumed run logs those steps again
-    (a killed run's samples of later steps would otherwise stay beside the resumed run's own)."""
-    for name in STEP_LOGS:
-        _truncate(out / name, step)
-
-
-def _truncate(path: Path, step: int) -> None:
-    if not path.is_file():
-        return
-    kept = []
-    for line in path.read_text(encoding="utf-8").splitlines():
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError:
-            continue  # a line cut by the kill
-        if isinstance(row.get("step"), int) and row["step"] <= step:
-            kept.append(line)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text("".join(k + "\n" for k in kept), encoding="utf-8")
-    tmp.replace(path)

@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import array
 import hashlib
-import json
 from pathlib import Path
 from typing import Callable, Optional
 
 from rlhfkit.config.monitor_schema import MonitorSection
 from rlhfkit.config.schema import TrainConfig
+from rlhfkit.metric_names import alarm_metric
 from rlhfkit.monitors import Alarm, Monitor
+from rlhfkit.run_files import BEST_DIR, METRICS_FILE, read_jsonl
 from rlhfkit.stages.advice import learned_line
 from rlhfkit.stages.best import BestKeeper
 from rlhfkit.stages.common import MetricsLogger, batches, longest_first
@@ -53,7 +54,7 @@ class TrainLoop:
         self.stop_on_alarm = watched and monitor.action in ("stop", "stop_best")
         self.stop_best = watched and monitor.action == "stop_best"
         if self.monitor is not None and resumed:  # the rows the checkpointed run logged: their alarms are up again
-            self.monitor.replay(logged_rows(out / "metrics.jsonl", stage))
+            self.monitor.replay(logged_rows(out / METRICS_FILE, stage))
         self.stopped: Optional[tuple[int, str]] = None  # (step, alarm line) where an alarm ended the run
 
     def __enter__(self) -> "TrainLoop":
@@ -137,7 +138,7 @@ class TrainLoop:
         `metrics`. True, on every rank, when an alarm ends the run (monitor.action=stop)."""
         raised: list[Alarm] = self.monitor.observe({"step": done, **metrics}) if self.monitor else []
         for alarm in raised:
-            metrics[f"alarm/{alarm.rule}"] = 1
+            metrics[alarm_metric(alarm.rule)] = 1
             self.log.write(alarm.line())
         if not self.stop_on_alarm or done == self.total or self.engine.reduce_sum(1.0 if raised else 0.0) == 0:
             return False
@@ -151,21 +152,14 @@ class TrainLoop:
         if self.stopped:
             out.update({"stopped_at_step": self.stopped[0], "stopped_by": self.stopped[1]})
             if self.stop_best and out.get("best_step") is not None:
-                out["model"] = str(self.best.out / "best")
+                out["model"] = str(self.best.out / BEST_DIR)
         return out
 
 
 def logged_rows(path: Path, stage: str) -> list[dict]:
     """The rows of `stage` in a metrics.jsonl (none when it is missing; a line cut by a kill is skipped)."""
-    rows = []
-    for line in path.read_text(encoding="utf-8").splitlines() if path.is_file() else []:
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if row.get("stage") == stage:
-            rows.append(row)
-    return rows
+    rows = read_jsonl(path, skip_bad_lines=True) if path.is_file() else []
+    return [row for row in rows if isinstance(row, dict) and row.get("stage") == stage]
 
 
 def rows_digest(rows: list) -> str:

@@ -23,6 +23,9 @@ from rlhfkit.data.loader import mix_sources
 from rlhfkit.data.presets import unreadable_source
 from rlhfkit.engine.launch import is_main_process
 from rlhfkit.errors import USER_ERRORS, ConfigError, DataError, RunError
+from rlhfkit.metric_names import EVAL_ACCURACY, EVAL_KL, EVAL_LOSS, EVAL_MARGIN, EVAL_REWARD
+from rlhfkit.run_files import (CONFIG_FILE, LOG_FILE, METRICS_FILE, RESULT_FILE, SUMMARY_FILE, final_dir,
+                               latest_pointer)
 from rlhfkit.stages.common import write_run_report
 from rlhfkit.stages.dpo import run_dpo
 from rlhfkit.stages.ppo import run_ppo
@@ -32,8 +35,8 @@ from rlhfkit.stages.sft import run_sft
 
 RUNNERS = {"sft": run_sft, "rm": run_rm, "ppo": run_ppo, "dpo": run_dpo}
 # metrics worth a line in the summary: (step, metrics.jsonl key)
-HEADLINES = (("sft", "eval/loss"), ("rm", "eval/accuracy"), ("ppo", "eval/reward"), ("ppo", "eval/kl"),
-             ("dpo", "eval/accuracy"), ("dpo", "eval/margin"))
+HEADLINES = (("sft", EVAL_LOSS), ("rm", EVAL_ACCURACY), ("ppo", EVAL_REWARD), ("ppo", EVAL_KL),
+             ("dpo", EVAL_ACCURACY), ("dpo", EVAL_MARGIN))
 
 
 def _say(text: str) -> None:
@@ -75,14 +78,14 @@ def step_log(folder: Path):
         yield
         return
     folder.mkdir(parents=True, exist_ok=True)
-    with open(folder / "log.txt", "a", encoding="utf-8") as fh, contextlib.redirect_stderr(_Tee(sys.stderr, fh)):
+    with open(folder / LOG_FILE, "a", encoding="utf-8") as fh, contextlib.redirect_stderr(_Tee(sys.stderr, fh)):
         yield
 
 
 def _first_last(folder: Path, key: str) -> tuple | None:
     from rlhfkit.report.metrics import load_metrics, series
 
-    path = folder / "metrics.jsonl"
+    path = folder / METRICS_FILE
     if not path.is_file():
         return None
     _, values = series(load_metrics(path), key)
@@ -120,7 +123,7 @@ FINISHED_QUIET = tuple(key for key in QUIET if key not in ("train.max_steps", "t
 
 def inputs_from(step_cfg, out: Path) -> set:
     """The pipeline steps whose final/ this step's config reads (its model, actor, reward, critic, reference)."""
-    made = {str(out / step / "final"): step for step in RUNNERS}
+    made = {str(final_dir(out / step)): step for step in RUNNERS}
     return {made[value] for key in ("model", "actor", "reward", "critic", "reference")
             if isinstance(value := getattr(step_cfg, key, None), str) and value in made}
 
@@ -135,12 +138,12 @@ def plan(cfg: PipelineConfig, configs: dict, force: bool, rerun: str | None) -> 
         upstream = inputs_from(configs[step], out) & {s for s, fate in fates.items() if fate != "skip"}
         if force or step == rerun or upstream:
             fates[step] = "redo"
-        elif (folder / "final").exists():
+        elif final_dir(folder).exists():
             changes = changes_since(folder, configs[step], FINISHED_QUIET)
             if changes:
                 raise RunError(f"pipeline: {step}: '{folder}' holds a finished run made with other settings "
                                f"({listed(changes)}); pass --rerun {step} to rerun it (and the steps built on it) "
-                               f"with these, or put back the settings of '{folder / 'config.yaml'}'")
+                               f"with these, or put back the settings of '{folder / CONFIG_FILE}'")
             fates[step] = "skip"
         else:
             fates[step] = "run"
@@ -187,19 +190,19 @@ def run_pipeline(cfg: PipelineConfig, resume: bool = False, force: bool = False,
     for step in cfg.steps:
         folder = out / step
         if fates[step] == "skip":
-            previous = folder / "result.json"
+            previous = folder / RESULT_FILE
             result = json.loads(previous.read_text()) if previous.is_file() else {}
             # the seconds it took when it ran (result.json keeps them), not the 0 of this skip
             steps[step] = {"status": "skipped (complete)", "result": result, "seconds": result.get("seconds", 0.0)}
-            _say(f"pipeline: {step}: {folder / 'final'} exists, skipped (--rerun {step} reruns it)")
+            _say(f"pipeline: {step}: {final_dir(folder)} exists, skipped (--rerun {step} reruns it)")
             continue
         redo = fates[step] == "redo"
-        latest = folder / "checkpoints" / "latest"
+        latest = latest_pointer(folder)
         if latest.is_file() and not (resume or redo):
             raise RunError(f"pipeline: {step}: '{folder}' holds an unfinished run (checkpoint "
                            f"{latest.read_text().strip()}): pass --resume to continue it, or --rerun {step} to "
                            f"start it over")
-        if redo and not force and step != rerun and ((folder / "final").exists() or latest.is_file()):
+        if redo and not force and step != rerun and (final_dir(folder).exists() or latest.is_file()):
             built_on = sorted(inputs_from(configs[step], out) & {s for s in steps if steps[s]["status"] == "ran"})
             _say(f"pipeline: {step}: built on {', '.join(built_on)}, which ran again: its earlier run is replaced")
         _say(f"pipeline: {step}: running into {folder}")
@@ -210,12 +213,12 @@ def run_pipeline(cfg: PipelineConfig, resume: bool = False, force: bool = False,
                 result = RUNNERS[step](configs[step], resume=again, force=redo)
         except USER_ERRORS:
             # bad input found before the step wrote anything: its folder held only the log, now gone again
-            if fresh and is_main_process() and folder.is_dir() and [p.name for p in folder.iterdir()] == ["log.txt"]:
+            if fresh and is_main_process() and folder.is_dir() and [p.name for p in folder.iterdir()] == [LOG_FILE]:
                 shutil.rmtree(folder)
             raise
         seconds = time.perf_counter() - tick
         if is_main_process():
-            _write_atomic(folder / "result.json", json.dumps({**result, "seconds": round(seconds, 1)}, indent=2,
+            _write_atomic(folder / RESULT_FILE, json.dumps({**result, "seconds": round(seconds, 1)}, indent=2,
                                                              default=str))
         stopped = result.get("stopped_at_step")
         steps[step] = {"status": "ran" if stopped is None else f"stopped at step {stopped} by a monitor",
@@ -225,10 +228,11 @@ def run_pipeline(cfg: PipelineConfig, resume: bool = False, force: bool = False,
     rows = summary_rows(out, steps)
     summary = {"title": f"rlhfkit pipeline — {out.name}", "rows": rows, "steps": steps}
     if is_main_process():
-        _write_atomic(out / "summary.json", json.dumps(summary, indent=2, default=str))
+        _write_atomic(out / SUMMARY_FILE, json.dumps(summary, indent=2, default=str))
         print_table(summary["title"], rows)
         write_run_report(out, cfg.log, True)  # every step's curves on one page
     stopped = {step: info["result"]["stopped_by"] for step, info in steps.items()
                if info["status"] != "skipped (complete)" and "stopped_by" in info["result"]}
     return {"output_dir": str(out), **{step: info["status"] for step, info in steps.items()},
-            "final": {step: str(out / step / "final") for step in steps}, **({"stopped_by": stopped} if stopped else {})}
+            "final": {step: str(final_dir(out / step)) for step in steps},
+            **({"stopped_by": stopped} if stopped else {})}

@@ -25,17 +25,18 @@ from rlhfkit.algos.group import group_filter_mask
 from rlhfkit.config.ppo_schema import PPOConfig
 from rlhfkit.data.templates import Template, encode_prompt
 from rlhfkit.errors import ConfigError
+from rlhfkit.metric_names import KL, KL_MAX, REMOTE_FAILED, REWARD_MEAN, REWARD_STD, REWARD_UNJUDGED
 from rlhfkit.models.ema import EMA
 from rlhfkit.monitors.signals import repeated_ngram_share
-from rlhfkit.report.metrics import EVAL_SAMPLES
 from rlhfkit.rollout.batch import RolloutBatch
 from rlhfkit.rollout.engines import make_rollout_engine
 from rlhfkit.rollout.episodes import EpisodeRollout, episode_metrics
-from rlhfkit.rollout.evaluate import evaluate_policy, reward_on_device
+from rlhfkit.rollout.evaluate import evaluate_held_out, reward_on_device
 from rlhfkit.rollout.experience import (add_model_outputs, add_rewards, adjust_scores, ended_with_eos,
                                         finish_advantages, kl_rows, sort_by_length)
 from rlhfkit.rollout.generate import eos_token_ids
 from rlhfkit.rollout.sync_check import check_gap, logprob_gap, tis_metrics, tis_weights
+from rlhfkit.run_files import EVAL_SAMPLES_FILE, FINAL_CRITIC_DIR, FINAL_EMA_DIR, SAMPLES_FILE, final_dir
 from rlhfkit.stages.guard import resume_state
 from rlhfkit.stages.ppo_setup import PPOModels
 from rlhfkit.stages.ppo_update import (PtxText, critic_update_with_values, mini_batch_size, ppo_update,
@@ -73,7 +74,7 @@ def updates_per_iteration(cfg: PPOConfig) -> int:
 
 
 # the rollout metrics that count responses or groups (the others are means and fractions)
-COUNTS = frozenset({"reward/unjudged", "reward/remote_failed", "group/filtered", "response/masked_truncated",
+COUNTS = frozenset({REWARD_UNJUDGED, REMOTE_FAILED, "group/filtered", "response/masked_truncated",
                     "response/past_context"})
 
 
@@ -93,18 +94,18 @@ def pool_moments(metrics: dict, world_size: int) -> dict:
     """`metrics` (averaged over ranks) with the `moments` of the reward and the KL replaced by `reward/mean`,
     `reward/std` (unbiased, as `torch.std`) and `kl`, over every rank's values (0 where there are none)."""
     metrics = dict(metrics)
-    for name in ("reward", "kl"):
+    for name in ("reward", KL):
         if f"{name}/_n" not in metrics:
             continue
         n = metrics.pop(f"{name}/_n") * world_size
         total = metrics.pop(f"{name}/_sum") * world_size
         mean = total / n if n > 0 else 0.0
-        if name == "kl":
-            metrics["kl"] = mean
+        if name == KL:
+            metrics[KL] = mean
             continue
         squares = metrics.pop(f"{name}/_sumsq") * world_size
         variance = max(0.0, squares - total * mean) / (n - 1) if n > 1 else 0.0
-        metrics["reward/mean"], metrics["reward/std"] = mean, variance ** 0.5
+        metrics[REWARD_MEAN], metrics[REWARD_STD] = mean, variance ** 0.5
     return metrics
 
 
@@ -304,7 +305,7 @@ class PPOSteps:
             batch = replace(batch, judged=scored.judged.to(batch.scores.device))
         kl_each = kl_rows(batch, scored.kept)  # (K,) nats per kept response
         metrics = {**self.rollout_metrics(scored), **response_shape(scored.rollout.response_ids, scored.lengths),
-                   **moments("kl", kl_each)}
+                   **moments(KL, kl_each)}
         if not self.fused:
             batch, advantage_metrics = finish_advantages(batch, *self.estimator.advantages(batch, cfg.ppo), cfg.ppo,
                                                          self.estimator.whiten, engine)
@@ -314,11 +315,11 @@ class PPOSteps:
             metrics["group/all_equal"] = alike.float().mean().item()
         metrics = pool_moments(engine.reduce_mean(metrics), engine.world_size)
         # the batch's largest KL of one response: a few runaway responses hide in the mean (monitor: kl_max_blowup)
-        metrics["kl/max"] = engine.reduce_max(kl_each.max().item() if kl_each.numel() else 0.0)
+        metrics[KL_MAX] = engine.reduce_max(kl_each.max().item() if kl_each.numel() else 0.0)
         for key in COUNTS.intersection(metrics):  # counts of the whole batch: the sum over ranks
             metrics[key] *= engine.world_size
         metrics.update(sampler_metrics)  # pooled over ranks already
-        return Experience(batch, metrics["kl"], metrics, pending=self.fused)
+        return Experience(batch, metrics[KL], metrics, pending=self.fused)
 
     def rollout_metrics(self, scored: Scored) -> dict:
         """What the rollout looked like: reward (as returned, over the judged responses: `moments`, pooled over ranks
@@ -329,7 +330,7 @@ class PPOSteps:
         # kl_coef: the reward's KL coefficient, none where the estimator keeps the KL in the loss
         coef = {} if self.cfg.ppo.estimator().kl_in == "loss" else {"kl_coef": self.kl_ctl.value}
         return {**moments("reward", scored.raw[judged], squares=True), **named,
-                "reward/unjudged": float((~judged).sum()), **getattr(self.models.reward, "counts", {}),
+                REWARD_UNJUDGED: float((~judged).sum()), **getattr(self.models.reward, "counts", {}),
                 "response/past_context": float(past_context(scored, self.context).sum()),
                 **scored.dropped,
                 "score/mean": scored.scores.mean().item(), **coef,
@@ -366,12 +367,12 @@ class PPOSteps:
         judge (eval.judge). With `out`, the main rank's responses and their scores go to eval_samples.jsonl (the
         report's proxy-against-truth samples)."""
         self.sync_sampler()
-        metrics, batch, scores = evaluate_policy(
+        metrics, batch, scores = evaluate_held_out(
             self.actor.module, self.models.reference, self.models.reward, self.tokenizer, rows, self.cfg.gen,
             self.engine, self.cfg.train.micro_batch_size, self.cfg.train.seed, self.eos_ids, self.models.plans,
             self.sampler, self.models.judge)
         if out is not None and self.engine.is_main:
-            write_eval_samples(out / EVAL_SAMPLES, self.iteration, batch, scores)
+            write_eval_samples(out / EVAL_SAMPLES_FILE, self.iteration, batch, scores)
         return metrics
 
     def close(self) -> None:
@@ -389,7 +390,7 @@ class PPOSteps:
         shown = [self.prompt_seen(rollout, i) for i in range(min(n, rollout.size))]
         # the reward as returned; null where it left the response unjudged (its raw value is only a stand-in)
         rewards = [float(scored.raw[i]) if scored.judged[i] else None for i in range(len(shown))]
-        with open(out / "samples.jsonl", "a", encoding="utf-8") as f:
+        with open(out / SAMPLES_FILE, "a", encoding="utf-8") as f:
             for i, (prompt, cut) in enumerate(shown):
                 f.write(json.dumps({"step": iteration, "prompt": prompt, **({"prompt_truncated": True} if cut else {}),
                                     "response": rollout.response_texts[i], "reward": rewards[i],
@@ -463,7 +464,7 @@ class PPOSteps:
         engine, tokenizer = self.engine, self.tokenizer
         if self.ema is not None:
             with self.ema.swapped_in(self.actor.module):
-                engine.export_hf(self.actor.module, tokenizer, out / "final-ema", in_place=False)
+                engine.export_hf(self.actor.module, tokenizer, out / FINAL_EMA_DIR, in_place=False)
         if self.critic is not None:  # the critic reads the actor's token ids, so the actor's tokenizer goes with it
-            engine.export_hf(self.critic.module, tokenizer, out / "final-critic")
-        engine.export_hf(self.actor.module, tokenizer, out / "final")
+            engine.export_hf(self.critic.module, tokenizer, out / FINAL_CRITIC_DIR)
+        engine.export_hf(self.actor.module, tokenizer, final_dir(out))

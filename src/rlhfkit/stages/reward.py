@@ -18,10 +18,12 @@ from rlhfkit.algos import pairwise_loss
 from rlhfkit.config.schema import RMConfig
 from rlhfkit.data.loader import skipped_rows
 from rlhfkit.data.tokenize import micro_batches
+from rlhfkit.metric_names import EVAL_ACCURACY, EVAL_PREFIX, TIME_STEP
 from rlhfkit.models import load_scalar_model
 from rlhfkit.models.stage_forward import pair_scores
 from rlhfkit.models.loading import TEMPLATE_KEY
 from rlhfkit.models.lora import apply_lora, base_model
+from rlhfkit.run_files import final_dir
 from rlhfkit.stages.advice import lora_rate_note
 from rlhfkit.stages.common import MetricsLogger, plan_steps, set_seed, write_run_report
 from rlhfkit.stages.run_dir import prepare_output_dir, resumed_from
@@ -62,7 +64,7 @@ def evaluate_rm(model, rows: list, pad_id: int, micro: int, device, engine, marg
         for key, value in pair_sums(*pair_scores(model, rows[i:i + micro], pad_id, device, plan), margin).items():
             sums[key] += value
     model.train()
-    return pair_means(sums, engine.reduce_sum(len(rows)), engine, prefix="eval/")
+    return pair_means(sums, engine.reduce_sum(len(rows)), engine, prefix=EVAL_PREFIX)
 
 
 @torch.no_grad()
@@ -143,12 +145,12 @@ def run_rm(cfg: RMConfig, resume: bool = False, force: bool = False) -> dict:
 
         # 3. the loop: each step sees batch_size pairs over all ranks, in micro-batches
         with TrainLoop(engine, out, "rm", total, cfg.train, log, {"model": rm}, evaluate=evaluate,
-                       resumed=resumed, show=("loss", "accuracy", "eval/accuracy")) as loop:
+                       resumed=resumed, show=("loss", "accuracy", EVAL_ACCURACY)) as loop:
             for step, epoch, rows in loop.steps(data.train, start):
                 tick = time.perf_counter()
                 metrics = train_step(rm, rows, accum, micro_size, cfg.train.batch_size, pad_id, margin, engine, plan,
                                      cfg.train.balance_micro_batches)
-                loop.end_step(step + 1, {**metrics, "epoch": epoch, "time/step": time.perf_counter() - tick})
+                loop.end_step(step + 1, {**metrics, "epoch": epoch, TIME_STEP: time.perf_counter() - tick})
 
         # 4. reward statistics and how inputs were rendered, stored in config.json for PPO and `rlhfkit score`
         final_eval = loop.last_eval
@@ -166,6 +168,6 @@ def run_rm(cfg: RMConfig, resume: bool = False, force: bool = False) -> dict:
     config.pad_token_id = tokenizer.pad_token_id  # plain transformers pools by it (batch size > 1 needs it)
 
     # 5. export a plain transformers folder (LoRA merged, score head included, ZeRO-3 gathered)
-    engine.export_hf(rm.module, tokenizer, out / "final")
+    engine.export_hf(rm.module, tokenizer, final_dir(out))
     write_run_report(out, cfg.log, engine.is_main)
     return {"output_dir": str(out), "steps": total, **final_eval, **extra, **data.info}

@@ -10,7 +10,6 @@ any other changed setting is listed on stderr and used.
 from __future__ import annotations
 
 import contextlib
-import json
 import shutil
 import sys
 from pathlib import Path
@@ -20,11 +19,8 @@ import yaml
 from rlhfkit.config.fields import dump_yaml, to_dict
 from rlhfkit.errors import USER_ERRORS, RunError
 from rlhfkit.registry.estimators import ESTIMATORS
-from rlhfkit.report.metrics import EVAL_SAMPLES, METRICS_FILE
-
-# what the stages write into output_dir (log.txt, the pipeline's copy of stderr, is appended to and kept)
-RUN_FILES = (METRICS_FILE, "samples.jsonl", EVAL_SAMPLES, "best.json", "result.json", "report.html")
-RUN_FOLDERS = ("checkpoints", "tensorboard", "final", "final-critic", "final-ema", "best", "plots")
+from rlhfkit.run_files import (CONFIG_FILE, METRICS_FILE, STAGE_FILES, STAGE_FOLDERS, checkpoints_dir, final_dir,
+                               latest_pointer, read_jsonl)
 
 # settings that make a checkpoint another run's: the models and the data
 IDENTITY = ("model", "actor", "critic", "reward", "reference", "load.tokenizer", "data.train", "data.eval",
@@ -41,12 +37,12 @@ def check_output_dir(cfg, resume: bool, force: bool) -> None:
     """RunError when the folder refuses the run: a finished or unfinished run there and neither --force nor
     --resume, or --resume with no checkpoint. Reads the folder only: a stage checks it before anything loads."""
     out = Path(cfg.output_dir)
-    latest = out / "checkpoints" / "latest"
+    latest = latest_pointer(out)
     if resume:
         if not latest.is_file():
-            raise RunError(f"--resume: no checkpoint in '{out / 'checkpoints'}' to resume from")
+            raise RunError(f"--resume: no checkpoint in '{checkpoints_dir(out)}' to resume from")
     elif not force:
-        if (out / "final").exists():
+        if final_dir(out).exists():
             raise RunError(f"output_dir '{out}' already holds a finished run (final/ exists): pass --force to "
                            f"overwrite it, --resume to continue from its checkpoints, or choose another output_dir")
         if latest.is_file():
@@ -69,7 +65,7 @@ def prepare_output_dir(cfg, resume: bool, force: bool, is_main: bool = True) -> 
         out.mkdir(parents=True, exist_ok=True)
         if not resume:
             clear_run_outputs(out)
-            dump_yaml(cfg, out / "config.yaml")
+            dump_yaml(cfg, out / CONFIG_FILE)
     return out
 
 
@@ -77,7 +73,7 @@ def resumed_from(cfg, out: Path, step: int, is_main: bool) -> int:
     """After a resumed run's checkpoint loaded: config.yaml takes its settings (a resume that failed to load,
     say on another engine, leaves the checkpointed run's config.yaml as it was). Returns `step`."""
     if is_main:
-        dump_yaml(cfg, out / "config.yaml")
+        dump_yaml(cfg, out / CONFIG_FILE)
     return step
 
 
@@ -91,29 +87,23 @@ def undone_if_bad_input_at_start(out: Path, fresh: bool, is_main: bool):
     except USER_ERRORS:
         if fresh and is_main and not _logged_a_step(out):
             clear_run_outputs(out)
-            (out / "config.yaml").unlink(missing_ok=True)
+            (out / CONFIG_FILE).unlink(missing_ok=True)
             with contextlib.suppress(OSError):
                 out.rmdir()  # only when nothing else is in it
         raise
 
 
 def _logged_a_step(out: Path) -> bool:
-    path = out / "metrics.jsonl"
-    if not path.is_file():
-        return False
-    for line in path.read_text(encoding="utf-8").splitlines():
-        with contextlib.suppress(json.JSONDecodeError, AttributeError):
-            step = json.loads(line).get("step")
-            if isinstance(step, int) and step >= 1:
-                return True
-    return False
+    path = out / METRICS_FILE
+    rows = read_jsonl(path, skip_bad_lines=True) if path.is_file() else []
+    return any(isinstance(row, dict) and isinstance(row.get("step"), int) and row["step"] >= 1 for row in rows)
 
 
 def clear_run_outputs(out: Path) -> None:
     """Remove what an earlier run wrote into `out` (only the names the stages write; other files stay)."""
-    for name in RUN_FILES:
+    for name in STAGE_FILES:
         (out / name).unlink(missing_ok=True)
-    for name in RUN_FOLDERS:
+    for name in STAGE_FOLDERS:
         if (out / name).is_dir():
             shutil.rmtree(out / name)
 
@@ -158,7 +148,7 @@ def _uses_critic(estimator) -> bool:
 def changes_since(out: Path, cfg, quiet: tuple = QUIET) -> list[tuple[str, object, object]]:
     """`changed_settings` between the run recorded in `out/config.yaml` and `cfg`; none when no readable
     config.yaml is there (a folder from before it was written: nothing to compare)."""
-    previous = out / "config.yaml"
+    previous = out / CONFIG_FILE
     if not previous.is_file():
         return []
     try:
@@ -174,20 +164,20 @@ def listed(changes: list[tuple[str, object, object]]) -> str:
 
 
 def _check_resume(cfg, out: Path, is_main: bool) -> None:
-    previous = out / "config.yaml"
+    previous = out / CONFIG_FILE
     changes = changes_since(out, cfg)
     named = any(key == "task.name" and (old or new) for key, old, new in changes) or \
         bool(getattr(getattr(cfg, "task", None), "name", None))
     foreign = [c for c in changes if any(c[0] == k or c[0].startswith(k + ".") for k in IDENTITY)
                and (named or not c[0].startswith(TASK_KEYS))]
     if foreign:
-        raise RunError(f"--resume: the checkpoints in '{out / 'checkpoints'}' belong to a run with another model "
+        raise RunError(f"--resume: the checkpoints in '{checkpoints_dir(out)}' belong to a run with another model "
                        f"or data ({listed(foreign)}); resume with the settings in '{previous}', or pass --force to "
                        f"start a new run there")
     estimator = next((c for c in changes if c[0] == "ppo.advantage_estimator"), None)
     if estimator is not None and _uses_critic(estimator[1]) != _uses_critic(estimator[2]):
         _, before, after = estimator
-        raise RunError(f"--resume: the checkpoints in '{out / 'checkpoints'}' belong to a run "
+        raise RunError(f"--resume: the checkpoints in '{checkpoints_dir(out)}' belong to a run "
                        f"{'with' if _uses_critic(before) else 'without'} a critic (ppo.advantage_estimator: "
                        f"{before!r} -> {after!r}); resume with {before!r}, or pass --force to start a new run there")
     if changes and is_main:

@@ -11,11 +11,13 @@ import torch
 from rlhfkit.config.schema import SFTConfig
 from rlhfkit.data.loader import skipped_rows
 from rlhfkit.data.tokenize import collate_packed, collate_sft, micro_batches
+from rlhfkit.metric_names import EVAL_LOSS, EVAL_PERPLEXITY, TIME_STEP
 from rlhfkit.models import load_causal_lm
 from rlhfkit.models.segments import packed_row_tokens
 from rlhfkit.models.stage_forward import lm_forward
 from rlhfkit.models.loading import record_template
 from rlhfkit.models.lora import apply_lora
+from rlhfkit.run_files import final_dir
 from rlhfkit.stages.advice import lora_rate_note
 from rlhfkit.stages.common import MetricsLogger, plan_steps, write_run_report
 from rlhfkit.stages.run_dir import prepare_output_dir, resumed_from
@@ -41,7 +43,7 @@ def evaluate_lm(model, rows: list, pad_id: int, micro: int, device, plan) -> dic
         total, count = total + nll.item(), count + n
     model.train()
     loss = total / max(count, 1)
-    return {"eval/loss": loss, "eval/perplexity": math.exp(min(loss, 50.0))}
+    return {EVAL_LOSS: loss, EVAL_PERPLEXITY: math.exp(min(loss, 50.0))}
 
 
 def count_labels(rows: list) -> int:
@@ -102,15 +104,15 @@ def run_sft(cfg: SFTConfig, resume: bool = False, force: bool = False) -> dict:
         if start == 0 and evaluate:  # the starting point, so curves show what training changed
             log.log(0, evaluate())
         with TrainLoop(engine, out, "sft", total, cfg.train, log, {"model": actor}, evaluate=evaluate,
-                       resumed=resumed, show=("loss", "eval/loss", "lr")) as loop:
+                       resumed=resumed, show=("loss", EVAL_LOSS, "lr")) as loop:
             for step, epoch, rows in loop.steps(data.train, start):
                 tick = time.perf_counter()
                 metrics = train_step(actor, rows, accum, micro, pad_id, engine, plan, collate,
                                      cfg.train.balance_micro_batches)
-                loop.end_step(step + 1, {**metrics, "time/step": time.perf_counter() - tick, "epoch": epoch})
+                loop.end_step(step + 1, {**metrics, TIME_STEP: time.perf_counter() - tick, "epoch": epoch})
 
     # 4. export a plain transformers folder (LoRA merged, ZeRO-3 gathered)
     record_template(actor.module, data.info["template"])  # PPO and `rlhfkit chat` render as trained
-    engine.export_hf(actor.module, tokenizer, out / "final")
+    engine.export_hf(actor.module, tokenizer, final_dir(out))
     write_run_report(out, cfg.log, engine.is_main)
     return {"output_dir": str(out), "steps": total, **data.info}
