@@ -249,7 +249,7 @@ def test_the_reward_models_scoring_takes_the_no_grad_forward_batch_size(tiny_mod
     experience making take it too), the training micro-batch when it is null."""
     from rlhfkit.config.ppo_schema import PPOConfig
     from rlhfkit.engine.local import LocalEngine
-    from rlhfkit.stages.ppo_setup import load_reward_model
+    from rlhfkit.stages.ppo_setup import load_rollout_reward_model
 
     folder = tmp_path / "rm"
     load_scalar_model(str(tiny_model_dir), tokenizer=load_tokenizer(str(tiny_model_dir))).save_pretrained(folder)
@@ -259,5 +259,5 @@ def test_the_reward_models_scoring_takes_the_no_grad_forward_batch_size(tiny_mod
     cfg = load_config(PPOConfig, None, [f"actor={tiny_model_dir}", f"reward={folder}", f"data.prompts={prompts}",
                                         "train.micro_batch_size=4", "train.batch_size=8", "train.max_steps=1",
                                         f"ppo.forward_batch_size={forward_batch_size or 'null'}"])
-    reward, _ = load_reward_model(str(folder), cfg, load_tokenizer(str(tiny_model_dir)), LocalEngine())
+    reward, _ = load_rollout_reward_model(str(folder), cfg, load_tokenizer(str(tiny_model_dir)), LocalEngine())
     assert reward.micro == rows

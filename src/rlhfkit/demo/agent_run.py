@@ -20,6 +20,7 @@ import torch
 from rlhfkit.config.ppo_schema import EpisodeSection, GenConfig
 from rlhfkit.demo.bar import report_verdict
 from rlhfkit.demo.run import write_jsonl
+from rlhfkit.run_files import SAMPLES_FILE, SUMMARY_FILE, final_dir, latest_pointer
 
 MODEL = "smollm2-135m-instruct"
 ENV = "rlhfkit.demo.agent:MultiplyEnv"
@@ -43,7 +44,7 @@ def sft_dict(out: Path, model: Path, size: dict, seed: int) -> dict:
 
 def ppo_dict(out: Path, size: dict, seed: int) -> dict:
     data = out / "data"
-    return {"actor": str(out / "sft" / "final"), "env": ENV, "output_dir": str(out / "ppo"),
+    return {"actor": str(final_dir(out / "sft")), "env": ENV, "output_dir": str(out / "ppo"),
             "data": {"prompts": str(data / "train_prompts.jsonl"), "eval_prompts": str(data / "heldout_prompts.jsonl"),
                      "eval_max_rows": 16, "max_prompt_length": 512, "cache": False},
             "train": {"max_steps": size["iterations"], "batch_size": 16 // GROUP, "micro_batch_size": 16,
@@ -179,17 +180,17 @@ def run_agent_demo(output: str, quick: bool = False, overrides: list[str] | None
 
     # 2-3. SFT on the demonstrations, then GRPO on episodes (complete steps are reused, a started PPO continued)
     reused = []
-    if (out / "sft" / "final").is_dir():
+    if final_dir(out / "sft").is_dir():
         reused.append("sft")
     else:
         run_sft(sft_cfg)
-    if (out / "ppo" / "final").is_dir():
+    if final_dir(out / "ppo").is_dir():
         reused.append("ppo")
     else:
-        run_ppo(ppo_cfg, resume=(out / "ppo" / "checkpoints" / "latest").is_file())
+        run_ppo(ppo_cfg, resume=latest_pointer(out / "ppo").is_file())
 
     # 4. held-out episodes of the three policies
-    folders = {"start": model, "sft": out / "sft" / "final", "trained": out / "ppo" / "final"}
+    folders = {"start": model, "sft": final_dir(out / "sft"), "trained": final_dir(out / "ppo")}
     stats, texts, kl = evaluate_policies(folders, heldout, size["eval_samples"], seed + 2)
     wall = time.perf_counter() - tick
 
@@ -200,9 +201,9 @@ def run_agent_demo(output: str, quick: bool = False, overrides: list[str] | None
                "demonstrations": len(shown), "sft_steps": size["sft_steps"], "iterations": size["iterations"],
                "heldout_questions": len(heldout), "samples_per_question": size["eval_samples"],
                "policies": stats, "kl": kl, "reused": reused}
-    (out / "summary.json").write_text(json.dumps(summary, indent=2), encoding="utf-8")
+    (out / SUMMARY_FILE).write_text(json.dumps(summary, indent=2), encoding="utf-8")
     questions_shown = [f"What is {a} * {b}?" for a, b in heldout] * size["eval_samples"]
-    write_jsonl(out / "samples.jsonl", [
+    write_jsonl(out / SAMPLES_FILE, [
         {"question": q, **{name: texts[name][i] for name in texts}}
         for i, q in enumerate(questions_shown)][:len(heldout)])
     return report_verdict(out, title, rows)

@@ -27,12 +27,14 @@ from pathlib import Path
 import yaml
 
 from rlhfkit.demo import world as W
-from rlhfkit.registry.estimators import ESTIMATORS
+from rlhfkit.registry.estimators import ESTIMATORS, algorithms
+from rlhfkit.run_files import CONFIG_FILE, RESULT_FILE, final_dir
 
 GAIN_TARGET = 3.0  # standard errors of the gold gain over SFT that every algorithm must reach
-RL_ESTIMATORS = {"ppo": "gae", "grpo": "grpo", "rloo": "rloo", "reinforce_pp": "reinforce_pp"}
+RL_ESTIMATORS = algorithms()  # {algorithm: its estimator}: ppo -> gae, grpo, rloo, reinforce_pp
 GROUP = 4  # samples per prompt for the group estimators
 ALGOS = (*RL_ESTIMATORS, "dpo")
+TIMING_FILE = "timing.json"  # in OUT/arena/ALGO: the seconds an algorithm trained for, and its run's result
 
 
 def parse_algos(text: str) -> list[str]:
@@ -75,7 +77,7 @@ def rl_config(ppo_section: dict, out: Path, algo: str) -> dict:
         ppo.update(kl_loss_coef=ppo.get("kl_coef", 0.0), kl_coef=0.0)
     train.update(save_every=0, eval_every=0)
     train.pop("keep_checkpoints", None)
-    section.update(actor=str(out / "sft" / "final"), reward=str(out / "rm" / "final"),
+    section.update(actor=str(final_dir(out / "sft")), reward=str(final_dir(out / "rm")),
                    output_dir=str(out / "arena" / algo))
     return section
 
@@ -91,7 +93,7 @@ def dpo_config(shared: dict, out: Path, size: dict) -> dict:
     from rlhfkit.config.fields import deep_merge
 
     return deep_merge(json.loads(json.dumps(shared)), {
-        "model": str(out / "sft" / "final"), "output_dir": str(out / "arena" / "dpo"),
+        "model": str(final_dir(out / "sft")), "output_dir": str(out / "arena" / "dpo"),
         "data": {"train": str(out / "data" / "pairs.jsonl"), "max_length": 64, "eval_fraction": 0.02},
         "train": {"epochs": size["dpo_epochs"], "max_steps": -1, "batch_size": 32, "micro_batch_size": 32,
                   "lr": 5.0e-5, "warmup_steps": 10, "log_every": 1, "save_every": 0, "eval_every": 50},
@@ -129,45 +131,45 @@ def train(demo, algo: str, configs: dict) -> dict:
 
     out = demo.out
     if algo == "ppo":  # the demo's own PPO run
-        result = json.loads((out / "ppo" / "result.json").read_text())
-        cfg = yaml.safe_load((out / "ppo" / "config.yaml").read_text())
+        result = json.loads((out / "ppo" / RESULT_FILE).read_text())
+        cfg = yaml.safe_load((out / "ppo" / CONFIG_FILE).read_text())
         samples = result["iterations"] * cfg["train"]["batch_size"] * cfg["ppo"]["n_samples_per_prompt"]
-        return {"folder": out / "ppo" / "final", "seconds": result.get("seconds"), "used": f"{samples} samples",
+        return {"folder": final_dir(out / "ppo"), "seconds": result.get("seconds"), "used": f"{samples} samples",
                 "reused": True}
     runner, cfg = configs[algo]
     folder = out / "arena" / algo
-    reused = (folder / "final").is_dir() and (folder / "timing.json").is_file()
+    reused = final_dir(folder).is_dir() and (folder / TIMING_FILE).is_file()
     if not reused:
         print(f"demo: arena: training {algo} into {folder}", file=sys.stderr)
         tick = time.perf_counter()
         with step_log(folder):
             result = runner(cfg, resume=False, force=True)
         timing = {"seconds": round(time.perf_counter() - tick, 1), "result": result}
-        (folder / "timing.json").write_text(json.dumps(timing, indent=2, default=str), encoding="utf-8")
-    timing = json.loads((folder / "timing.json").read_text())
+        (folder / TIMING_FILE).write_text(json.dumps(timing, indent=2, default=str), encoding="utf-8")
+    timing = json.loads((folder / TIMING_FILE).read_text())
     result = timing["result"]
     if algo == "dpo":
         used = f"{result['steps'] * cfg.train.batch_size} pairs"
     else:
         used = f"{result['iterations'] * cfg.train.batch_size * cfg.ppo.n_samples_per_prompt} samples"
-    return {"folder": folder / "final", "seconds": timing["seconds"], "used": used, "reused": reused}
+    return {"folder": final_dir(folder), "seconds": timing["seconds"], "used": used, "reused": reused}
 
 
 def run_arena(demo, world: W.World, merged: dict) -> dict:
     """Train every algorithm of demo.algos, sample each on the test prompts, and compare them with SFT."""
-    from rlhfkit.demo.evaluate import evaluate_policy, mean_stderr
+    from rlhfkit.demo.evaluate import gold_of_policy, mean_stderr
     from rlhfkit.demo.sampling import load_policy
 
     configs = arena_configs(demo, merged)
     trained = {algo: train(demo, algo, configs) for algo in demo.algos}
     prompts = world.heldout_prompts * demo.size["eval_samples"]
-    reference, tokenizer = load_policy(demo.out / "sft" / "final")
-    sft = evaluate_policy(reference, tokenizer, prompts, demo.gen, W.gold_reward, demo.seed + 2)
+    reference, tokenizer = load_policy(final_dir(demo.out / "sft"))
+    sft = gold_of_policy(reference, tokenizer, prompts, demo.gen, W.gold_reward, demo.seed + 2)
     sft_gold = mean_stderr(sft.gold)
     results = {}
     for algo, info in trained.items():
         model, _ = load_policy(info["folder"])
-        ev = evaluate_policy(model, tokenizer, prompts, demo.gen, W.gold_reward, demo.seed + 2, reference)
+        ev = gold_of_policy(model, tokenizer, prompts, demo.gen, W.gold_reward, demo.seed + 2, reference)
         gold, kl = mean_stderr(ev.gold), mean_stderr(ev.kl)
         se = math.sqrt(gold["stderr"] ** 2 + sft_gold["stderr"] ** 2)
         gain = gold["mean"] - sft_gold["mean"]

@@ -104,8 +104,8 @@ class PolicyEval:
 
 
 @torch.no_grad()
-def evaluate_policy(model, tokenizer, prompts: list[str], gen: GenConfig, gold, seed: int, reference=None,
-                    proxy: ProxyScorer | None = None, micro: int = 32) -> PolicyEval:
+def gold_of_policy(model, tokenizer, prompts: list[str], gen: GenConfig, gold, seed: int, reference=None,
+                   proxy: ProxyScorer | None = None, micro: int = 32) -> PolicyEval:
     """Sample `model` once per prompt (fixed seed); gold of each sample, and when given its KL to `reference`
     (a model) and its `proxy` score."""
     batch = sample(model, tokenizer, prompts, gen, seed)

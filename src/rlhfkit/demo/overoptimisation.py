@@ -21,14 +21,15 @@ from safetensors.torch import load_model
 
 from rlhfkit.config.ppo_schema import GenConfig
 from rlhfkit.demo import world as W
-from rlhfkit.demo.evaluate import ProxyScorer, evaluate_policy
+from rlhfkit.demo.evaluate import ProxyScorer, gold_of_policy
 from rlhfkit.demo.sampling import load_policy
+from rlhfkit.run_files import checkpoints_dir, final_dir
 
 
 def saved_actors(run_dir: Path) -> list[tuple[int, Path]]:
     """(iteration, actor weights) of every complete checkpoint of an RL run, in iteration order."""
     found = []
-    for folder in (run_dir / "checkpoints").glob("step-*"):
+    for folder in checkpoints_dir(run_dir).glob("step-*"):
         weights = folder / "actor.safetensors"
         if folder.is_dir() and not folder.name.endswith(".tmp") and weights.is_file():
             found.append((int(folder.name.split("-")[1]), weights))
@@ -38,7 +39,7 @@ def saved_actors(run_dir: Path) -> list[tuple[int, Path]]:
 def measure(model, tokenizer, reference, proxy: ProxyScorer, prompts: list[str], gen: GenConfig, seed: int,
             step: int) -> dict:
     """One point of the curve: {step, kl, proxy, gold (means and stderrs), flaws (rates)}."""
-    result = evaluate_policy(model, tokenizer, prompts, gen, W.gold_reward, seed, reference, proxy)
+    result = gold_of_policy(model, tokenizer, prompts, gen, W.gold_reward, seed, reference, proxy)
     point = {"step": step}
     for name, stats in result.summary().items():
         point[name], point[f"{name}_stderr"] = stats["mean"], stats["stderr"]
@@ -63,7 +64,7 @@ def track(sft_dir: Path, rm_dir: Path, run_dir: Path, final_step: int, prompts: 
         points.append(measure(model, tokenizer, reference, proxy, prompts, gen, seed, step))
         print(f"demo: over-optimisation: step {step}: KL {points[-1]['kl']:.2f}, proxy {points[-1]['proxy']:.3f}, "
               f"gold {points[-1]['gold']:.3f}", file=sys.stderr)
-    final, _ = load_policy(run_dir / "final")
+    final, _ = load_policy(final_dir(run_dir))
     points.append(measure(final, tokenizer, reference, proxy, prompts, gen, seed, final_step))
     return points
 
@@ -81,7 +82,7 @@ def export_policy(sft_dir: Path, run_dir: Path, step: int, final_step: int, targ
     if step == 0:
         return sft_dir
     if step == final_step:
-        return run_dir / "final"
+        return final_dir(run_dir)
     model, tokenizer = load_policy(sft_dir)
     load_model(model, str(dict(saved_actors(run_dir))[step]))
     return write_hf_folder(model, tokenizer, target)

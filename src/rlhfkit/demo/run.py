@@ -23,6 +23,8 @@ import yaml
 
 from rlhfkit.config.ppo_schema import GenConfig
 from rlhfkit.demo import world as W
+from rlhfkit.run_files import (ARENA_FILE, GOLD_FILE, METRICS_FILE, OVEROPTIMISATION_FILE, PLOTS_DIR, RESULT_FILE,
+                               SAMPLES_FILE, SUMMARY_FILE, final_dir)
 
 # The two sizes. "full" is what `rlhfkit demo` runs (configs/demo.yaml is its pipeline config): a 4-layer Llama of
 # width 128 (0.7M parameters), 6-9 minutes on 2 cores. "quick" (`--quick`, the test's reduced run) is the same
@@ -47,7 +49,7 @@ MAX_NEW_TOKENS = 24
 # The demo's matrices are 128 wide: past a few threads, a thread's share of a decode step's GEMM takes less time
 # than waking the thread. Measured only up to 2 cores, where 2 threads beat 1 in every step (demo_threads).
 MAX_THREADS = 4
-STEP_FOLDERS = ("base", "sft", "rm", "ppo", "data", "plots", "early-stop", "arena")
+STEP_FOLDERS = ("base", "sft", "rm", "ppo", "data", PLOTS_DIR, "early-stop", "arena")
 
 
 @dataclass
@@ -70,7 +72,7 @@ def pipeline_dict(out: Path, size: dict, seed: int) -> dict:
     every = {"micro_batch_size": 32, "log_every": 1, "save_every": 0}
     checkpoints = size["ppo_steps"] // size["track_every"] + 1  # keep them all: the curve measures each
     return {
-        "model": str(out / "base" / "final"),
+        "model": str(final_dir(out / "base")),
         "output_dir": str(out),
         "train": {"seed": seed},
         "log": {"tensorboard": False},
@@ -120,12 +122,12 @@ def build_world(demo: Demo) -> W.World:
     write_jsonl(data / "validation_prompts.jsonl", [{"prompt": p} for p in world.validation_prompts])
     write_jsonl(data / "heldout_prompts.jsonl", [{"prompt": p} for p in world.heldout_prompts])
     (data / "corpus.txt").write_text("\n\n".join(world.corpus) + "\n", encoding="utf-8")
-    if (out / "base" / "final").is_dir():
+    if final_dir(out / "base").is_dir():
         demo.reused.append("base")
     else:
         print(f"demo: pretraining the base model on {len(world.corpus)} sentences", file=sys.stderr)
-        _, log = W.build_base_model(world, out / "base" / "final", size, size["pretrain_steps"], demo.seed)
-        write_jsonl(out / "base" / "metrics.jsonl", log)
+        _, log = W.build_base_model(world, final_dir(out / "base"), size, size["pretrain_steps"], demo.seed)
+        write_jsonl(out / "base" / METRICS_FILE, log)
     return world
 
 
@@ -135,10 +137,10 @@ def build_pairs(demo: Demo, world: W.World) -> dict:
     from rlhfkit.demo.sampling import load_policy, sample_pairs
 
     data, size, seed = demo.out / "data", demo.size, demo.seed
-    if (demo.out / "rm" / "final").is_dir() and (data / "pairs.json").is_file():
+    if final_dir(demo.out / "rm").is_dir() and (data / "pairs.json").is_file():
         demo.reused.append("pairs")  # the RM that learned from them is complete: same seed, same pairs
         return json.loads((data / "pairs.json").read_text())
-    model, tokenizer = load_policy(demo.out / "sft" / "final")
+    model, tokenizer = load_policy(final_dir(demo.out / "sft"))
     rng = random.Random(seed)
     prompts = [rng.choice(world.train_prompts) for _ in range(size["pair_prompts"])]
     train, train_stats = sample_pairs(model, tokenizer, prompts, demo.gen, W.gold_reward, LABEL_NOISE, seed)
@@ -191,7 +193,7 @@ def check_config(demo: Demo) -> None:
 
 def ppo_iterations(demo: Demo) -> int:
     """The iterations PPO ran (the user may have overridden ppo.train.max_steps)."""
-    result = demo.out / "ppo" / "result.json"
+    result = demo.out / "ppo" / RESULT_FILE
     iterations = json.loads(result.read_text()).get("iterations") if result.is_file() else None
     return int(iterations or demo.size["ppo_steps"])
 
@@ -203,11 +205,11 @@ def track_overoptimisation(demo: Demo, world: W.World) -> dict:
 
     out, last = demo.out, ppo_iterations(demo)
     prompts = world.validation_prompts * demo.size["validation_samples"]
-    points = O.track(out / "sft" / "final", out / "rm" / "final", out / "ppo", last, prompts, demo.gen,
+    points = O.track(final_dir(out / "sft"), final_dir(out / "rm"), out / "ppo", last, prompts, demo.gen,
                      demo.seed + 4)
     best = O.best_point(points)
     chosen = best["step"] if demo.early_stop else last
-    policy = O.export_policy(out / "sft" / "final", out / "ppo", chosen, last, out / "early-stop")
+    policy = O.export_policy(final_dir(out / "sft"), out / "ppo", chosen, last, out / "early-stop")
     return {"split": "validation", "samples": len(prompts), "points": points, "best_step": best["step"],
             "final_step": last, "early_stop": demo.early_stop, "chosen_step": chosen, "policy": str(policy)}
 
@@ -215,19 +217,19 @@ def track_overoptimisation(demo: Demo, world: W.World) -> dict:
 def evaluate(demo: Demo, world: W.World, policy: Path) -> dict:
     """Step 6: RM accuracy on clean held-out pairs; gold of base / SFT / PPO (`policy`) and the flaws of their
     samples on the test prompts; KL of PPO to SFT; PPO's gold on training prompts (the generalisation gap)."""
-    from rlhfkit.demo.evaluate import evaluate_policy, gold_of_policies, mean_stderr, rm_accuracy
+    from rlhfkit.demo.evaluate import gold_of_policies, gold_of_policy, mean_stderr, rm_accuracy
     from rlhfkit.demo.overoptimisation import proxy_exploits
     from rlhfkit.demo.sampling import load_policy
 
     out = demo.out
-    acc = rm_accuracy(out / "rm" / "final", str(out / "data" / "heldout_pairs.jsonl"))
-    folders = {"base": out / "base" / "final", "sft": out / "sft" / "final", "ppo": policy}
+    acc = rm_accuracy(final_dir(out / "rm"), str(out / "data" / "heldout_pairs.jsonl"))
+    folders = {"base": final_dir(out / "base"), "sft": final_dir(out / "sft"), "ppo": policy}
     prompts = world.heldout_prompts * demo.size["eval_samples"]
     gold, texts, kl = gold_of_policies(folders, prompts, demo.gen, W.gold_reward, demo.seed + 2)
     flaws = {name: W.flaw_rates(prompts, texts[name]) for name in ("sft", "ppo")}
     seen = random.Random(demo.seed + 3).sample(world.train_prompts, min(len(prompts), len(world.train_prompts)))
     model, tokenizer = load_policy(policy)
-    train = evaluate_policy(model, tokenizer, seen, demo.gen, W.gold_reward, demo.seed + 3)
+    train = gold_of_policy(model, tokenizer, seen, demo.gen, W.gold_reward, demo.seed + 3)
     samples = [{"prompt": p, "before": b, "after": a, "before_reward": W.gold_reward(p, b),
                 "after_reward": W.gold_reward(p, a)}
                for p, b, a in zip(prompts, texts["sft"], texts["ppo"])][:len(world.heldout_prompts)]
@@ -247,17 +249,17 @@ def write_outputs(demo: Demo, results: dict, rows: list[dict], title: str) -> Pa
                                  "threads")},
                "policy": {k: results["tracking"][k] for k in ("early_stop", "chosen_step", "best_step", "final_step",
                                                              "policy")}}
-    (out / "summary.json").write_text(json.dumps(summary, indent=2), encoding="utf-8")
+    (out / SUMMARY_FILE).write_text(json.dumps(summary, indent=2), encoding="utf-8")
     gold = {"policies": {k: {"mean": v["mean"], "stderr": v["stderr"]} for k, v in results["gold"].items()},
             "best": W.BEST_GOLD, "moods": {m: sorted(words) for m, words in W.MOODS.items()}, "cap": W.GOLD_CAP}
-    (out / "gold.json").write_text(json.dumps(gold, indent=2), encoding="utf-8")
-    (out / "overoptimisation.json").write_text(json.dumps(results["tracking"], indent=2), encoding="utf-8")
-    arena = out / "arena.json"
+    (out / GOLD_FILE).write_text(json.dumps(gold, indent=2), encoding="utf-8")
+    (out / OVEROPTIMISATION_FILE).write_text(json.dumps(results["tracking"], indent=2), encoding="utf-8")
+    arena = out / ARENA_FILE
     if "arena" in results:
         arena.write_text(json.dumps(results["arena"], indent=2), encoding="utf-8")
     elif arena.is_file():  # from an earlier run with --algos: the report must not show a stale table
         arena.unlink()
-    write_jsonl(out / "samples.jsonl", results["samples"])
+    write_jsonl(out / SAMPLES_FILE, results["samples"])
     return write_report(out)
 
 

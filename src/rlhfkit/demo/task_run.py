@@ -20,21 +20,22 @@ from rlhfkit.config.ppo_schema import GenConfig
 from rlhfkit.demo.bar import report_verdict
 from rlhfkit.demo.run import write_jsonl
 from rlhfkit.demo.tasks import TASKS
-from rlhfkit.registry.estimators import ESTIMATORS
+from rlhfkit.registry.estimators import ESTIMATORS, algorithms
+from rlhfkit.run_files import GOLD_FILE, SAMPLES_FILE, SUMMARY_FILE, final_dir, latest_pointer
 
 MODEL = "smollm2-135m-instruct"
 MAX_NEW_TOKENS = 12
-EVAL_SAMPLES = 8  # per held-out question
+SAMPLES_PER_QUESTION = 8  # responses sampled per held-out question in the final evaluation
 KL_BUDGET = 10.0  # nats per response
 WALL_TIME_TARGET = 900.0  # seconds: the 15 minutes promised on 2 CPU cores
 # "full" is what `rlhfkit demo --task NAME` runs; "quick" (`--quick`, the test tier's) takes 10 iterations at a 3x
 # learning rate and 4 samples per held-out question. 40 iterations at 1e-5 plateaued by iteration 30 (held-out
 # reward 0.86 at 30 and at 40); 30 at 1.2e-5 reached 0.607, so the full run takes 32 at 1.5e-5.
-SIZES = {"full": {"iterations": 32, "lr": 1.5e-5, "eval_samples": EVAL_SAMPLES},
+SIZES = {"full": {"iterations": 32, "lr": 1.5e-5, "eval_samples": SAMPLES_PER_QUESTION},
          "quick": {"iterations": 10, "lr": 3.0e-5, "eval_samples": 4}}
 
 
-ALGOS = ("ppo", "grpo", "rloo", "reinforce_pp")
+ALGOS = tuple(algorithms())  # --algo's choices: ppo, grpo, rloo, reinforce_pp
 GROUP = 4  # samples per prompt of the critic-free algorithms (8 prompts x 4 per iteration)
 
 
@@ -43,11 +44,12 @@ def algo_dict(algo: str) -> dict:
     of GROUP samples (grpo and rloo: KL as a k3 loss; reinforce_pp: KL in the reward, whitened returns)."""
     if algo == "ppo":
         return {}
-    estimator = ESTIMATORS[algo]  # its entry says whether it compares groups and where its KL goes
+    estimator = ESTIMATORS[algorithms()[algo]]  # its entry says whether it compares groups and where its KL goes
     group = {"n_samples_per_prompt": GROUP} if estimator.groups else {}
     kl = {"kl_coef": 0.0, "kl_loss_coef": 0.05} if estimator.kl_in == "loss" else {"kl_coef": 0.05}
     batch = 32 // GROUP if estimator.groups else 32
-    return {"ppo": {"advantage_estimator": algo, "critic_lr": None, **group, **kl}, "train": {"batch_size": batch}}
+    return {"ppo": {"advantage_estimator": estimator.name, "critic_lr": None, **group, **kl},
+            "train": {"batch_size": batch}}
 
 
 def ppo_dict(out: Path, model: Path, task_name: str, size: dict, seed: int, algo: str = "ppo") -> dict:
@@ -113,14 +115,14 @@ def run_task_demo(output: str, task_name: str, quick: bool = False, overrides: l
     write_jsonl(out / "data" / "heldout_prompts.jsonl", [{"prompt": p} for p in heldout])
 
     # 2-3. RL from the instruct model (a complete earlier run is reused, an unfinished one continued)
-    reused = (out / "ppo" / "final").is_dir()
+    reused = final_dir(out / "ppo").is_dir()
     if not reused:
-        run_ppo(cfg, resume=(out / "ppo" / "checkpoints" / "latest").is_file())
+        run_ppo(cfg, resume=latest_pointer(out / "ppo").is_file())
 
     # 4. held-out accuracy before and after, with the same sampling seed; KL of the trained policy to the start
     gen = GenConfig(max_new_tokens=cfg.gen.max_new_tokens, generation_batch_size=64)
     prompts = heldout * size["eval_samples"]
-    gold, texts, kl = gold_of_policies({"start": model, "trained": out / "ppo" / "final"}, prompts, gen,
+    gold, texts, kl = gold_of_policies({"start": model, "trained": final_dir(out / "ppo")}, prompts, gen,
                                        task.correct, seed + 2, micro=16, policy="trained", reference="start",
                                        fast=True)
     wall = time.perf_counter() - tick
@@ -133,10 +135,10 @@ def run_task_demo(output: str, task_name: str, quick: bool = False, overrides: l
                "iterations": cfg.train.max_steps, "prompts_per_iteration": cfg.train.batch_size,
                "heldout_questions": len(heldout), "samples_per_question": size["eval_samples"], "kl": kl,
                "reused": ["ppo"] if reused else []}
-    (out / "summary.json").write_text(json.dumps(summary, indent=2), encoding="utf-8")
-    (out / "gold.json").write_text(json.dumps({"policies": {k: {"mean": v["mean"], "stderr": v["stderr"]}
-                                                            for k, v in gold.items()}, "best": 1.0}, indent=2))
-    write_jsonl(out / "samples.jsonl", [
+    (out / SUMMARY_FILE).write_text(json.dumps(summary, indent=2), encoding="utf-8")
+    (out / GOLD_FILE).write_text(json.dumps({"policies": {k: {"mean": v["mean"], "stderr": v["stderr"]}
+                                                          for k, v in gold.items()}, "best": 1.0}, indent=2))
+    write_jsonl(out / SAMPLES_FILE, [
         {"prompt": p, "before": b, "after": a, "before_reward": task.correct(p, b), "after_reward": task.correct(p, a)}
         for p, b, a in zip(prompts, texts["start"], texts["trained"])][:len(heldout) * 2])
     return report_verdict(out, title, rows)

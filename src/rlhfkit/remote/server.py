@@ -389,10 +389,10 @@ def load_target(target: str, template: str = "auto", forward_batch_size: int = 1
         raise ConfigError(f"TARGET {target!r} is a URL: serve a reward-model folder or a Python function")
     if kind == "function":
         return FunctionReward(load_reward_function(target), target), {"serves": target, "kind": "Python function"}
-    return load_reward_model(target, template, forward_batch_size), {"serves": target, "kind": "reward model"}
+    return load_served_reward_model(target, template, forward_batch_size), {"serves": target, "kind": "reward model"}
 
 
-def load_reward_model(folder: str, template: str, forward_batch_size: int):
+def load_served_reward_model(folder: str, template: str, forward_batch_size: int):
     """`ModelReward` on the folder's reward model, scoring the prompt's turns and the response re-rendered with
     its own template (there is no actor whose token ids it could read)."""
     import torch

@@ -89,7 +89,7 @@ def load_reward_part(part: RewardPart, cfg: PPOConfig, actor_tok, engine, prompt
         return function_reward(part, prompt_fields, what), None
     if kind == "url":  # each rank asks the server for its own rows; only the failure count is pooled over ranks
         return RemoteReward(part.spec, cfg.remote, engine.reduce_sum), None
-    return load_reward_model(part.spec, cfg, actor_tok, engine)
+    return load_rollout_reward_model(part.spec, cfg, actor_tok, engine)
 
 
 def load_judge(cfg: PPOConfig, actor_tok, engine, prompt_fields: list[dict] | None = None
@@ -102,7 +102,7 @@ def load_judge(cfg: PPOConfig, actor_tok, engine, prompt_fields: list[dict] | No
     return CombinedReward([(part.name, judge, 1.0)])
 
 
-def load_reward_model(spec: str, cfg: PPOConfig, actor_tok, engine):
+def load_rollout_reward_model(spec: str, cfg: PPOConfig, actor_tok, engine):
     """-> (the reward model in folder `spec`, scoring rollouts; its tokenizer)."""
     frozen_opts = dataclasses.replace(cfg.load, tokenizer=None, gradient_checkpointing=False)
     rm_tok = load_tokenizer(spec, frozen_opts)
