@@ -53,8 +53,8 @@ PLOTS_DIR = "plots"
 STAGE_FILES = (METRICS_FILE, SAMPLES_FILE, EVAL_SAMPLES_FILE, BEST_FILE, RESULT_FILE, REPORT_FILE)
 STAGE_FOLDERS = (CHECKPOINTS_DIR, TENSORBOARD_DIR, FINAL_DIR, FINAL_CRITIC_DIR, FINAL_EMA_DIR, BEST_DIR, PLOTS_DIR)
 # the run files whose rows carry the step that logged them, cut on resume (samples.jsonl: PPO's `ppo.sample_every`
-# triples)
-STEP_LOGS = (METRICS_FILE, SAMPLES_FILE)
+# triples; eval_samples.jsonl: each evaluation's held-out answers, step 0 the start's)
+STEP_LOGS = (METRICS_FILE, SAMPLES_FILE, EVAL_SAMPLES_FILE)
 
 
 def final_dir(out: str | Path) -> Path:
