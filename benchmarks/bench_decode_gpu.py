@@ -43,7 +43,7 @@ def main() -> None:
     from rlhfkit.config.ppo_schema import GenConfig
     from rlhfkit.models import load_causal_lm, load_tokenizer
     from rlhfkit.rollout.generate import eos_token_ids, sample_tokens
-    from rlhfkit.speed.plan import REFERENCE
+    from rlhfkit.models.plan import REFERENCE
 
     world = harness.build_world()
     size, device = "5M", torch.device("cpu")

@@ -29,7 +29,7 @@ def measure(size: str, batch: int, response: int, iters: int, world: Path) -> di
     from rlhfkit.engine.local import LocalEngine
     from rlhfkit.models import load_causal_lm, load_tokenizer
     from rlhfkit.rollout.generate import eos_token_ids, generate_rollout
-    from rlhfkit.speed.plan import REFERENCE
+    from rlhfkit.models.plan import REFERENCE
     from rlhfkit.speed.registry import Target, plan_model
 
     tok = load_tokenizer(str(world / size / "policy"), padding_side="left")

@@ -26,7 +26,7 @@ def score_pairs(model, tokenizer, template, examples, max_length: int, batch_siz
 
     from rlhfkit.data.tokenize import tokenize_preferences
     from rlhfkit.models.stage_forward import pair_scores
-    from rlhfkit.speed.plan import REFERENCE
+    from rlhfkit.models.plan import REFERENCE
     from rlhfkit.stages.reward import SUM_KEYS, pair_sums
 
     tokenised = [tokenize_preferences([ex], tokenizer, template, max_length)[0] for ex in examples]
@@ -55,7 +55,7 @@ def score_responses(model, tokenizer, template, examples, max_length: int, batch
 
     from rlhfkit.data.tokenize import pad_sequences, tokenize_sft
     from rlhfkit.models.forward import sequence_scores
-    from rlhfkit.speed.plan import REFERENCE
+    from rlhfkit.models.plan import REFERENCE
 
     ids = [tokenize_sft([ex], tokenizer, template, max_length, "all")[0] for ex in examples]
     kept = [i for i, rows in enumerate(ids) if rows]

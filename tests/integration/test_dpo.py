@@ -23,7 +23,7 @@ from rlhfkit.data.tokenize import collate_preferences, collate_prompt_sharing_pa
 from rlhfkit.models import load_causal_lm, load_tokenizer
 from rlhfkit.models.forward import causal_logits
 from rlhfkit.models.lora import apply_lora
-from rlhfkit.speed.plan import ModelPlan
+from rlhfkit.models.plan import ModelPlan
 from rlhfkit.stages.dpo import Reference, logprob_forward, run_dpo, sequence_logprobs
 
 # what a DPO policy's speed plan has on an sdpa model: each pair packed under a custom mask, else its prompt through a

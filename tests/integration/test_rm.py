@@ -16,7 +16,7 @@ from rlhfkit.data.templates import Template, encode_prompt, encode_response
 from rlhfkit.data.tokenize import pad_sequences
 from rlhfkit.models import load_scalar_model
 from rlhfkit.models.forward import sequence_scores
-from rlhfkit.speed.plan import REFERENCE
+from rlhfkit.models.plan import REFERENCE
 
 from conftest import HH, NAMES, STORIES, needs_shared, read_metrics, run_cli, write_jsonl
 

@@ -148,7 +148,7 @@ def test_rm_scores_are_padding_invariant(rm_run, tokenizer):
 
     from rlhfkit.data.tokenize import pad_sequences
     from rlhfkit.models.forward import sequence_scores
-    from rlhfkit.speed.plan import REFERENCE
+    from rlhfkit.models.plan import REFERENCE
 
     model = AutoModelForSequenceClassification.from_pretrained(rm_run[0] / "final").eval()
     texts = ["<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\nHello! How can I help?<|im_end|>",
@@ -286,7 +286,7 @@ def test_the_chat_templates_shared_tokens_go_through_the_model_once_with_the_sam
     from rlhfkit.models.prefix import common_prefix_span
     from rlhfkit.rollout.experience import response_logprobs
     from rlhfkit.speed.checks import common_prefix_gives_full_values
-    from rlhfkit.speed.plan import REFERENCE, ModelPlan
+    from rlhfkit.models.plan import REFERENCE, ModelPlan
 
     model, tok = load_policy(smollm2)
     shared_plan = ModelPlan(common_prefix=True)
@@ -351,7 +351,7 @@ def test_a_ppo_actors_speed_plan_gives_the_reference_paths_log_probs(smollm2, ta
 
 def sequence_score(model, ids: list[int]) -> float:
     from rlhfkit.models.forward import sequence_scores
-    from rlhfkit.speed.plan import REFERENCE
+    from rlhfkit.models.plan import REFERENCE
 
     return sequence_scores(model, torch.tensor([ids]), torch.ones(1, len(ids), dtype=torch.long), REFERENCE).item()
 

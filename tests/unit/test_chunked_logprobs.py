@@ -93,7 +93,7 @@ from rlhfkit.models.forward import head_logprobs_weight  # noqa: E402
 from rlhfkit.rollout import RolloutBatch, generate_rollout  # noqa: E402
 from rlhfkit.rollout.experience import response_logprobs, response_logprobs_and_entropy  # noqa: E402
 from rlhfkit.speed.checks import head_gives_logits  # noqa: E402
-from rlhfkit.speed.plan import REFERENCE, ModelPlan  # noqa: E402
+from rlhfkit.models.plan import REFERENCE, ModelPlan  # noqa: E402
 
 CHUNKED = ModelPlan(head_chunks=True)  # the LM head in chunks on the hidden states, nothing else
 

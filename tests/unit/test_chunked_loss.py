@@ -88,7 +88,7 @@ def test_sft_forward_in_chunks_gives_the_logits_loss_and_gradients(tiny_model_di
     from rlhfkit.models.forward import lm_head_weight
     from rlhfkit.models.stage_forward import lm_forward
     from rlhfkit.speed.checks import head_gives_logits, sft_packing_is_exact
-    from rlhfkit.speed.plan import ModelPlan
+    from rlhfkit.models.plan import ModelPlan
 
     tok = load_tokenizer(str(tiny_model_dir))
     model = sharpened(load_causal_lm(str(tiny_model_dir), tokenizer=tok))
@@ -140,7 +140,7 @@ def test_lora_model_trains_its_adapters_through_the_chunked_loss(tiny_model_dir)
     from rlhfkit.config.schema import LoraConfig
     from rlhfkit.models.lora import apply_lora
     from rlhfkit.models.stage_forward import lm_forward
-    from rlhfkit.speed.plan import ModelPlan
+    from rlhfkit.models.plan import ModelPlan
 
     tok = load_tokenizer(str(tiny_model_dir))
     model = apply_lora(sharpened(load_causal_lm(str(tiny_model_dir), tokenizer=tok)), LoraConfig(rank=4))

@@ -12,7 +12,7 @@ from rlhfkit.models.lora import base_model
 from rlhfkit.rollout import RolloutBatch
 from rlhfkit.rollout.experience import response_logprobs_and_entropy, response_values
 from rlhfkit.speed.checks import common_prefix_gives_full_values, group_packing_gives_prefix_values
-from rlhfkit.speed.plan import REFERENCE, ModelPlan
+from rlhfkit.models.plan import REFERENCE, ModelPlan
 
 SHARED = ModelPlan(common_prefix=True)  # the common prefix once, through a KV cache
 

@@ -14,7 +14,7 @@ from rlhfkit.accel import decode_gemm, kernels
 from rlhfkit.models import load_tokenizer
 from rlhfkit.accel.decode_gemm import DecodeLinear, decode_linear, streaming_decode, takes
 from rlhfkit.rollout import generate_rollout
-from rlhfkit.speed.plan import ModelPlan
+from rlhfkit.models.plan import ModelPlan
 
 
 @pytest.fixture(scope="module")

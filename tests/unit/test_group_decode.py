@@ -13,7 +13,7 @@ import rlhfkit.rollout.generate as generate
 from rlhfkit.config.ppo_schema import GenConfig
 from rlhfkit.rollout.group_decode import GroupCache, GroupCacheLayer, group_attention
 from rlhfkit.speed.checks import group_decode_is_exact
-from rlhfkit.speed.plan import ModelPlan
+from rlhfkit.models.plan import ModelPlan
 
 from conftest import sharpened
 

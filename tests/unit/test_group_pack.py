@@ -14,7 +14,7 @@ from rlhfkit.models.forward import final_hidden, position_ids
 from rlhfkit.models.group_pack import GroupPacking, group_packed_hidden
 from rlhfkit.models.prefix import shared_prefix_logits
 from rlhfkit.speed.checks import group_packing_gives_prefix_values
-from rlhfkit.speed.plan import ModelPlan
+from rlhfkit.models.plan import ModelPlan
 from rlhfkit.speed.registry import Target, plan_model
 
 GROUP_PACKED = ModelPlan(segment_attention=True, shared_prompt=True, group_packing=True)

@@ -12,7 +12,7 @@ import rlhfkit.rollout.generate as generate
 from rlhfkit.config.ppo_schema import GenConfig
 from rlhfkit.models.forward import pack_padded, unpack_states
 from rlhfkit.speed.checks import group_decode_is_exact, packed_prefill_is_exact
-from rlhfkit.speed.plan import REFERENCE, ModelPlan
+from rlhfkit.models.plan import REFERENCE, ModelPlan
 
 PACKED = ModelPlan(segment_attention=True, packed_prefill=True)
 

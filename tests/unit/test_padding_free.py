@@ -12,7 +12,7 @@ from rlhfkit.models.lora import base_model
 from rlhfkit.models.segments import SPANS
 from rlhfkit.rollout.experience import response_logprobs_and_entropy, response_values
 from rlhfkit.speed.checks import packing_gives_padded_values
-from rlhfkit.speed.plan import ModelPlan
+from rlhfkit.models.plan import ModelPlan
 
 PACKED = ModelPlan(segment_attention=True, padding_free=True)  # padding-free forwards, attention per sequence
 

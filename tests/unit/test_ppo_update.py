@@ -22,7 +22,7 @@ from rlhfkit.rollout.experience import add_rewards
 from rlhfkit.rollout.batch import RolloutBatch
 from rlhfkit.rollout.experience import response_logprobs
 from rlhfkit.stages.ppo_setup import load_ppo_models
-from rlhfkit.speed.plan import REFERENCE
+from rlhfkit.models.plan import REFERENCE
 from rlhfkit.stages.ppo_update import PtxText, critic_update_with_values, ppo_update, single_step
 
 PLANS = {"actor": REFERENCE, "critic": REFERENCE, "reference": REFERENCE}  # plain transformers forwards throughout

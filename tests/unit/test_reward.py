@@ -17,7 +17,7 @@ from rlhfkit.data.templates import Template, encode_prompt, encode_response
 from rlhfkit.data.tokenize import pad_sequences
 from rlhfkit.models import load_scalar_model, load_tokenizer
 from rlhfkit.models.forward import sequence_scores
-from rlhfkit.speed.plan import REFERENCE, ModelPlan
+from rlhfkit.models.plan import REFERENCE, ModelPlan
 from rlhfkit.models.reward_fn import ModelReward
 from rlhfkit.errors import RunError
 from rlhfkit.stages.reward import END_IDS_KEY, MEAN_KEY, STD_KEY, run_rm

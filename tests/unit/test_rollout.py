@@ -13,12 +13,13 @@ from rlhfkit.config.ppo_schema import GenConfig, PPOSection
 from rlhfkit.data.templates import Template, encode_prompt, encode_response
 from rlhfkit.models import ModelError, load_causal_lm, load_scalar_model, load_tokenizer
 from rlhfkit.config.ppo_schema import is_function_spec
-from rlhfkit.models.reward_fn import FunctionReward, ModelReward, load_reward_function
+from rlhfkit.models.reward_fn import FunctionReward, ModelReward
+from rlhfkit.user_code import load_user_object
 from rlhfkit.rollout import (RolloutBatch, add_advantages, add_model_outputs, adjust_scores, cat_rollouts,
                              ended_with_eos, generate_rollout, response_mask)
 from rlhfkit.rollout.experience import response_logprobs, response_values
 from rlhfkit.rollout.generate import ignored_generation_settings
-from rlhfkit.speed.plan import REFERENCE, ModelPlan
+from rlhfkit.models.plan import REFERENCE, ModelPlan
 
 
 CPU = LocalEngine  # the real single-process engine
@@ -173,19 +174,19 @@ def test_reward_function_from_file_and_module(tmp_path, monkeypatch):
     assert is_function_spec(spec) and is_function_spec("pkg.mod:fn") and not is_function_spec(str(tmp_path))
     batch = make_batch([[1], [1]], [[5], [6]], [[1], [1]])
     batch.response_texts = ["banana", "kiwi"]
-    assert FunctionReward(load_reward_function(spec), spec)(batch).tolist() == [3.0, 0.0]
+    assert FunctionReward(load_user_object(spec), spec)(batch).tolist() == [3.0, 0.0]
     monkeypatch.syspath_prepend(str(tmp_path))
-    assert load_reward_function("my_rewards:count_a") is not None
+    assert load_user_object("my_rewards:count_a") is not None
     with pytest.raises(ModelError, match="returned 1 values for 2"):
-        FunctionReward(load_reward_function("my_rewards:broken"), "my_rewards:broken")(batch)
+        FunctionReward(load_user_object("my_rewards:broken"), "my_rewards:broken")(batch)
     with pytest.raises(ModelError) as err:  # where in the user's file it raised
-        FunctionReward(load_reward_function("my_rewards:raises"), "my_rewards:raises")(batch)
+        FunctionReward(load_user_object("my_rewards:raises"), "my_rewards:raises")(batch)
     assert str(err.value) == (f"reward 'my_rewards:raises' raised KeyError: 'answer' (at "
                               f"{tmp_path / 'my_rewards.py'}:6 in raises)")
     with pytest.raises(ModelError, match="no function 'nope'"):
-        load_reward_function("my_rewards:nope")
+        load_user_object("my_rewards:nope")
     with pytest.raises(ModelError, match="does not exist"):
-        load_reward_function(f"{tmp_path / 'missing.py'}:f")
+        load_user_object(f"{tmp_path / 'missing.py'}:f")
 
 
 def test_reward_modules_that_fail_to_import_say_where_and_dataclasses_load(tmp_path, monkeypatch):
@@ -196,26 +197,26 @@ def test_reward_modules_that_fail_to_import_say_where_and_dataclasses_load(tmp_p
     checks.write_text("from __future__ import annotations\nimport dataclasses\n\n\n@dataclasses.dataclass\n"
                       "class Rule:\n    word: str\n\n\ndef has_a(prompts, responses):\n"
                       "    return [float(Rule('a').word in r) for r in responses]\n")
-    assert load_reward_function(f"{checks}:has_a")(["p"], ["banana"]) == [1.0]
+    assert load_user_object(f"{checks}:has_a")(["p"], ["banana"]) == [1.0]
     broken = tmp_path / "broken_rewards.py"
     broken.write_text("import math\n\nSCALE = math.sqrt(undefined_name)\n\n\ndef f(prompts, responses):\n"
                       "    return [0.0] * len(prompts)\n")
     with pytest.raises(ModelError) as err:
-        load_reward_function(f"{broken}:f")
+        load_user_object(f"{broken}:f")
     assert str(err.value) == (f"reward '{broken}:f': importing '{broken}' failed: NameError: name 'undefined_name' "
                               f"is not defined (at {broken}:3)")
     monkeypatch.syspath_prepend(str(tmp_path))
     with pytest.raises(ModelError) as err:
-        load_reward_function("broken_rewards:f")
+        load_user_object("broken_rewards:f")
     assert str(err.value) == ("reward 'broken_rewards:f': importing module 'broken_rewards' failed: NameError: name "
                               f"'undefined_name' is not defined (at {broken}:3)")
     (tmp_path / "syntax_rewards.py").write_text("def f(prompts, responses):\n    return [0.0 for]\n")
     where = re.escape(str(tmp_path / "syntax_rewards.py"))
     with pytest.raises(ModelError, match=rf"^reward 'syntax_rewards:f': importing module 'syntax_rewards' failed: "
                                          rf"SyntaxError: .* \(at {where}:2\)$"):
-        load_reward_function("syntax_rewards:f")
+        load_user_object("syntax_rewards:f")
     with pytest.raises(ModelError, match="^reward 'no_such_rewards:f': cannot import module 'no_such_rewards': "):
-        load_reward_function("no_such_rewards:f")
+        load_user_object("no_such_rewards:f")
 
 
 def test_reward_model_with_another_tokenizer_gets_retokenised_text(tiny, tmp_path):

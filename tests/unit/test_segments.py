@@ -8,7 +8,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, LlamaForSequenceClassifi
 from rlhfkit.data.tokenize import collate_packed, collate_packed_pairs
 from rlhfkit.models.forward import cache_kwargs, packed_logits, packed_sequence_scores, returned_cache
 from rlhfkit.models.segments import NAME, SPANS, packed_attention, sequence_spans
-from rlhfkit.speed.plan import REFERENCE, ModelPlan
+from rlhfkit.models.plan import REFERENCE, ModelPlan
 
 PER_SEQUENCE = ModelPlan(segment_attention=True)  # the plan that attends packed rows one sequence at a time
 

@@ -145,7 +145,7 @@ def test_packed_rows_give_the_padded_loss_and_gradients(tiny_model_dir):
     from rlhfkit.models import load_causal_lm
     from rlhfkit.models.stage_forward import lm_forward
     from rlhfkit.speed.checks import sft_packing_is_exact
-    from rlhfkit.speed.plan import ModelPlan
+    from rlhfkit.models.plan import ModelPlan
 
     per_sequence = ModelPlan(segment_attention=True, packing=True)
     masked = ModelPlan(packing=True)  # transformers' block-diagonal mask, no per-sequence attention

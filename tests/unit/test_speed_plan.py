@@ -17,7 +17,7 @@ from rlhfkit.config.dpo_schema import DPOConfig
 from rlhfkit.config.ppo_schema import PPOConfig
 from rlhfkit.config.schema import RMConfig, SFTConfig
 from rlhfkit.engine.local import LocalEngine
-from rlhfkit.speed.plan import PATH_NAMES, REFERENCE, ModelPlan
+from rlhfkit.models.plan import PATH_NAMES, REFERENCE, ModelPlan
 from rlhfkit.speed.registry import ALL_ROLES, BY_NAME, PATHS, Probe, Target, plan_line, plan_model
 
 SRC = Path(__file__).resolve().parents[2] / "src" / "rlhfkit"

@@ -84,17 +84,17 @@ def test_a_task_fills_the_data_and_reward_a_step_leaves_unset(tmp_path):
                                 "data": {"cache_dir": str(tmp_path)}, "train": {"max_steps": 1}})
     assert [(p.spec, p.name) for p in ppo.reward_parts()] == [(rgt.SCORE, "chain_sum")]
     said = []
-    folder = task_rows(ppo, "prompts", said.append)
+    folder = task_rows(ppo, "prompts", said.append, tmp_path)
     assert folder.startswith(str(tmp_path / "tasks" / "chain_sum-")) and "20 training and 5 held-out" in said[0]
     lines = [json.loads(x) for x in open(f"{folder}/train.jsonl")]
     assert len(lines) == 20 and len(open(f"{folder}/test.jsonl").readlines()) == 5
     # the step's own data and reward win
     own = from_dict(PPOConfig, {"actor": "m", "reward": "x.py:f", "task": {"name": "chain_sum"},
                                 "data": {"prompts": "p.jsonl"}, "train": {"max_steps": 1}})
-    assert task_rows(own, "prompts", said.append) is None and own.reward_parts()[0].spec == "x.py:f"
+    assert task_rows(own, "prompts", said.append, tmp_path) is None and own.reward_parts()[0].spec == "x.py:f"
     sft = from_dict(SFTConfig, {"model": "m", "task": {"name": "chain_sum", "size": 20, "eval_size": 5},
                                 "data": {"cache_dir": str(tmp_path)}})
-    assert task_rows(sft, "sft", said.append) == folder  # the same settings: the same folder, shared by the steps
+    assert task_rows(sft, "sft", said.append, tmp_path) == folder  # the same settings: the same folder, shared by the steps
 
 
 def test_the_pipeline_gives_the_task_to_sft_and_ppo_and_needs_no_reward_model():

@@ -60,7 +60,7 @@ def responses(batch) -> list[list[int]]:
 def trainer_gap(model, batch, temperature=1.0) -> torch.Tensor:
     """|trainer - engine| log-prob of each valid sampled token."""
     from rlhfkit.rollout.experience import response_logprobs
-    from rlhfkit.speed.plan import REFERENCE
+    from rlhfkit.models.plan import REFERENCE
 
     with torch.no_grad():
         trainer = response_logprobs(model, batch, REFERENCE, temperature)
@@ -69,7 +69,7 @@ def trainer_gap(model, batch, temperature=1.0) -> torch.Tensor:
 
 def test_greedy_rollouts_give_the_native_engines_tokens_ending_at_im_end(setup):
     from rlhfkit.rollout.evaluate import generate_all
-    from rlhfkit.speed.plan import REFERENCE
+    from rlhfkit.models.plan import REFERENCE
 
     cfg, model, tokenizer, engine, sampler = setup
     rows = rows_of(tokenizer)
@@ -142,7 +142,7 @@ def test_a_sync_moves_the_engine_to_the_trainers_weights_and_a_skipped_one_is_re
 
 def _trainer(model, batch):
     from rlhfkit.rollout.experience import response_logprobs
-    from rlhfkit.speed.plan import REFERENCE
+    from rlhfkit.models.plan import REFERENCE
 
     with torch.no_grad():
         return response_logprobs(model, batch, REFERENCE, 1.0)

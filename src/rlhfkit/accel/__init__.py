@@ -1,11 +1,11 @@
 """CPU kernels: the speed paths that only pay on a CPU (oneDNN linear layers, C kernels for RMSNorm, SwiGLU and
 the rotary embedding, a streaming decode GEMM, lean activations, gradients added in place).
 
-`install(model, plan)` is the one way in: it puts into a model the kernels its speed plan has on (`speed.plan`,
+`install(model, plan)` is the one way in: it puts into a model the kernels its speed plan has on (`models.plan`,
 decided by `speed.registry`, which never turns them on for a CUDA device), by swapping the classes of its modules
 (same parameters, same state dict) and hooking its forward. The streaming decode GEMM is opened per rollout by
 `rollout.generate` where the plan has it. `models/` (loading, LoRA, forwards) and `algos/` (pure math) do not
-depend on anything here being installed: with `speed.plan.REFERENCE` nothing is.
+depend on anything here being installed: with `models.plan.REFERENCE` nothing is.
 """
 
 from __future__ import annotations

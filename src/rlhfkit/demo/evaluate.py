@@ -20,7 +20,7 @@ from rlhfkit.data.templates import Template
 from rlhfkit.demo.sampling import load_policy, sample
 from rlhfkit.models import load_scalar_model, load_tokenizer
 from rlhfkit.rollout.evaluate import sequence_kl
-from rlhfkit.speed.plan import REFERENCE
+from rlhfkit.models.plan import REFERENCE
 
 
 def mean_stderr(values: list[float]) -> dict:

@@ -22,7 +22,7 @@ from rlhfkit.engine.local import LocalEngine
 from rlhfkit.models import load_causal_lm, load_tokenizer
 from rlhfkit.rollout.batch import RolloutBatch
 from rlhfkit.rollout.evaluate import generate_all
-from rlhfkit.speed.plan import REFERENCE, ModelPlan
+from rlhfkit.models.plan import REFERENCE, ModelPlan
 
 
 def load_policy(folder, opts: LoadConfig | None = None):

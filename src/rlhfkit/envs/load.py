@@ -32,9 +32,9 @@ class LoadedEnvironment:
 def load_environment(cfg) -> LoadedEnvironment:
     """The class of `cfg.env`, checked against `cfg.episode.env_args`, and its tools (ModelError / ConfigError
     naming the key)."""
-    from rlhfkit.models.reward_fn import load_reward_function
+    from rlhfkit.user_code import load_user_object
 
-    env_class = load_reward_function(cfg.env, what="env")
+    env_class = load_user_object(cfg.env, what="env")
     if not inspect.isclass(env_class) or not callable(getattr(env_class, "step", None)):
         raise ModelError(f"env '{cfg.env}': expected a class with reset() and step() (a subclass of "
                          f"rlhfkit.envs.Environment), got {type(env_class).__name__} {env_class!r:.60}")

@@ -50,9 +50,9 @@ def play(env, row: dict | None = None, turns=(), env_args: dict | None = None, t
     episode.tools's specs, added to the class's own; "python" runs in the `code_sandbox` a run would use."""
     env_class = env
     if isinstance(env, str):
-        from rlhfkit.models.reward_fn import load_reward_function
+        from rlhfkit.user_code import load_user_object
 
-        env_class = load_reward_function(env, what="env")
+        env_class = load_user_object(env, what="env")
     name = env_class.__name__
     instance = env_class(**dict(env_args or {}))
     specs = list(getattr(env_class, "tools", None) or []) + list(tools)

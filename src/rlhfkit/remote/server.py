@@ -382,13 +382,14 @@ def load_target(target: str, template: str = "auto", forward_batch_size: int = 1
     """(the reward callable `target` names, what /health says of it). ModelError / ConfigError when it is none."""
     from rlhfkit.config.ppo_schema import reward_kind
     from rlhfkit.errors import ConfigError
-    from rlhfkit.models.reward_fn import FunctionReward, load_reward_function
+    from rlhfkit.models.reward_fn import FunctionReward
+    from rlhfkit.user_code import load_user_object
 
     kind = reward_kind(target)
     if kind == "url":
         raise ConfigError(f"TARGET {target!r} is a URL: serve a reward-model folder or a Python function")
     if kind == "function":
-        return FunctionReward(load_reward_function(target), target), {"serves": target, "kind": "Python function"}
+        return FunctionReward(load_user_object(target), target), {"serves": target, "kind": "Python function"}
     return load_served_reward_model(target, template, forward_batch_size), {"serves": target, "kind": "reward model"}
 
 

@@ -22,7 +22,7 @@ from rlhfkit.models.segments import packed_row_tokens
 from rlhfkit.models.stage_forward import lm_forward, pair_scores
 from rlhfkit.rollout.generate import kv_cache, prefill
 from rlhfkit.rollout.group_decode import GroupCache, decoding_in_groups, group_cache
-from rlhfkit.speed.plan import REFERENCE, ModelPlan
+from rlhfkit.models.plan import REFERENCE, ModelPlan
 
 # config attributes of models whose logits are not the head's output (a soft cap or a scale after the head)
 _LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_softcapping", "logit_scale", "logits_scaling",

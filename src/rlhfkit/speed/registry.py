@@ -33,7 +33,7 @@ from rlhfkit.models.lora import base_model, checkpointed
 from rlhfkit.models.segments import full_attention_cache
 from rlhfkit.rollout.group_decode import group_cache
 from rlhfkit.speed import checks
-from rlhfkit.speed.plan import PATH_NAMES, ModelPlan
+from rlhfkit.models.plan import PATH_NAMES, ModelPlan
 
 REFERENCE_SETTING = "engine.speed=reference"
 

@@ -48,7 +48,7 @@ from rlhfkit.models.loading import causal_lm_config, record_template
 from rlhfkit.models.lora import adapter_disabled, apply_lora, checkpointed, is_lora
 from rlhfkit.registry.preference import preference_loss
 from rlhfkit.run_files import final_dir
-from rlhfkit.speed.plan import ModelPlan
+from rlhfkit.models.plan import ModelPlan
 from rlhfkit.speed.registry import Target, plan_line, plan_model
 from rlhfkit.stages.advice import lora_rate_note
 from rlhfkit.stages.common import MetricsLogger, epoch_order, longest_first, plan_steps, write_run_report

@@ -20,8 +20,8 @@ from rlhfkit.models import load_causal_lm, load_scalar_model, load_tokenizer
 from rlhfkit.models.loading import causal_lm_config, has_trained_score_head, load_generation_config
 from rlhfkit.models.lora import apply_lora
 from rlhfkit.config.ppo_schema import RewardPart, reward_kind
-from rlhfkit.models.reward_fn import (CombinedReward, FunctionReward, ModelReward,
-                                     load_reward_function, same_tokenization)
+from rlhfkit.models.reward_fn import CombinedReward, FunctionReward, ModelReward, same_tokenization
+from rlhfkit.user_code import load_user_object
 from rlhfkit.remote.client import RemoteReward
 from rlhfkit.rollout.episodes import EnvironmentReward
 from rlhfkit.rollout.generate import ignored_generation_settings
@@ -75,7 +75,7 @@ def load_reward(cfg: PPOConfig, actor_tok, engine, prompt_fields: list[dict] | N
 def function_reward(part: RewardPart, prompt_fields: list[dict] | None, what: str = "reward") -> FunctionReward:
     """A reward function, checked against the prompt rows' fields (when given) before any model loads; `what` names
     it in an error ("reward", "eval.judge")."""
-    function = FunctionReward(load_reward_function(part.spec, what), part.spec)
+    function = FunctionReward(load_user_object(part.spec, what), part.spec)
     if prompt_fields is not None:
         function.check_fields(prompt_fields)
     return function

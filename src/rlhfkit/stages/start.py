@@ -14,6 +14,7 @@ import sys
 from dataclasses import dataclass
 from typing import Callable, Optional
 
+from rlhfkit.data.cache import default_cache_dir
 from rlhfkit.data.loader import StageData, load_stage_data
 from rlhfkit.data.templates import end_token_ids
 from rlhfkit.engine.backends import make_engine
@@ -70,7 +71,8 @@ def start_stage(cfg, model: str, data_kind: str, padding_side: str = "right",
         end_ids, data_cfg = None, cfg.data.as_prompt_data()
     else:  # responses end where PPO rollouts will stop: EOS or the folder's generation_config end-of-turn ids
         end_ids, data_cfg = end_token_ids(tokenizer, load_generation_config(model, cfg.load)), cfg.data
-    rows = task_rows(cfg, data_kind, lambda line: print(f"data: {line}", file=sys.stderr) if engine.is_main else None)
+    rows = task_rows(cfg, data_kind, lambda line: print(f"data: {line}", file=sys.stderr) if engine.is_main else None,
+                     default_cache_dir(cfg.data.cache_dir))
     data = load_stage_data(data_kind, data_cfg, tokenizer, cfg.train.seed, train_spec=rows, end_ids=end_ids,
                            main=engine.is_main)
     return StageStart(engine, cfg, tokenizer, end_ids, data)

@@ -3,21 +3,22 @@ reasoning-gym's procedural tasks, each scored by its own scorer (reasoning_gym.p
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Callable
 
 
-def task_rows(cfg, kind: str, note: Callable[[str], None]) -> str | None:
+def task_rows(cfg, kind: str, note: Callable[[str], None], cache_dir: Path) -> str | None:
     """The folder of the task's rows when this step reads them: it names a task (`task.name`) and no data source
-    of its own (`data.train`; ppo: `data.prompts`). The rows are generated and written first (once: the folder
-    is named by the task's settings), and a line says what they are. None when the step reads its own data."""
+    of its own (`data.train`; ppo: `data.prompts`). The rows are generated and written first (once, under
+    `cache_dir`: the folder is named by the task's settings), and a line says what they are. None when the step
+    reads its own data."""
     task = getattr(cfg, "task", None)
     own = cfg.data.prompts if kind == "prompts" else cfg.data.train
     if task is None or not task.name or own is not None:
         return None
-    from rlhfkit.data.cache import default_cache_dir
     from rlhfkit.tasks import reasoning_gym
 
-    folder = reasoning_gym.write_rows(task, default_cache_dir(cfg.data.cache_dir))
+    folder = reasoning_gym.write_rows(task, cache_dir)
     if kind == "sft":
         reasoning_gym.sft_rows(folder)
     note(f"task {task.name} (reasoning-gym{', ' + str(task.args) if task.args else ''}): {task.size} training and "

@@ -111,15 +111,15 @@ def defined_at(fn: Callable) -> str:
 
 def load_tool(spec: str) -> Tool:
     """The Tool, or the function made a tool, that `module:name` or `path/to/file.py:name` names (imported as a
-    reward function is: `models.reward_fn.load_reward_function`). ValueError naming the spec when it cannot be."""
+    reward function is: `user_code.load_user_object`). ValueError naming the spec when it cannot be."""
     from rlhfkit.errors import ModelError
-    from rlhfkit.models.reward_fn import load_reward_function
+    from rlhfkit.user_code import load_user_object
 
     target, _, attr = spec.rpartition(":")
     if not target or not attr:
         raise ValueError(f"tool '{spec}': expected 'module:function' or 'path/file.py:function'")
     try:
-        found = load_reward_function(spec, what="tool")
+        found = load_user_object(spec, what="tool")
     except ModelError as exc:
         raise ValueError(str(exc)) from None
     return found if isinstance(found, Tool) else function_tool(found)
