@@ -22,7 +22,7 @@ from rlhfkit.data.templates import Template, encode_prompt, encode_response
 from rlhfkit.data.tokenize import collate_preferences, collate_prompt_sharing_pairs
 from rlhfkit.models import load_causal_lm, load_tokenizer
 from rlhfkit.models.forward import causal_logits
-from rlhfkit.models.lora import apply_lora
+from rlhfkit.lora import apply_lora
 from rlhfkit.models.plan import ModelPlan
 from rlhfkit.stages.dpo import Reference, logprob_forward, run_dpo, sequence_logprobs
 

@@ -124,7 +124,7 @@ def test_lora_export_is_merged_and_matches_unmerged_logits(tmp_path, tiny_model_
     from rlhfkit.config import LoraConfig
     from rlhfkit.engine.local import LocalEngine
     from rlhfkit.models import load_causal_lm, load_tokenizer
-    from rlhfkit.models.lora import apply_lora
+    from rlhfkit.lora import apply_lora
 
     tok = load_tokenizer(str(tiny_model_dir))
     model = apply_lora(load_causal_lm(str(tiny_model_dir)), LoraConfig(rank=4, alpha=8))

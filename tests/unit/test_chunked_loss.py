@@ -138,7 +138,7 @@ def test_a_model_that_changes_its_logits_after_the_head_is_refused(tiny_model_di
 def test_lora_model_trains_its_adapters_through_the_chunked_loss(tiny_model_dir):
     """Under LoRA the head is frozen: the adapters' gradients equal the plain logits' ones."""
     from rlhfkit.config.schema import LoraConfig
-    from rlhfkit.models.lora import apply_lora
+    from rlhfkit.lora import apply_lora
     from rlhfkit.models.stage_forward import lm_forward
     from rlhfkit.models.plan import ModelPlan
 

@@ -8,7 +8,7 @@ import torch
 from rlhfkit.models import load_causal_lm, load_tokenizer
 from rlhfkit.models.group_pack import group_packing
 from rlhfkit.models.prefix import MIN_COMMON_PREFIX, common_prefix_outputs, common_prefix_span
-from rlhfkit.models.lora import base_model
+from rlhfkit.lora import base_model
 from rlhfkit.rollout import RolloutBatch
 from rlhfkit.rollout.experience import response_logprobs_and_entropy, response_values
 from rlhfkit.speed.checks import common_prefix_gives_full_values, group_packing_gives_prefix_values

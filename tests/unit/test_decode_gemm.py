@@ -207,7 +207,7 @@ def test_a_lora_model_decodes_with_its_adapter_through_the_kernel(switched):
     added as before, and the wrapped model's decode-step logits equal MKL's to float rounding."""
     from rlhfkit.config.schema import LoraConfig
     from rlhfkit.demo.tiny import build_tiny_llama
-    from rlhfkit.models.lora import apply_lora
+    from rlhfkit.lora import apply_lora
 
     model = apply_lora(build_tiny_llama(300, hidden=256, layers=2, heads=4), LoraConfig(rank=4)).eval()
     with torch.no_grad():

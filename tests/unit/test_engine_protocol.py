@@ -192,7 +192,7 @@ def test_the_zero3_export_twin_keeps_the_models_generation_config(tiny_model_dir
     config (its end-of-turn tokens and sampling defaults), not a default one derived from config.json, which
     would make the exported folder's chat and generate() run past the end of a turn."""
     from rlhfkit.models import load_causal_lm
-    from rlhfkit.models.lora import base_model, clone_for_export
+    from rlhfkit.lora import base_model, clone_for_export
 
     model = load_causal_lm(str(tiny_model_dir))
     model.generation_config.update(eos_token_id=[2, 5], temperature=0.6, top_p=0.9, do_sample=True)
@@ -215,7 +215,7 @@ def test_the_zero3_export_twin_takes_the_gathered_tensors_without_initialising_i
     from transformers import PreTrainedModel
 
     from rlhfkit.models import load_causal_lm
-    from rlhfkit.models.lora import base_model, clone_for_export
+    from rlhfkit.lora import base_model, clone_for_export
 
     model = load_causal_lm(str(tiny_model_dir)).eval()
     if lora:

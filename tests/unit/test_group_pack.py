@@ -185,7 +185,7 @@ def test_a_lora_actor_and_its_adapter_off_reference_take_the_packed_row():
     """Under LoRA (peft's wrapper around the model) the packed row gives the plain forward's hidden states and LoRA
     gradients, and with the adapter switched off (the reference) the base model's."""
     from rlhfkit.config.schema import LoraConfig
-    from rlhfkit.models.lora import adapter_disabled, apply_lora
+    from rlhfkit.lora import adapter_disabled, apply_lora
 
     model = apply_lora(_llama(), LoraConfig(rank=4)).train()
     with torch.no_grad():  # peft starts B at zero: give the adapters an effect

@@ -8,7 +8,7 @@ from transformers import LlamaForSequenceClassification
 
 from rlhfkit.models import load_causal_lm, load_tokenizer
 from rlhfkit.models.forward import pack_padded, read_packed, sequence_scores
-from rlhfkit.models.lora import base_model
+from rlhfkit.lora import base_model
 from rlhfkit.models.segments import SPANS
 from rlhfkit.rollout.experience import response_logprobs_and_entropy, response_values
 from rlhfkit.speed.checks import packing_gives_padded_values

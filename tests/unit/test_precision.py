@@ -82,7 +82,7 @@ def test_a_model_loaded_in_half_precision_and_trained_in_full_keeps_float32_weig
     """load.dtype=bfloat16 trained every weight in bfloat16 (updates below its precision lost, whatever
     engine.precision said); a fully trained model now gets float32 weights, a LoRA base stays as loaded."""
     from rlhfkit.config.schema import LoadConfig, LoraConfig
-    from rlhfkit.models.lora import apply_lora
+    from rlhfkit.lora import apply_lora
 
     load = LoadConfig(dtype="bfloat16")
     full = load_causal_lm(str(tiny_model_dir), load)
@@ -108,7 +108,7 @@ def test_a_lora_reward_models_head_on_a_half_precision_base_trains_in_float32(ti
     taking the bf16 base's hidden states cast up, and every weight moves."""
     from rlhfkit.config.schema import LoadConfig, LoraConfig
     from rlhfkit.models import load_scalar_model
-    from rlhfkit.models.lora import apply_lora
+    from rlhfkit.lora import apply_lora
 
     tok = load_tokenizer(str(tiny_model_dir))
     rm = apply_lora(load_scalar_model(str(tiny_model_dir), LoadConfig(dtype="bfloat16"), tok), LoraConfig(rank=4),
@@ -129,7 +129,7 @@ def test_lora_on_an_embedding_tied_to_the_lm_head_is_refused(tiny_model_dir):
     """The tiny model ties its embeddings and LM head (as SmolLM2 does): an adapter on either, merged into the
     one matrix for the export, changed both uses, and final/ computed something else than the trained model."""
     from rlhfkit.config.schema import LoraConfig
-    from rlhfkit.models.lora import apply_lora
+    from rlhfkit.lora import apply_lora
 
     model = load_causal_lm(str(tiny_model_dir))
     assert model.get_input_embeddings().weight is model.get_output_embeddings().weight

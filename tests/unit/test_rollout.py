@@ -443,7 +443,7 @@ def test_the_kv_cache_goes_by_the_keyword_the_model_class_takes(tiny, tiny_model
 
     from rlhfkit.config.schema import LoraConfig
     from rlhfkit.models.forward import cache_kwargs
-    from rlhfkit.models.lora import apply_lora
+    from rlhfkit.lora import apply_lora
 
     tok, model = tiny
     keyword = "cache" if "cache" in inspect.signature(type(model).forward).parameters else "past_key_values"

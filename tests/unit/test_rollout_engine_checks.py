@@ -128,7 +128,7 @@ def test_a_separate_engine_receives_every_weight_under_its_checkpoint_name_tied_
 def test_a_lora_actor_is_sent_merged_under_the_plain_models_names(tiny_model_dir):
     from rlhfkit.config.schema import LoraConfig
     from rlhfkit.models import load_causal_lm, load_tokenizer
-    from rlhfkit.models.lora import apply_lora
+    from rlhfkit.lora import apply_lora
     from rlhfkit.rollout.weights import hf_weights
 
     tokenizer = load_tokenizer(str(tiny_model_dir))

@@ -150,7 +150,7 @@ def _trainer(model, batch):
 
 def test_a_lora_actor_reaches_the_engine_merged(setup):
     from rlhfkit.config.schema import LoraConfig
-    from rlhfkit.models.lora import apply_lora
+    from rlhfkit.lora import apply_lora
 
     cfg, model, tokenizer, engine, sampler = setup
     lora = apply_lora(copy.deepcopy(model), LoraConfig(rank=8, alpha=16))

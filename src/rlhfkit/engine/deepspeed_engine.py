@@ -39,7 +39,7 @@ from rlhfkit.engine.local import float32_weights, lr_lambda, moved_to, param_gro
 from rlhfkit.engine.process_group import await_rank0, init_process_group
 from rlhfkit.engine.storage import write_hf_folder
 from rlhfkit.errors import ConfigError
-from rlhfkit.models.lora import clone_for_export
+from rlhfkit.lora import clone_for_export
 
 
 @contextlib.contextmanager

@@ -336,7 +336,7 @@ def float32_weights(model: torch.nn.Module, say) -> None:
     weight loses every update below its precision (measured: 15% of a tiny model's weights never moved in 6
     steps). `engine.precision` sets the compute precision; frozen models and a LoRA base stay as loaded (LoRA's
     adapters are float32 already)."""
-    from rlhfkit.models.lora import is_lora
+    from rlhfkit.lora import is_lora
 
     half = (torch.float16, torch.bfloat16)
     if not is_lora(model) and any(p.dtype in half for p in model.parameters() if p.requires_grad):

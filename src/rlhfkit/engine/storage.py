@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from rlhfkit.models.lora import base_model, is_lora, merged
+from rlhfkit.lora import base_model, is_lora, merged
 from rlhfkit.run_files import LATEST_POINTER
 
 
@@ -131,11 +131,39 @@ def latest_checkpoint(folder: Path) -> Path:
     return target
 
 
+# the config values a run changes for training only (dropout off, no KV cache under gradient checkpointing), with
+# what the folder had: exported folders get the folder's values back (`as_loaded`)
+LOADED_VALUES = "_rlhfkit_training_only"  # the attribute of a config that holds them while the run trains
+
+
+def set_for_training(config, key: str, value) -> None:
+    """`config.key = value` for this run, remembering the loaded value for the export."""
+    originals = config.__dict__.setdefault(LOADED_VALUES, {})
+    originals.setdefault(key, getattr(config, key, None))
+    setattr(config, key, value)
+
+
+@contextlib.contextmanager
+def as_loaded(config):
+    """Within the block `config` holds the values it was loaded with where the run changed them for training
+    (`set_for_training`), and not their record: what `save_pretrained` writes to config.json. A fine-tuned folder
+    keeps the dropout and cache settings it came with (a model trained on later keeps its dropout)."""
+    originals = config.__dict__.pop(LOADED_VALUES, None) or {}
+    current = {key: getattr(config, key, None) for key in originals}
+    for key, value in originals.items():
+        setattr(config, key, value)
+    try:
+        yield config
+    finally:
+        for key, value in current.items():
+            setattr(config, key, value)
+        if originals:
+            config.__dict__[LOADED_VALUES] = originals
+
+
 def write_hf_folder(model: torch.nn.Module, tokenizer, target: Path, in_place: bool = True) -> Path:
     """A plain transformers folder (safetensors, tokenizer, LoRA merged) that from_pretrained loads. LoRA is
     merged into `model` itself unless `in_place=False` (then into a copy)."""
-    from rlhfkit.models.loading import as_loaded  # loading's imports reach this module
-
     if is_lora(model) and not in_place:
         model = copy.deepcopy(model)
     plain = merged(model)

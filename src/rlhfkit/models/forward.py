@@ -18,7 +18,7 @@ import torch
 from rlhfkit.algos import last_valid_index
 from rlhfkit.data.tokenize import pack_bins
 from rlhfkit.accel.cpu_linear import FastCPULinear, layer_matmul
-from rlhfkit.models.lora import base_model
+from rlhfkit.lora import base_model
 from rlhfkit.models.segments import packed_attention, packed_row_tokens
 
 HEAD_NAMES = ("score", "classifier", "v_head")

@@ -36,7 +36,7 @@ from transformers.integrations.sdpa_attention import repeat_kv
 from transformers.masking_utils import AttentionMaskInterface
 
 from rlhfkit.models.forward import hidden_states, scalar_outputs
-from rlhfkit.models.lora import attention_implementation, base_model
+from rlhfkit.lora import attention_implementation, base_model
 from rlhfkit.models.segments import packed_row_tokens
 
 NAME = "rlhfkit_group_packed"

@@ -22,6 +22,7 @@ from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForSequence
                           GenerationConfig)
 
 from rlhfkit.config.schema import LoadConfig
+from rlhfkit.engine.storage import set_for_training
 from rlhfkit.errors import ModelError
 from rlhfkit.models.fetch import fetch_hint
 from rlhfkit.run_files import final_dir
@@ -183,7 +184,7 @@ def template_mode(mode: str, name: str, opts: LoadConfig | None, tokenizer) -> s
 
 def record_template(model, name: str) -> None:
     """Write how the rows were rendered into the model's config, exported into final/config.json."""
-    from rlhfkit.models.lora import base_model
+    from rlhfkit.lora import base_model
 
     setattr(base_model(model).config, TEMPLATE_KEY, name)
 
@@ -289,36 +290,6 @@ def _transformers_quiet(quiet: bool):
         yield
     finally:
         hf_logging.set_verbosity(level)
-
-
-# the config values a run changes for training only (dropout off, no KV cache under gradient checkpointing), with
-# what the folder had: exported folders get the folder's values back (`as_loaded`)
-TRAINING_ONLY = "_rlhfkit_training_only"
-
-
-def set_for_training(config, key: str, value) -> None:
-    """`config.key = value` for this run, remembering the loaded value for the export."""
-    originals = config.__dict__.setdefault(TRAINING_ONLY, {})
-    originals.setdefault(key, getattr(config, key, None))
-    setattr(config, key, value)
-
-
-@contextlib.contextmanager
-def as_loaded(config):
-    """Within the block `config` holds the values it was loaded with where the run changed them for training
-    (`set_for_training`), and not their record: what `save_pretrained` writes to config.json. A fine-tuned folder
-    keeps the dropout and cache settings it came with (a model trained on later keeps its dropout)."""
-    originals = config.__dict__.pop(TRAINING_ONLY, None) or {}
-    current = {key: getattr(config, key, None) for key in originals}
-    for key, value in originals.items():
-        setattr(config, key, value)
-    try:
-        yield config
-    finally:
-        for key, value in current.items():
-            setattr(config, key, value)
-        if originals:
-            config.__dict__[TRAINING_ONLY] = originals
 
 
 def disable_dropout(model: torch.nn.Module) -> None:

@@ -17,7 +17,7 @@ from transformers.cache_utils import DynamicLayer
 
 from rlhfkit.models.forward import cache_kwargs, decoder_outputs, hidden_states, position_ids, scalar_outputs
 from rlhfkit.models.group_pack import common_prefix_packed, contiguous_rows, group_packed_hidden, group_packing
-from rlhfkit.models.lora import base_model, checkpointed
+from rlhfkit.lora import base_model, checkpointed
 from rlhfkit.models.segments import full_attention_cache
 
 

@@ -18,7 +18,7 @@ from rlhfkit.data.tokenize import cut_prompt, opening_length, pad_sequences
 from rlhfkit.accel.cpu_linear import packed_weights
 from rlhfkit.models.forward import sequence_scores
 from rlhfkit.models.plan import REFERENCE
-from rlhfkit.models.lora import base_model
+from rlhfkit.lora import base_model
 from rlhfkit.errors import ModelError, TemplateRefused
 
 

@@ -33,7 +33,7 @@ from transformers.cache_utils import DynamicCache, DynamicLayer
 from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from rlhfkit.models.lora import attention_implementation, base_model, checkpointed
+from rlhfkit.lora import attention_implementation, base_model, checkpointed
 
 NAME = "rlhfkit_segments"
 SPANS = "rlhfkit_spans"  # the forward's keyword argument that carries the spans to every layer

@@ -8,7 +8,7 @@ import torch
 
 from rlhfkit.config.ppo_schema import GenConfig
 from rlhfkit.metric_names import EVAL_FINISHED, EVAL_GOLD, EVAL_KL, EVAL_RESPONSE_LENGTH, EVAL_REWARD
-from rlhfkit.models.lora import adapter_disabled
+from rlhfkit.lora import adapter_disabled
 from rlhfkit.rollout.batch import RolloutBatch, cat_rollouts
 from rlhfkit.rollout.experience import ended_with_eos, response_logprobs
 from rlhfkit.rollout.generate import generate_rollout

@@ -20,7 +20,7 @@ from rlhfkit.accel.cpu_linear import packed_weights
 from rlhfkit.models.forward import (causal_logits, final_hidden, head_logprobs_weight, head_matmul, mixed_precision,
                                     packed_outputs, position_ids, read_packed, token_scores)
 from rlhfkit.models.prefix import common_prefix_outputs, shared_prefix_logits
-from rlhfkit.models.lora import adapter_disabled
+from rlhfkit.lora import adapter_disabled
 from rlhfkit.rollout.batch import RolloutBatch
 
 

@@ -12,7 +12,7 @@ from rlhfkit.accel.cpu_linear import packed_weights
 from rlhfkit.accel.decode_gemm import streaming_decode
 from rlhfkit.models.forward import cache_kwargs, pack_padded, returned_cache, unpack_states
 from rlhfkit.models.prefix import common_prefix_layout, contiguous_groups, unique_rows
-from rlhfkit.models.lora import base_model
+from rlhfkit.lora import base_model
 from rlhfkit.models.segments import full_attention_cache, packed_attention, packed_row_tokens
 from rlhfkit.rollout.batch import RolloutBatch
 from rlhfkit.rollout.group_decode import GroupCache, decoding_in_groups, group_cache

@@ -29,7 +29,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from rlhfkit.models.forward import unpack_states
 from rlhfkit.models.segments import full_attention_cache
-from rlhfkit.models.lora import attention_implementation, base_model
+from rlhfkit.lora import attention_implementation, base_model
 
 NAME = "rlhfkit_group_decode"
 _BASES = ("sdpa", "eager")  # the attention implementations this path stands in for (CPU and plain GPU)

@@ -34,7 +34,7 @@ import torch
 from rlhfkit.compat import shield_child_processes
 from rlhfkit.config.ppo_schema import GenConfig
 from rlhfkit.config.vllm_checks import check_vllm_installed, logprobs_mode
-from rlhfkit.models.lora import base_model
+from rlhfkit.lora import base_model
 from rlhfkit.rollout.batch import RolloutBatch
 from rlhfkit.rollout.generate import eos_token_ids
 from rlhfkit.rollout.vllm_layout import rollout_batch

@@ -18,7 +18,7 @@ from typing import Iterator
 
 import torch
 
-from rlhfkit.models.lora import base_model, is_lora, is_lora_layer, merged_weight, unwrap_engine
+from rlhfkit.lora import base_model, is_lora, is_lora_layer, merged_weight, unwrap_engine
 
 
 def hf_weights(model, engine) -> Iterator[tuple[str, torch.Tensor]]:

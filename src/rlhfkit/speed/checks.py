@@ -16,7 +16,7 @@ from rlhfkit.data.tokenize import collate_packed, collate_sft
 from rlhfkit.models.forward import (cache_kwargs, decoder_outputs, final_hidden, lm_head_weight, packed_outputs,
                                     position_ids, scalar_head, token_scores)
 from rlhfkit.models.group_pack import common_prefix_packed, group_packed_hidden
-from rlhfkit.models.lora import base_model
+from rlhfkit.lora import base_model
 from rlhfkit.models.prefix import MIN_COMMON_PREFIX, common_prefix_outputs, shared_prefix_logits
 from rlhfkit.models.segments import packed_row_tokens
 from rlhfkit.models.stage_forward import lm_forward, pair_scores

@@ -29,7 +29,7 @@ from rlhfkit.accel.decode_gemm import available as decode_kernel_available
 from rlhfkit.accel.grad_in_place import MIN_ELEMENTS, takes as grad_in_place_takes
 from rlhfkit.accel.lean import MLP_CLASSES, RMSNORM_CLASSES
 from rlhfkit.models.forward import custom_mask_kind, lm_head_weight
-from rlhfkit.models.lora import base_model, checkpointed
+from rlhfkit.lora import base_model, checkpointed
 from rlhfkit.models.segments import full_attention_cache
 from rlhfkit.rollout.group_decode import group_cache
 from rlhfkit.speed import checks

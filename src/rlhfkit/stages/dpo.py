@@ -45,7 +45,7 @@ from rlhfkit.models.forward import (causal_logits, final_hidden, head_logprobs_w
                                     mixed_precision, position_ids)
 from rlhfkit.models.prefix import shared_prefix_logits
 from rlhfkit.models.loading import causal_lm_config, record_template
-from rlhfkit.models.lora import adapter_disabled, apply_lora, checkpointed, is_lora
+from rlhfkit.lora import adapter_disabled, apply_lora, checkpointed, is_lora
 from rlhfkit.registry.preference import preference_loss
 from rlhfkit.run_files import final_dir
 from rlhfkit.models.plan import ModelPlan

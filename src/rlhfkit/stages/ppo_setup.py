@@ -18,7 +18,7 @@ from rlhfkit.data.templates import Template, end_token_ids
 from rlhfkit.errors import ModelError, RunError
 from rlhfkit.models import load_causal_lm, load_scalar_model, load_tokenizer
 from rlhfkit.models.loading import causal_lm_config, has_trained_score_head, load_generation_config
-from rlhfkit.models.lora import apply_lora
+from rlhfkit.lora import apply_lora
 from rlhfkit.config.ppo_schema import RewardPart, reward_kind
 from rlhfkit.models.reward_fn import CombinedReward, FunctionReward, ModelReward, same_tokenization
 from rlhfkit.user_code import load_user_object

@@ -22,7 +22,7 @@ from rlhfkit.metric_names import EVAL_ACCURACY, EVAL_PREFIX, TIME_STEP
 from rlhfkit.models import load_scalar_model
 from rlhfkit.models.stage_forward import pair_scores
 from rlhfkit.models.loading import TEMPLATE_KEY
-from rlhfkit.models.lora import apply_lora, base_model
+from rlhfkit.lora import apply_lora, base_model
 from rlhfkit.run_files import final_dir
 from rlhfkit.stages.advice import lora_rate_note
 from rlhfkit.stages.common import MetricsLogger, plan_steps, set_seed, write_run_report

@@ -16,7 +16,7 @@ from rlhfkit.models import load_causal_lm
 from rlhfkit.models.segments import packed_row_tokens
 from rlhfkit.models.stage_forward import lm_forward
 from rlhfkit.models.loading import record_template
-from rlhfkit.models.lora import apply_lora
+from rlhfkit.lora import apply_lora
 from rlhfkit.run_files import final_dir
 from rlhfkit.stages.advice import lora_rate_note
 from rlhfkit.stages.common import MetricsLogger, plan_steps, write_run_report
